@@ -1,0 +1,32 @@
+// Baseline build of simd_body.h: 16-byte vectors, which every x86-64 (SSE2) and ARMv8 (NEON) has.
+#include "run_kernels.h"
+
+#define NANFAST_ISA baseline
+#define NANFAST_ISA_NAME "baseline"
+#define NANFAST_VEC_BYTES 16
+#include "simd_body.h"
+
+namespace nanfast::cpu::baseline {
+namespace {
+vfloat load_half(const c10::Half* p) {
+  vfloat v;
+  for (int k = 0; k < kLanes<float>; ++k) {
+    v[k] = static_cast<float>(p[k]);
+  }
+  return v;
+}
+vfloat load_bf16(const c10::BFloat16* p) {
+  vfloat v;
+  for (int k = 0; k < kLanes<float>; ++k) {
+    v[k] = static_cast<float>(p[k]);
+  }
+  return v;
+}
+}  // namespace
+}  // namespace nanfast::cpu::baseline
+
+namespace nanfast::cpu {
+const SimdKernels& baseline_kernels() {
+  return baseline::kernels();
+}
+}  // namespace nanfast::cpu

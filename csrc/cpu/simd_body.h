@@ -1,0 +1,223 @@
+// NOTE: [One SIMD body, several ISAs]
+// This file is included once per instruction set, by simd_<isa>.cpp, with NANFAST_ISA (a namespace
+// name) and NANFAST_VEC_BYTES (the register width) defined, after its `#pragma GCC target(...)`.
+// It is written with GCC vector extensions, so the same body compiles to AVX-512, AVX2 or SSE2 code
+// although the build passes no -m flags; simd_kernels() picks a table by cpuid at run time. Include
+// it only after every header with inline code: functions defined under the target pragma must not
+// be emitted where another translation unit could link to them. The includer defines load_half()
+// and load_bf16() (bfloat16 is the top half of a float32) with its ISA's conversions.
+//
+// NOTE: [Fast path and exact fallback]
+// A run is scanned in segments of kSegment elements. The fast path reads registers, keeps a
+// lane-wise absmax and sums squares: float-like inputs square in float eight registers at a time,
+// pairwise, and widen that sum to double (relative error below 2e-7); float64 squares in double.
+// A non-finite value makes a sum of squares (or of x * 0) NaN or inf, so it is detected from the
+// segment's sums rather than tested register by register. The fast sums are exact enough only
+// while no square overflows or turns subnormal, so a segment that holds a non-finite value, or whose
+// absmax is above Simd<T>::kAbove or in (0, Simd<T>::kBelow), is summed again by precise_stats(),
+// and so is every tail shorter than a register. Data without extremes never leaves the fast path;
+// the decision is per segment, so results stay deterministic.
+
+#include <cstdint>
+#include <utility>
+
+namespace nanfast::cpu::NANFAST_ISA {
+namespace {
+
+constexpr int64_t kSegment = 1024;
+
+typedef float vfloat __attribute__((vector_size(NANFAST_VEC_BYTES)));
+typedef double vdouble __attribute__((vector_size(NANFAST_VEC_BYTES)));
+
+vfloat load_half(const c10::Half* p);
+vfloat load_bf16(const c10::BFloat16* p);
+
+template <typename V>
+inline V load_raw(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename T>
+struct Simd;
+
+template <>
+struct Simd<double> {
+  using vec = vdouble;
+  static constexpr double kAbove = 0x1p400;
+  static constexpr double kBelow = 0x1p-400;
+  static vec load(const double* p) {
+    return load_raw<vdouble>(p);
+  }
+};
+
+struct FloatLike {
+  using vec = vfloat;
+  // A block sums 8 squares per lane: 8 * kAbove^2 < FLT_MAX, and kBelow^2 is far from subnormal.
+  static constexpr float kAbove = 0x1p60f;
+  static constexpr float kBelow = 0x1p-40f;
+};
+
+template <>
+struct Simd<float> : FloatLike {
+  static vec load(const float* p) {
+    return load_raw<vfloat>(p);
+  }
+};
+
+template <>
+struct Simd<c10::BFloat16> : FloatLike {
+  static vec load(const c10::BFloat16* p) {
+    return load_bf16(p);
+  }
+};
+
+template <>
+struct Simd<c10::Half> : FloatLike {
+  static vec load(const c10::Half* p) {
+    return load_half(p);
+  }
+};
+
+template <typename T>
+constexpr int kLanes = sizeof(typename Simd<T>::vec) / sizeof(typename Simd<T>::vec{}[0]);
+
+template <typename V>
+inline V vabs(V x) {
+  using I = decltype(x < x);
+  return (V)((I)x & ~(I)(-V{}));  // -V{} is -0.0 in every lane: the sign bits
+}
+
+template <typename V>
+inline V vmax(V a, V b) {
+  return a > b ? a : b;
+}
+
+template <typename V>
+inline double max_lane(V v) {
+  double acc = v[0];
+  for (unsigned k = 1; k < sizeof(V) / sizeof(v[0]); ++k) {
+    acc = v[k] > acc ? v[k] : acc;
+  }
+  return acc;
+}
+
+template <typename V>
+inline double sum_lanes(V v) {
+  double acc = v[0];
+  for (unsigned k = 1; k < sizeof(V) / sizeof(v[0]); ++k) {
+    acc += v[k];
+  }
+  return acc;
+}
+
+template <size_t... I>
+inline void widen_add(vdouble& acc, vfloat s, std::index_sequence<I...>) {
+  constexpr size_t half = sizeof...(I);
+  acc += __builtin_convertvector(__builtin_shufflevector(s, s, I...), vdouble);
+  acc += __builtin_convertvector(__builtin_shufflevector(s, s, (I + half)...), vdouble);
+}
+
+inline void add_squares(vdouble& acc, vdouble s) {
+  acc += s;
+}
+
+inline void add_squares(vdouble& acc, vfloat s) {
+  widen_add(acc, s, std::make_index_sequence<sizeof(vfloat) / sizeof(float) / 2>{});
+}
+
+template <typename T>
+Partial stats_run(const T* data, int64_t n) {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  constexpr int L = kLanes<T>;
+  Partial result = empty_partial();
+  vdouble sumsq = {};
+  vec absmax = {};
+  for (int64_t start = 0; start < n; start += kSegment) {
+    const T* p = data + start;
+    const int64_t len = n - start < kSegment ? n - start : kSegment;
+    const int64_t vec_len = len / L * L;
+    vec seg_max = {};
+    vdouble seg_sumsq = {};
+    int64_t i = 0;
+    for (; i + 8 * L <= vec_len; i += 8 * L) {
+      vec x[8];
+      for (int k = 0; k < 8; ++k) {
+        x[k] = S::load(p + i + k * L);
+      }
+      // Pairwise max and sum: short dependency chains, and a block's sum within 3 roundings of exact.
+      const vec m01 = vmax(vabs(x[0]), vabs(x[1])), m23 = vmax(vabs(x[2]), vabs(x[3]));
+      const vec m45 = vmax(vabs(x[4]), vabs(x[5])), m67 = vmax(vabs(x[6]), vabs(x[7]));
+      seg_max = vmax(seg_max, vmax(vmax(m01, m23), vmax(m45, m67)));
+      add_squares(seg_sumsq, ((x[0] * x[0] + x[1] * x[1]) + (x[2] * x[2] + x[3] * x[3])) +
+                                 ((x[4] * x[4] + x[5] * x[5]) + (x[6] * x[6] + x[7] * x[7])));
+    }
+    for (; i < vec_len; i += L) {
+      const vec x = S::load(p + i);
+      seg_max = vmax(seg_max, vabs(x));
+      add_squares(seg_sumsq, x * x);
+    }
+    const double top = max_lane(seg_max);
+    if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (top > 0 && top < S::kBelow)) {
+      merge(result, precise_stats(p, vec_len, 1));
+    } else {
+      sumsq += seg_sumsq;
+      absmax = vmax(absmax, seg_max);
+    }
+    if (vec_len < len) {
+      merge(result, precise_stats(p + vec_len, len - vec_len, 1));
+    }
+  }
+  Partial fast = empty_partial();
+  fast.sumsq = sum_lanes(sumsq);
+  fast.absmax = max_lane(absmax);
+  merge(result, fast);
+  return result;
+}
+
+template <typename T>
+bool any_run(const T* data, int64_t n) {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  constexpr int L = kLanes<T>;
+  const int64_t vec_len = n / L * L;
+  const vec zero = {};
+  for (int64_t start = 0; start < vec_len; start += kSegment) {
+    const T* p = data + start;
+    const int64_t len = vec_len - start < kSegment ? vec_len - start : kSegment;
+    vec acc0 = {}, acc1 = {};
+    int64_t i = 0;
+    for (; i + 2 * L <= len; i += 2 * L) {
+      acc0 += S::load(p + i) * zero;  // x * 0 is NaN exactly when x is not finite
+      acc1 += S::load(p + i + L) * zero;
+    }
+    for (; i < len; i += L) {
+      acc0 += S::load(p + i) * zero;
+    }
+    if (!(sum_lanes(acc0 + acc1) < INFINITY)) {
+      return true;
+    }
+  }
+  return precise_any_nonfinite(data + vec_len, n - vec_len, 1);
+}
+
+}  // namespace
+
+const SimdKernels& kernels() {
+  static const SimdKernels table{
+      NANFAST_ISA_NAME,
+      stats_run<double>,
+      stats_run<float>,
+      stats_run<c10::Half>,
+      stats_run<c10::BFloat16>,
+      any_run<double>,
+      any_run<float>,
+      any_run<c10::Half>,
+      any_run<c10::BFloat16>,
+  };
+  return table;
+}
+
+}  // namespace nanfast::cpu::NANFAST_ISA

@@ -1,0 +1,248 @@
+// CPU implementation of nanfast::stats and nanfast::any_nonfinite.
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include <ATen/Dispatch_v2.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "../ops.h"
+#include "run_kernels.h"
+
+namespace nanfast::cpu {
+
+template <typename T>
+Partial precise_stats(const T* data, int64_t n, int64_t stride) {
+  Partial p = empty_partial();
+  for (int64_t i = 0; i < n; ++i) {
+    accumulate(p, static_cast<double>(data[i * stride]));
+  }
+  if (needs_rescale(p)) {
+    begin_rescaled_pass(p);
+    for (int64_t i = 0; i < n; ++i) {
+      accumulate_rescaled(p, static_cast<double>(data[i * stride]));
+    }
+  }
+  return p;
+}
+
+template <typename T>
+bool precise_any_nonfinite(const T* data, int64_t n, int64_t stride) {
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    bad |= is_nonfinite(static_cast<double>(data[i * stride]));
+  }
+  return bad;
+}
+
+#define NANFAST_INSTANTIATE_PRECISE(T)                               \
+  template Partial precise_stats<T>(const T*, int64_t, int64_t); \
+  template bool precise_any_nonfinite<T>(const T*, int64_t, int64_t);
+NANFAST_FOR_EACH_SIMD_TYPE(NANFAST_INSTANTIATE_PRECISE)
+#undef NANFAST_INSTANTIATE_PRECISE
+
+namespace {
+
+// NOTE: [CPU work list]
+// All inputs are laid end to end in one logical index space cut into items of kItemElements, so a
+// huge tensor spreads over every thread and thousands of tiny ones share items. An item yields one
+// Partial per tensor it touches (a piece); pieces are merged per tensor in index order. Neither the
+// cut nor the merge order depends on the thread count, so results are identical for any thread count.
+constexpr int64_t kItemElements = int64_t{1} << 16;
+
+struct WorkList {
+  std::vector<int64_t> offsets;     // offsets[t]: first logical index of tensor t; back() is the total
+  std::vector<int64_t> piece_base;  // piece_base[t]: index of tensor t's first piece; back() is the count
+  int64_t num_items = 0;
+
+  explicit WorkList(const std::vector<InputRun>& runs) : offsets(runs.size() + 1, 0), piece_base(runs.size() + 1, 0) {
+    for (size_t t = 0; t < runs.size(); ++t) {
+      offsets[t + 1] = offsets[t] + runs[t].numel;
+      const int64_t pieces = runs[t].numel == 0 ? 0 : (offsets[t + 1] - 1) / kItemElements - offsets[t] / kItemElements + 1;
+      piece_base[t + 1] = piece_base[t] + pieces;
+    }
+    num_items = (offsets.back() + kItemElements - 1) / kItemElements;
+  }
+
+  // Calls fn(tensor, piece, begin, end) for each tensor piece of item `item`; stops when fn returns false.
+  template <typename Fn>
+  void for_each_piece(int64_t item, const Fn& fn) const {
+    const int64_t lo = item * kItemElements;
+    const int64_t hi = std::min(lo + kItemElements, offsets.back());
+    size_t t = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+    for (; t + 1 < offsets.size() && offsets[t] < hi; ++t) {
+      const int64_t begin = std::max(lo, offsets[t]);
+      const int64_t end = std::min(hi, offsets[t + 1]);
+      if (begin == end) {
+        continue;
+      }
+      const int64_t piece = piece_base[t] + item - offsets[t] / kItemElements;
+      if (!fn(t, piece, begin - offsets[t], end - offsets[t])) {
+        return;
+      }
+    }
+  }
+};
+
+// Calls fn(ptr, n, stride) for the runs covering logical elements [begin, end) of `run`.
+template <typename T, typename Fn>
+void for_each_run(const InputRun& run, int64_t begin, int64_t end, const Fn& fn) {
+  const T* data = static_cast<const T*>(run.data);
+  if (run.dense) {
+    fn(data + begin, end - begin, int64_t{1});
+    return;
+  }
+  const int64_t ndim = static_cast<int64_t>(run.sizes.size());
+  c10::SmallVector<int64_t, 6> index(ndim, 0);
+  int64_t rest = begin;
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    index[d] = rest % run.sizes[d];
+    rest /= run.sizes[d];
+  }
+  const int64_t row = run.sizes[ndim - 1];
+  for (int64_t pos = begin; pos < end;) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < ndim; ++d) {
+      offset += index[d] * run.strides[d];
+    }
+    const int64_t len = std::min(row - index[ndim - 1], end - pos);
+    fn(data + offset, len, run.strides[ndim - 1]);
+    pos += len;
+    index[ndim - 1] += len;
+    for (int64_t d = ndim - 1; d > 0 && index[d] == run.sizes[d]; --d) {
+      index[d] = 0;
+      ++index[d - 1];
+    }
+  }
+}
+
+template <typename T>
+Partial piece_stats(const InputRun& run, int64_t begin, int64_t end, Partial (*simd)(const T*, int64_t)) {
+  Partial p = empty_partial();
+  for_each_run<T>(run, begin, end, [&](const T* ptr, int64_t n, int64_t stride) {
+    merge(p, simd != nullptr && stride == 1 ? simd(ptr, n) : precise_stats(ptr, n, stride));
+  });
+  return p;
+}
+
+template <typename T>
+bool piece_any(const InputRun& run, int64_t begin, int64_t end, bool (*simd)(const T*, int64_t)) {
+  bool bad = false;
+  for_each_run<T>(run, begin, end, [&](const T* ptr, int64_t n, int64_t stride) {
+    bad = bad || (simd != nullptr && stride == 1 ? simd(ptr, n) : precise_any_nonfinite(ptr, n, stride));
+  });
+  return bad;
+}
+
+// Every dtype describe_inputs() accepts (see supported_dtype()) other than the four SIMD types.
+#define NANFAST_NON_SIMD_TYPES \
+  AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), AT_EXPAND(AT_FLOAT8_TYPES), at::kBool
+
+Partial stats_of_piece(const InputRun& run, int64_t begin, int64_t end) {
+  const SimdKernels& k = simd_kernels();
+  switch (run.dtype) {
+    case at::kDouble:
+      return piece_stats<double>(run, begin, end, k.stats_f64);
+    case at::kFloat:
+      return piece_stats<float>(run, begin, end, k.stats_f32);
+    case at::kHalf:
+      return piece_stats<c10::Half>(run, begin, end, k.stats_f16);
+    case at::kBFloat16:
+      return piece_stats<c10::BFloat16>(run, begin, end, k.stats_bf16);
+    default:
+      return AT_DISPATCH_V2(
+          run.dtype, "nanfast.stats", AT_WRAP([&] {
+            return piece_stats<scalar_t>(run, begin, end, nullptr);
+          }),
+          NANFAST_NON_SIMD_TYPES);
+  }
+}
+
+bool any_of_piece(const InputRun& run, int64_t begin, int64_t end) {
+  const SimdKernels& k = simd_kernels();
+  switch (run.dtype) {
+    case at::kDouble:
+      return piece_any<double>(run, begin, end, k.any_f64);
+    case at::kFloat:
+      return piece_any<float>(run, begin, end, k.any_f32);
+    case at::kHalf:
+      return piece_any<c10::Half>(run, begin, end, k.any_f16);
+    case at::kBFloat16:
+      return piece_any<c10::BFloat16>(run, begin, end, k.any_bf16);
+    default:
+      return AT_DISPATCH_V2(
+          run.dtype, "nanfast.any_nonfinite", AT_WRAP([&] {
+            return piece_any<scalar_t>(run, begin, end, nullptr);
+          }),
+          AT_EXPAND(AT_FLOAT8_TYPES));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cpu(at::TensorList tensors) {
+  const std::vector<InputRun> runs = describe_inputs("nanfast.stats", tensors);
+  const int64_t n = static_cast<int64_t>(runs.size());
+  at::Tensor counts = at::empty({n, 3}, at::kLong);
+  at::Tensor norm = at::empty({n}, at::kDouble);
+  at::Tensor absmax = at::empty({n}, at::kDouble);
+
+  const WorkList work(runs);
+  std::vector<Partial> pieces(work.piece_base.back());
+  at::parallel_for(0, work.num_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      work.for_each_piece(item, [&](size_t t, int64_t piece, int64_t lo, int64_t hi) {
+        pieces[piece] = stats_of_piece(runs[t], lo, hi);
+        return true;
+      });
+    }
+  });
+
+  int64_t* counts_out = counts.data_ptr<int64_t>();
+  double* norm_out = norm.data_ptr<double>();
+  double* absmax_out = absmax.data_ptr<double>();
+  for (int64_t t = 0; t < n; ++t) {
+    Partial p = empty_partial();
+    for (int64_t k = work.piece_base[t]; k < work.piece_base[t + 1]; ++k) {
+      merge(p, pieces[k]);
+    }
+    counts_out[3 * t] = p.nan;
+    counts_out[3 * t + 1] = p.posinf;
+    counts_out[3 * t + 2] = p.neginf;
+    norm_out[t] = l2_norm(p);
+    absmax_out[t] = p.absmax;
+  }
+  fix_negated_counts(runs, counts);
+  return {counts, norm, absmax};
+}
+
+at::Tensor any_nonfinite_cpu(at::TensorList tensors) {
+  std::vector<InputRun> runs = describe_inputs("nanfast.any_nonfinite", tensors);
+  // Integer and bool tensors are finite by definition: leave them out of the work list.
+  runs.erase(std::remove_if(runs.begin(), runs.end(), [](const InputRun& r) { return !can_be_nonfinite(r.dtype); }), runs.end());
+  const WorkList work(runs);
+  std::atomic<bool> found{false};
+  at::parallel_for(0, work.num_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end && !found.load(std::memory_order_relaxed); ++item) {
+      work.for_each_piece(item, [&](size_t t, int64_t /*piece*/, int64_t lo, int64_t hi) {
+        if (any_of_piece(runs[t], lo, hi)) {
+          found.store(true, std::memory_order_relaxed);
+        }
+        return !found.load(std::memory_order_relaxed);
+      });
+    }
+  });
+  at::Tensor out = at::empty({}, at::kBool);
+  *out.data_ptr<bool>() = found.load();
+  return out;
+}
+
+}  // namespace nanfast::cpu
+
+TORCH_LIBRARY_IMPL(nanfast, CPU, m) {
+  m.impl("stats", &nanfast::cpu::stats_cpu);
+  m.impl("any_nonfinite", &nanfast::cpu::any_nonfinite_cpu);
+}

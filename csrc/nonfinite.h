@@ -1,0 +1,93 @@
+#pragma once
+// Per-element classification and accumulation, shared by the CPU and CUDA kernels.
+// Everything here compiles for host and device; keep it free of ATen.
+
+#include <cmath>
+#include <cstdint>
+
+#include <c10/macros/Macros.h>
+
+namespace nanfast {
+
+// NOTE: [Partial statistics]
+// Every kernel reduces a piece of a tensor to a Partial; pieces are merged in a fixed order, so
+// results do not depend on the number of threads or blocks. The sum of squares is kept as
+// `scale^2 * sumsq` with `scale` a power of two: float32/16/bf16 values square into double without
+// overflow or loss, so for them scale stays 1. Only float64 values beyond 2^±kRescaleExponent can
+// overflow (or underflow) a double square; a piece whose absmax is out of that range is summed a
+// second time as (x / scale)^2 with scale = 2^exponent(absmax) (see needs_rescale()).
+struct Partial {
+  int64_t nan;
+  int64_t posinf;
+  int64_t neginf;
+  double sumsq;
+  double scale;
+  double absmax;
+};
+
+constexpr int kRescaleExponent = 400;
+
+C10_HOST_DEVICE inline Partial empty_partial() {
+  return Partial{0, 0, 0, 0.0, 1.0, 0.0};
+}
+
+// First pass over a piece (scale is 1). x is the element widened to double (exact for every supported dtype but int64 > 2^53).
+C10_HOST_DEVICE inline void accumulate(Partial& p, double x) {
+  if (x != x) {
+    ++p.nan;
+  } else if (x == INFINITY) {
+    ++p.posinf;
+  } else if (x == -INFINITY) {
+    ++p.neginf;
+  } else {
+    p.sumsq += x * x;
+    p.absmax = fmax(p.absmax, fabs(x));
+  }
+}
+
+C10_HOST_DEVICE inline bool is_nonfinite(double x) {
+  return !(fabs(x) < INFINITY);
+}
+
+C10_HOST_DEVICE inline bool needs_rescale(const Partial& p) {
+  return p.scale == 1.0 && p.absmax > 0.0 &&
+      (p.absmax > ldexp(1.0, kRescaleExponent) || p.absmax < ldexp(1.0, -kRescaleExponent));
+}
+
+// Prepare p for the second pass over its piece: squares are re-summed relative to 2^exponent(absmax).
+C10_HOST_DEVICE inline void begin_rescaled_pass(Partial& p) {
+  int exponent = 0;
+  frexp(p.absmax, &exponent);
+  p.scale = ldexp(1.0, exponent);
+  p.sumsq = 0.0;
+}
+
+C10_HOST_DEVICE inline void accumulate_rescaled(Partial& p, double x) {
+  if (fabs(x) < INFINITY) {
+    const double y = x * (1.0 / p.scale);
+    p.sumsq += y * y;
+  }
+}
+
+C10_HOST_DEVICE inline void merge(Partial& a, const Partial& b) {
+  a.nan += b.nan;
+  a.posinf += b.posinf;
+  a.neginf += b.neginf;
+  a.absmax = fmax(a.absmax, b.absmax);
+  if (b.scale == a.scale) {
+    a.sumsq += b.sumsq;
+  } else if (b.scale < a.scale) {
+    const double r = b.scale / a.scale;
+    a.sumsq += b.sumsq * r * r;
+  } else {
+    const double r = a.scale / b.scale;
+    a.sumsq = a.sumsq * r * r + b.sumsq;
+    a.scale = b.scale;
+  }
+}
+
+C10_HOST_DEVICE inline double l2_norm(const Partial& p) {
+  return p.scale * sqrt(p.sumsq);
+}
+
+}  // namespace nanfast

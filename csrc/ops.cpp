@@ -1,0 +1,116 @@
+// Operator schemas (the one TORCH_LIBRARY of nanfast) and the host-side input handling that the
+// CPU and CUDA implementations share.
+#include "ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/view_as_real.h>
+#include <torch/library.h>
+
+namespace nanfast {
+
+bool can_be_nonfinite(at::ScalarType dtype) {
+  return at::isFloatingType(dtype);
+}
+
+namespace {
+
+// The dtypes the kernels read (complex ones arrive here as their real view).
+bool supported_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble:
+    case at::kFloat:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kFloat8_e5m2:
+    case at::kFloat8_e4m3fn:
+    case at::kFloat8_e5m2fnuz:
+    case at::kFloat8_e4m3fnuz:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kUInt16:
+    case at::kUInt32:
+    case at::kUInt64:
+    case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
+  std::vector<InputRun> runs(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is undefined");
+    TORCH_CHECK(
+        t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+        "; only strided tensors are supported (check a sparse tensor's .values(), or .to_dense() it)");
+    TORCH_CHECK(
+        t.device() == tensors[0].device(), op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+        tensors[0].device(), "; pass the tensors of one device per call");
+    InputRun& run = runs[i];
+    if (t.is_complex()) {
+      t = at::view_as_real(t.is_conj() ? t.conj() : t);
+    }
+    TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": tensors[", i, "] has unsupported dtype ", t.scalar_type());
+    run.dtype = t.scalar_type();
+    run.numel = t.numel();
+    run.negated = t.is_neg();
+    run.data = t.const_data_ptr();
+    if (run.numel == 0 || t.is_non_overlapping_and_dense()) {
+      continue;
+    }
+    run.dense = false;
+    // Memory order (largest stride first), then merge dimensions that are contiguous with each other.
+    std::vector<int64_t> dims;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) != 1) {
+        dims.push_back(d);
+      }
+    }
+    std::stable_sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+    for (int64_t d : dims) {
+      if (!run.sizes.empty() && run.strides.back() == t.stride(d) * t.size(d)) {
+        run.sizes.back() *= t.size(d);
+        run.strides.back() = t.stride(d);
+      } else {
+        run.sizes.push_back(t.size(d));
+        run.strides.push_back(t.stride(d));
+      }
+    }
+  }
+  return runs;
+}
+
+void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts) {
+  std::vector<int64_t> negated;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (runs[i].negated) {
+      negated.push_back(static_cast<int64_t>(i));
+    }
+  }
+  if (negated.empty()) {
+    return;
+  }
+  // Built on the host and copied without blocking: no sync on CUDA.
+  const at::Tensor rows = at::tensor(negated, at::kLong).to(counts.device(), /*non_blocking=*/true);
+  const at::Tensor swapped = at::tensor({0, 2, 1}, at::kLong).to(counts.device(), /*non_blocking=*/true);
+  counts.index_copy_(0, rows, counts.index_select(0, rows).index_select(1, swapped));
+}
+
+TORCH_LIBRARY(nanfast, m) {
+  m.def(
+      "stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)",
+      {at::Tag::pt2_compliant_tag});
+  m.def("any_nonfinite(Tensor[] tensors) -> Tensor", {at::Tag::pt2_compliant_tag});
+}
+
+}  // namespace nanfast

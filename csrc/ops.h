@@ -1,0 +1,38 @@
+#pragma once
+// Host-side code shared by every backend: how an input list is validated and described to kernels.
+
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+namespace nanfast {
+
+// NOTE: [Inputs as the kernels see them]
+// A complex tensor is read as its real view (real and imaginary parts are counted separately),
+// a conjugated one through its un-conjugated view (counts and norms ignore signs), and a tensor
+// with the negative bit through its memory, with +inf and -inf swapped afterwards. A tensor that is
+// non-overlapping and dense (contiguous, or a permutation such as a transposed weight) is read as
+// one run in memory order: counts and norms do not depend on element order. Any other view
+// (slices, expands) keeps coalesced sizes and strides and is read in place, one row at a time.
+struct InputRun {
+  const void* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t numel = 0;  // elements read: twice the tensor's numel for complex
+  bool negated = false;
+  bool dense = true;
+  c10::SmallVector<int64_t, 6> sizes;  // outermost first; only for views that are not dense
+  c10::SmallVector<int64_t, 6> strides;
+};
+
+// Validates `tensors` for op `op` (one device, strided layout, a supported dtype) and describes
+// each entry. Errors name the op and the offending entry.
+std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors);
+
+// true for dtypes that can hold NaN or infinity (after complex -> real).
+bool can_be_nonfinite(at::ScalarType dtype);
+
+// Swaps the +inf and -inf columns of `counts` ([N, 3]) for inputs read with their negative bit.
+void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts);
+
+}  // namespace nanfast

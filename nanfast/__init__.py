@@ -1,0 +1,11 @@
+"""nanfast: find NaN and inf in PyTorch training at memory bandwidth.
+
+Fused kernels (torch.ops.nanfast.*, CPU and CUDA) count NaN/+inf/-inf and compute norms over many
+tensors in one pass; check_all, watch and locate build on them."""
+
+from .check import check_all, named_tensors
+from .ops import Stats, any_nonfinite, stats
+from .report import Entry, NonFiniteError, Report
+
+__all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats"]
+__version__ = "0.1.0"

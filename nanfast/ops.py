@@ -1,0 +1,138 @@
+"""The fused kernels: `torch.ops.nanfast.*`, their fake (meta) implementations, and `stats` /
+`any_nonfinite`, the Python entry points. Nothing here syncs the host."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library: registers torch.ops.nanfast.*)
+
+TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+@torch.library.register_fake("nanfast::stats")
+def _stats_fake(tensors):
+    n = len(tensors)
+    device = tensors[0].device if n else torch.device("cpu")
+    return (
+        torch.empty((n, 3), dtype=torch.int64, device=device),
+        torch.empty((n,), dtype=torch.float64, device=device),
+        torch.empty((n,), dtype=torch.float64, device=device),
+    )
+
+
+@torch.library.register_fake("nanfast::any_nonfinite")
+def _any_nonfinite_fake(tensors):
+    device = tensors[0].device if len(tensors) else torch.device("cpu")
+    return torch.empty((), dtype=torch.bool, device=device)
+
+
+def _as_list(tensors: TensorOrTensors, api: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, (list, tuple)):
+        return list(tensors)
+    try:
+        return list(tensors)
+    except TypeError:
+        raise TypeError(f"{api}: expected a Tensor or a sequence of Tensors, got {type(tensors).__name__}") from None
+
+
+def _diagnose(tensors: list, api: str) -> None:
+    """Raises a clear error naming the first bad entry; called only once the op has refused the list
+    (checking every entry up front would cost more than the kernel on thousands of small tensors)."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{api}: entry {i} is of type {type(t).__name__}, not a Tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"{api}: entry {i} has layout {t.layout}; only strided tensors are supported "
+                             "(check a sparse tensor's .values(), or .to_dense() it)")
+        if t.device != tensors[0].device:
+            raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {tensors[0].device}; "
+                             "pass tensors of one device (nanfast.check_all groups them by device)")
+
+
+def _call(op, tensors: list, api: str):
+    if tensors[0].is_meta and not _in_fake_mode():
+        raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
+    try:
+        return op(tensors)
+    except (RuntimeError, TypeError):
+        _diagnose(tensors, api)
+        raise
+
+
+def _in_fake_mode() -> bool:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Per-tensor statistics of one fused pass, all on the tensors' device (no host sync).
+
+    ``nan``, ``posinf``, ``neginf`` are int64 [N]; ``norm`` (L2 norm of the finite elements) and
+    ``absmax`` (largest |x| over the finite elements) are float64 [N]. Complex tensors are counted
+    on their real and imaginary parts; integer and bool tensors are finite."""
+
+    counts: torch.Tensor  # int64 [N, 3]: nan, posinf, neginf
+    norm: torch.Tensor
+    absmax: torch.Tensor
+    tensors: tuple[torch.Tensor, ...]  # the inputs, for numel and names; Stats keeps them alive
+
+    @property
+    def nan(self) -> torch.Tensor:
+        return self.counts[:, 0]
+
+    @property
+    def posinf(self) -> torch.Tensor:
+        return self.counts[:, 1]
+
+    @property
+    def neginf(self) -> torch.Tensor:
+        return self.counts[:, 2]
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        """NaN + inf + -inf per tensor."""
+        return self.counts.sum(dim=1)
+
+    @property
+    def any_nonfinite(self) -> torch.Tensor:
+        """0-dim bool: any tensor holds a non-finite value."""
+        return self.counts.any()
+
+    @property
+    def numel(self) -> torch.Tensor:
+        sizes = [t.numel() for t in self.tensors]
+        return torch.tensor(sizes, dtype=torch.int64).to(self.counts.device, non_blocking=True)
+
+    @property
+    def total_norm(self) -> torch.Tensor:
+        """0-dim float64: the L2 norm of all finite elements of all tensors."""
+        return torch.linalg.vector_norm(self.norm)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def stats(tensors: TensorOrTensors) -> Stats:
+    """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device)."""
+    tensors = _as_list(tensors, "nanfast.stats")
+    if not tensors:
+        return Stats(*_stats_fake(tensors), ())
+    return Stats(*_call(torch.ops.nanfast.stats, tensors, "nanfast.stats"), tuple(tensors))
+
+
+def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
+    """0-dim bool tensor on the tensors' device: does any element of any tensor hold NaN or ±inf.
+    The cheapest check: no norms, and it stops reading once it has found one."""
+    tensors = _as_list(tensors, "nanfast.any_nonfinite")
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool)
+    return _call(torch.ops.nanfast.any_nonfinite, tensors, "nanfast.any_nonfinite")

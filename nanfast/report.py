@@ -1,0 +1,115 @@
+"""What a check found: `Entry` (one tensor), `Report` (a checked collection) and `NonFiniteError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+MAX_NAMED_IN_MESSAGE = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One checked tensor, with its counts read back to the host."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    numel: int
+    nan: int
+    posinf: int
+    neginf: int
+    norm: float
+    absmax: float
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def counts_text(self) -> str:
+        return f"nan={self.nan}, +inf={self.posinf}, -inf={self.neginf}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The result of `nanfast.check_all`: every checked tensor as an `Entry`, in input order."""
+
+    entries: tuple[Entry, ...]
+
+    @property
+    def bad(self) -> list[Entry]:
+        """The entries that hold at least one NaN or infinity."""
+        return [e for e in self.entries if e.nonfinite]
+
+    @property
+    def ok(self) -> bool:
+        return not any(e.nonfinite for e in self.entries)
+
+    @property
+    def norms(self) -> dict[str, float]:
+        """L2 norm of the finite elements, by name."""
+        return {e.name: e.norm for e in self.entries}
+
+    @property
+    def total_norm(self) -> float:
+        """L2 norm of the finite elements of all tensors (as torch's clip_grad_norm_ computes it)."""
+        return math.hypot(*(e.norm for e in self.entries))
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_elements(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+    def summary(self) -> str:
+        """One line: how many tensors are bad, and which (the first MAX_NAMED_IN_MESSAGE)."""
+        bad = self.bad
+        if not bad:
+            return f"all {self.num_tensors} tensors are finite ({self.num_elements:,} elements)"
+        named = "; ".join(f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad[:MAX_NAMED_IN_MESSAGE])
+        more = f"; and {len(bad) - MAX_NAMED_IN_MESSAGE} more" if len(bad) > MAX_NAMED_IN_MESSAGE else ""
+        return f"non-finite values in {len(bad)} of {self.num_tensors} tensors: {named}{more}"
+
+    def __str__(self) -> str:
+        bad = self.bad
+        head = self.summary() if not bad else f"{len(bad)} of {self.num_tensors} tensors hold non-finite values"
+        lines = [f"nanfast: {head} | total norm {self.total_norm:.6g}"]
+        if bad:
+            rows = [(e.name, str(tuple(e.shape)), e.dtype, e.device, str(e.nan), str(e.posinf), str(e.neginf))
+                    for e in bad]
+            header = ("name", "shape", "dtype", "device", "nan", "+inf", "-inf")
+            widths = [max(len(r[k]) for r in rows + [header]) for k in range(len(header))]
+            for r in [header] + rows:
+                lines.append("  ".join(c.ljust(w) if k < 4 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable (json.dumps writes a non-finite norm as NaN/Infinity)."""
+        return {
+            "ok": self.ok,
+            "num_tensors": self.num_tensors,
+            "num_elements": self.num_elements,
+            "total_norm": self.total_norm,
+            "bad": [e.to_dict() for e in self.bad],
+            "norms": self.norms,
+        }
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when a check finds NaN or infinity. `.report` holds what was found: a `Report`, or the
+    richer record of the tool that raised it (a watch `Event`, a `locate` finding)."""
+
+    def __init__(self, report: Any, message: Optional[str] = None):
+        self.report = report
+        if message is None:
+            message = report.summary() if hasattr(report, "summary") else str(report)
+        super().__init__(message)
