@@ -41,7 +41,8 @@ C10_HOST_DEVICE inline void accumulate(Partial& p, double x) {
     ++p.neginf;
   } else {
     p.sumsq += x * x;
-    p.absmax = fmax(p.absmax, fabs(x));
+    const double a = fabs(x);
+    p.absmax = a > p.absmax ? a : p.absmax;  // x is finite here: no fmax (a libm call on the host)
   }
 }
 
@@ -73,7 +74,7 @@ C10_HOST_DEVICE inline void merge(Partial& a, const Partial& b) {
   a.nan += b.nan;
   a.posinf += b.posinf;
   a.neginf += b.neginf;
-  a.absmax = fmax(a.absmax, b.absmax);
+  a.absmax = b.absmax > a.absmax ? b.absmax : a.absmax;
   if (b.scale == a.scale) {
     a.sumsq += b.sumsq;
   } else if (b.scale < a.scale) {

@@ -48,18 +48,18 @@ bool supported_dtype(at::ScalarType dtype) {
 std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
   std::vector<InputRun> runs(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    at::Tensor t = tensors[i];
-    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is undefined");
+    const at::Tensor& input = tensors[i];
+    TORCH_CHECK(input.defined(), op, ": tensors[", i, "] is undefined");
     TORCH_CHECK(
-        t.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", t.layout(),
+        input.layout() == at::kStrided, op, ": tensors[", i, "] has layout ", input.layout(),
         "; only strided tensors are supported (check a sparse tensor's .values(), or .to_dense() it)");
     TORCH_CHECK(
-        t.device() == tensors[0].device(), op, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+        input.device() == tensors[0].device(), op, ": tensors[", i, "] is on ", input.device(), " but tensors[0] is on ",
         tensors[0].device(), "; pass the tensors of one device per call");
     InputRun& run = runs[i];
-    if (t.is_complex()) {
-      t = at::view_as_real(t.is_conj() ? t.conj() : t);
-    }
+    // Only a complex input needs a new (real) view; copying a Tensor costs refcount traffic per entry.
+    const at::Tensor real_view = input.is_complex() ? at::view_as_real(input.is_conj() ? input.conj() : input) : at::Tensor();
+    const at::Tensor& t = input.is_complex() ? real_view : input;
     TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": tensors[", i, "] has unsupported dtype ", t.scalar_type());
     run.dtype = t.scalar_type();
     run.numel = t.numel();

@@ -1,0 +1,265 @@
+"""Benchmark nanfast against the pure-torch ways of finding NaN/inf, side by side in one process.
+
+Every method reads the same tensors and ends with the host knowing the answer (one sync where the
+method has one). Methods are interleaved within each repeat and the median is reported, with the
+throughput of a single-pass sum over the same bytes as the bandwidth ceiling."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import nanfast
+
+# Suites beyond the core one live in their own modules, each with run_suite(device, repeats) -> dict
+# holding "title", "markdown" and "rows".
+EXTRA_SUITES = {"watch": "nanfast.bench_watch", "locate": "nanfast.bench_locate"}
+
+
+def gpt2_small_shapes() -> list[tuple[int, ...]]:
+    """The 148 parameter shapes of GPT-2 small (124,439,808 elements)."""
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def make_workloads(device: str, scale: float) -> dict[str, list[torch.Tensor]]:
+    """Finite random tensors (the common case: a check that finds nothing must still read everything)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    gpt2 = gpt2_small_shapes()
+    n_small, big = max(1, int(5000 * scale)), max(1, int(256 * 2**20 * scale))
+    return {
+        "gpt2-fp32": [randn(*s) for s in gpt2],
+        "gpt2-bf16": [randn(*s, dtype=torch.bfloat16) for s in gpt2],
+        "5000x1024-fp32": [randn(1024) for _ in range(n_small)],
+        "256M-fp32": [randn(big)],
+        "gpt2-fp32-transposed": [randn(*reversed(s)).t() if len(s) == 2 else randn(*s) for s in gpt2],
+    }
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_methods(tensors: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    device = tensors[0].device
+
+    def assert_isnan_isinf():
+        for t in tensors:
+            assert not torch.any(torch.isnan(t) + torch.isinf(t))
+
+    def assert_isfinite_all():
+        for t in tensors:
+            assert torch.isfinite(t).all()
+
+    def foreach_norm_isfinite():
+        norms = torch._foreach_norm(tensors)
+        assert torch.isfinite(torch.stack(norms)).all()
+
+    found_inf = torch.zeros((), device=device)
+    inv_scale = torch.ones((), device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+
+    def amp_unscale_flag():
+        # Flag only; it also writes every tensor (x * inv_scale), as GradScaler.unscale_ does.
+        found_inf.zero_()
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        assert found_inf.item() == 0
+
+    def sum_ceiling():
+        for t in tensors:
+            t.sum()
+
+    def nanfast_any_nonfinite():
+        assert not nanfast.any_nonfinite(tensors).item()
+
+    def nanfast_stats():
+        s = nanfast.stats(tensors)
+        assert not s.any_nonfinite.item()
+
+    return {
+        "torch.any(isnan + isinf) per tensor": assert_isnan_isinf,
+        "torch.isfinite(t).all() per tensor": assert_isfinite_all,
+        "torch._foreach_norm + isfinite": foreach_norm_isfinite,
+        "amp _foreach_non_finite_check_and_unscale_": amp_unscale_flag,
+        "sum per tensor (bandwidth ceiling)": sum_ceiling,
+        "nanfast.any_nonfinite": nanfast_any_nonfinite,
+        "nanfast.stats": nanfast_stats,
+    }
+
+
+CEILING = "sum per tensor (bandwidth ceiling)"
+BASELINE = "torch.any(isnan + isinf) per tensor"
+AMP = "amp _foreach_non_finite_check_and_unscale_"
+
+
+def time_methods(methods: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per method; methods interleaved within each repeat, after one warm-up round."""
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for r in range(repeats + 1):
+        for name, fn in methods.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if r:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
+
+
+def run_core(device: str, repeats: int, scale: float, only: Sequence[str] = ()) -> list[dict]:
+    rows = []
+    for workload, tensors in make_workloads(device, scale).items():
+        if only and workload not in only:
+            continue
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        medians = time_methods(make_methods(tensors), repeats, device)
+        for method, seconds in medians.items():
+            rows.append({
+                "workload": workload,
+                "tensors": len(tensors),
+                "elements": sum(t.numel() for t in tensors),
+                "bytes": nbytes,
+                "method": method,
+                "median_ms": seconds * 1e3,
+                "gb_per_s": nbytes / seconds / 1e9,
+                "vs_ceiling": medians[CEILING] / seconds,
+                "speedup_vs_assert": medians[BASELINE] / seconds,
+                "speedup_vs_amp": medians[AMP] / seconds,
+            })
+        del tensors
+    return rows
+
+
+def core_markdown(rows: list[dict]) -> str:
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        group = [r for r in rows if r["workload"] == workload]
+        g = group[0]
+        lines += [f"**{workload}**: {g['tensors']} tensors, {g['elements']:,} elements, {g['bytes'] / 1e6:,.0f} MB", "",
+                  "| method | median ms | GB/s | x sum's throughput | speedup vs per-tensor assert | speedup vs amp check |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in group:
+            lines.append(f"| {r['method']} | {r['median_ms']:.2f} | {r['gb_per_s']:.1f} | {r['vs_ceiling']:.2f} "
+                         f"| {r['speedup_vs_assert']:.1f} | {r['speedup_vs_amp']:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """The core issue's CPU targets: (what, met, measured)."""
+    def row(workload, method):
+        return next((r for r in rows if r["workload"] == workload and r["method"] == method), None)
+
+    checks = []
+    s = row("gpt2-fp32", "nanfast.stats")
+    if s:
+        checks += [("stats gpt2-fp32 >= 0.8x sum's throughput", s["vs_ceiling"] >= 0.8, f"{s['vs_ceiling']:.2f}x"),
+                   ("stats gpt2-fp32 >= 25x faster than per-tensor assert", s["speedup_vs_assert"] >= 25,
+                    f"{s['speedup_vs_assert']:.1f}x"),
+                   ("stats gpt2-fp32 >= 1.3x faster than amp check", s["speedup_vs_amp"] >= 1.3,
+                    f"{s['speedup_vs_amp']:.2f}x")]
+    s = row("gpt2-bf16", "nanfast.stats")
+    if s:
+        checks.append(("stats gpt2-bf16 >= 0.7x sum's bytes/s", s["vs_ceiling"] >= 0.7, f"{s['vs_ceiling']:.2f}x"))
+    s = row("5000x1024-fp32", "nanfast.stats")
+    if s:
+        checks += [("stats 5000 small >= 50x faster than per-tensor assert", s["speedup_vs_assert"] >= 50,
+                    f"{s['speedup_vs_assert']:.1f}x"),
+                   ("stats 5000 small >= 3x faster than amp check", s["speedup_vs_amp"] >= 3, f"{s['speedup_vs_amp']:.1f}x")]
+    return checks
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"nanfast CPU ISA {nanfast.ops._C.cpu_isa()}")
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        values = [next(r["gb_per_s"] for r in rows if r["workload"] == w and r["method"] == method) for w in workloads]
+        ax.bar([i + k * width for i in range(len(workloads))], values, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+    ax.set_ylabel("GB/s (higher is better)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method (median reported)")
+    parser.add_argument("--suite", default="core", choices=["core", *EXTRA_SUITES, "all"])
+    parser.add_argument("--workloads", default="", help="comma-separated core workloads (default: all)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="size factor for the 5000-tensor and 256M workloads (e.g. 0.1 for a quick run)")
+    parser.add_argument("--out", default="bench-results", help="folder for results.json (and results.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("nanfast bench: --device cuda asked for, but torch sees no GPU")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    print(f"# nanfast benchmark\n\nMachine: {machine()}\n\nDevice: {args.device}; median of {args.repeats} repeats.\n")
+    results: dict = {"machine": machine(), "device": args.device, "repeats": args.repeats}
+    if args.suite in ("core", "all"):
+        only = [w for w in args.workloads.split(",") if w]
+        rows = run_core(args.device, args.repeats, args.scale, only)
+        print(core_markdown(rows))
+        checks = targets(rows)
+        if checks and args.device == "cpu":
+            print("Targets (CPU):\n")
+            for what, met, measured in checks:
+                print(f"- [{'x' if met else ' '}] {what}: {measured}")
+            print()
+        results["core"] = rows
+        results["targets"] = [{"target": w, "met": m, "measured": v} for w, m, v in checks]
+        if plot(rows, os.path.join(args.out, "results.png")):
+            print(f"Chart: {os.path.join(args.out, 'results.png')}")
+    for name, module in EXTRA_SUITES.items():
+        if args.suite in (name, "all"):
+            suite = importlib.import_module(module).run_suite(device=args.device, repeats=args.repeats)
+            print(f"## {suite['title']}\n\n{suite['markdown']}\n")
+            results[name] = suite["rows"]
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"Results: {os.path.join(args.out, 'results.json')}")
+    return 0
