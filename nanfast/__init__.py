@@ -4,8 +4,10 @@ Fused kernels (torch.ops.nanfast.*, CPU and CUDA) count NaN/+inf/-inf and comput
 tensors in one pass; check_all, watch and locate build on them."""
 
 from .check import check_all, named_tensors
+from .locate import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
 
-__all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats"]
+__all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
+           "LocateFinding", "StepState", "locate", "locate_step", "replay"]
 __version__ = "0.1.0"

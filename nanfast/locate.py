@@ -1,0 +1,639 @@
+"""`locate`: find the first ATen op that turns finite values into NaN or inf, forward or backward, and
+say where it ran, what its inputs were and which ops made them (tfdbg's workflow, done per op).
+
+`locate_step` re-runs one training step under `locate`; `replay` re-runs a dumped op."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
+from .report import NonFiniteError
+
+__all__ = ["Locate", "LocateFinding", "Producer", "SourceLine", "StepState", "TensorInfo", "locate", "locate_step",
+           "replay"]
+
+ACTIONS = ("raise", "record")
+_FORWARD_SOURCE_KEY = "nanfast.forward_source"
+
+
+# --------------------------------------------------------------------------------------------------
+# Source lines
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SourceLine:
+    """A line of the user's code: the innermost frame outside torch and nanfast."""
+
+    filename: str
+    lineno: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANFAST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# NOTE: [demo code is user code]
+# The demo lives inside the package but plays the user: its model's lines are what a report should
+# point at, so it is the one nanfast file that user_frame does not skip.
+_USER_FILES_IN_PACKAGE = (os.path.join(_NANFAST_DIR, "demo.py"),)
+_internal_by_filename: dict[str, bool] = {}
+
+
+def _is_internal(filename: str) -> bool:
+    internal = _internal_by_filename.get(filename)
+    if internal is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        internal = (path.startswith(_TORCH_DIR) or path.startswith(_NANFAST_DIR)) and path not in _USER_FILES_IN_PACKAGE
+        _internal_by_filename[filename] = internal
+    return internal
+
+
+def user_frame() -> Optional[SourceLine]:
+    """The innermost frame of the calling thread outside torch and nanfast (None on threads that run
+    no user code, as the CUDA autograd workers). Walks frames, never formats a traceback: it runs per op."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_internal(code.co_filename):
+            return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# What a finding holds
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Producer:
+    """The op that last wrote a tensor's storage under `locate`. For a backward op, `source` is where
+    the forward op of its autograd node ran (the line the user wrote)."""
+
+    op: str
+    phase: str  # "forward" | "backward"
+    node: Optional[str]
+    source: Optional[SourceLine]
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        if self.phase == "backward":
+            return f"{self.op} (backward of {self.node or 'an unknown node'}, forward{where or ' line unknown'})"
+        return f"{self.op}{where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One input or output of the reported op. min/max are over its finite elements (None when it has
+    none or is complex); `producer` (inputs only) is None for a tensor no op under locate wrote:
+    data, parameters, buffers, or values made before locate was entered."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    nan: int
+    posinf: int
+    neginf: int
+    min: Optional[float]
+    max: Optional[float]
+    producer: Optional[Producer] = None
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def describe(self, with_producer: bool) -> str:
+        text = f"{self.name}: {list(self.shape)} {self.dtype} nan={self.nan} +inf={self.posinf} -inf={self.neginf}"
+        if self.min is not None:
+            text += f" min={self.min:.6g} max={self.max:.6g}"
+        if with_producer:
+            text += f" <- {self.producer}" if self.producer else " <- not made under locate (data, parameter or buffer)"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["producer"] = str(self.producer) if self.producer else None
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class LocateFinding:
+    """What `locate` found. kind "producer": `op` made non-finite values its inputs did not hold (inf
+    from finite inputs, or NaN from inputs without NaN). kind "input": `op` is the first op to consume
+    NaN that no op under locate produced (dirty data, a NaN parameter).
+
+    `source` is where the op ran (in backward: the line that called backward, when the engine ran on a
+    thread with Python frames); `forward_source` (backward only) is where the forward op of `node` ran."""
+
+    kind: str
+    op: str
+    phase: str
+    node: Optional[str]
+    source: Optional[SourceLine]
+    forward_source: Optional[SourceLine]
+    reason: str
+    outputs: tuple[TensorInfo, ...]
+    inputs: tuple[TensorInfo, ...]
+    scalars: tuple[str, ...]  # the op's non-tensor arguments, as name=value
+    dump: Optional[str] = None
+
+    @property
+    def where(self) -> Optional[SourceLine]:
+        """The user's line responsible: the forward line of the node in backward, the op's own line in forward."""
+        return self.forward_source if self.phase == "backward" else self.source
+
+    def summary(self) -> str:
+        phase = f"backward of {self.node}" if self.phase == "backward" else "forward"
+        at = f" at {self.where}" if self.where else ""
+        return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}"
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.phase == "backward":
+            lines.append(f"  autograd node: {self.node}, forward op at {self.forward_source or 'unknown'}")
+            lines.append(f"  backward called at {self.source or 'unknown (autograd worker thread)'}")
+        else:
+            lines.append(f"  op called at {self.source or 'unknown'}")
+        lines.append("  outputs:")
+        lines += [f"    {o.describe(with_producer=False)}" for o in self.outputs]
+        lines.append("  inputs:")
+        lines += [f"    {i.describe(with_producer=True)}" for i in self.inputs] or ["    (no tensor inputs)"]
+        if self.scalars:
+            lines.append(f"  scalar arguments: {', '.join(self.scalars)}")
+        if self.dump:
+            lines.append(f"  inputs saved to {self.dump} (nanfast.replay({self.dump!r}) re-runs the op)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "op": self.op, "phase": self.phase, "node": self.node,
+            "source": str(self.source) if self.source else None,
+            "forward_source": str(self.forward_source) if self.forward_source else None,
+            "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs],
+            "inputs": [i.to_dict() for i in self.inputs], "scalars": list(self.scalars), "dump": self.dump,
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-op bookkeeping
+# --------------------------------------------------------------------------------------------------
+
+# Ops whose outputs hold no values to judge: uninitialized memory, or metadata changes.
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+                  "resize_", "resize_as_", "set_"}
+# In-place ops that overwrite self without reading it: its old values are not an input.
+_OVERWRITE_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "exponential_", "geometric_",
+                   "log_normal_", "cauchy_", "random_"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    """What the schema says about an op, computed once per OpOverload."""
+
+    name: str
+    skip: bool  # views, in-place views, uninitialized outputs, nanfast's own ops
+    arg_names: tuple[str, ...]
+    out_args: frozenset[str]  # written, not read (out=, or self of an overwriting op)
+    read_write_args: frozenset[str]  # written and read: their pre-op values are inputs
+
+
+_op_info_cache: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func) -> _OpInfo:
+    info = _op_info_cache.get(func)
+    if info is None:
+        schema = func._schema
+        packet = func.overloadpacket.__name__
+        skip = (func.is_view or torch.Tag.inplace_view in func.tags or packet in _UNINITIALIZED
+                or func.namespace == "nanfast")
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        out_args = {a.name for a in schema.arguments if a.is_out}
+        if packet in _OVERWRITE_SELF:
+            out_args |= written
+        info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
+                       frozenset(written - out_args))
+        _op_info_cache[func] = info
+    return info
+
+
+def _checkable(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
+            and (t.is_floating_point() or t.is_complex()))
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def _named_args(info: _OpInfo, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    named = list(zip(info.arg_names, args))
+    named += list(kwargs.items())
+    return named
+
+
+def _device_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    first = tensors[0].device
+    if all(t.device == first for t in tensors):
+        return [list(range(len(tensors)))]
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return list(groups.values())
+
+
+def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    # NOTE: [locate syncs]
+    # Reading the flag is a host sync per checked op on CUDA (free on CPU). locate is a debugging
+    # tool that must stop at the op itself, so it pays that; the always-on watch does not.
+    return any(bool(torch.ops.nanfast.any_nonfinite([tensors[i] for i in group])) for group in _device_groups(tensors))
+
+
+def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    rows: list[tuple[int, int, int]] = [(0, 0, 0)] * len(tensors)
+    for group in _device_groups(tensors):
+        counts = torch.ops.nanfast.stats([tensors[i] for i in group])[0].tolist()
+        for i, c in zip(group, counts):
+            rows[i] = tuple(c)
+    return rows
+
+
+def _finite_min_max(t: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
+    if t.is_complex() or t.numel() == 0:
+        return None, None
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    values = t[torch.isfinite(t)] if t.is_floating_point() else t.reshape(-1)
+    if values.numel() == 0:
+        return None, None
+    lo, hi = torch.aminmax(values)
+    return float(lo), float(hi)
+
+
+def _scalar_text(value: Any) -> Optional[str]:
+    if isinstance(value, (bool, int, float, complex)):
+        return repr(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (bool, int, float)) for v in value):
+        return repr(list(value))
+    if isinstance(value, (torch.dtype, torch.device, str)):
+        return str(value)
+    return None
+
+
+def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
+    """(holds NaN, holds inf) for a non-tensor argument (a number or a list of numbers)."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    nan = inf = False
+    for v in values:
+        if isinstance(v, complex):
+            parts = (v.real, v.imag)
+        elif isinstance(v, float):
+            parts = (v,)
+        else:
+            continue
+        nan |= any(math.isnan(p) for p in parts)
+        inf |= any(math.isinf(p) for p in parts)
+    return nan, inf
+
+
+# --------------------------------------------------------------------------------------------------
+# The dispatch mode
+# --------------------------------------------------------------------------------------------------
+
+# NOTE: [what locate reports]
+# Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
+# ops the autograd engine runs for backward nodes) is checked with one fused any_nonfinite over its
+# floating outputs; views, in-place view ops and uninitialized outputs (empty) are skipped, since their
+# values are checked where they were made. Only when an output holds NaN/inf are the inputs counted:
+#   - producer: an output holds inf and every input (tensors and scalar arguments) is finite, or an
+#     output holds NaN and no input holds NaN (inf - inf, 0 * inf, softmax of a fully masked row).
+#     A non-finite scalar argument (masked_fill(mask, -inf), full(..., inf)) is an input, so masking
+#     is not a producer.
+#   - input: an op consumes NaN that no op under locate wrote: dirty data, a NaN parameter. Infinities
+#     from outside are not reported: additive -inf attention masks are built before training.
+#   - otherwise the op propagates values already reported (or allowed), and says nothing.
+# The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
+# before it runs (out= arguments and self of copy_/fill_ are written only, and are outputs).
+# Provenance: each checked op's outputs' storages map (weakly) to the op and its user line, so an
+# input is traced to the op that last wrote its storage; views and saved tensors share storages.
+
+
+class _LocateMode(TorchDispatchMode):
+    def __init__(self, owner: Locate):
+        super().__init__()
+        self.owner = owner
+        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = _op_info(func)
+        if info.skip:
+            return func(*args, **kwargs)
+        named = _named_args(info, args, kwargs)
+        # Pre-op copies of the arguments the op reads and overwrites.
+        before: dict[int, torch.Tensor] = {}
+        if info.read_write_args:
+            for name, value in named:
+                if name in info.read_write_args:
+                    for t in _tensors_in(value):
+                        if _checkable(t):
+                            before[id(t)] = t.clone()
+        out = func(*args, **kwargs)
+
+        outputs = [t for t in _tensors_in(out) if _checkable(t)]
+        if not outputs:  # in-place ops returning nothing (_foreach_*_) changed their written arguments
+            outputs = [t for name, value in named if name in info.read_write_args or name in info.out_args
+                       for t in _tensors_in(value) if _checkable(t)]
+        if not outputs:
+            return out
+        node = torch._C._current_autograd_node()
+        source = user_frame()
+        if node is None:
+            producer = Producer(info.name, "forward", None, source)
+        else:
+            producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
+        if _any_nonfinite(outputs):
+            self._examine(info, func, named, before, outputs, producer, source, kwargs)
+        for t in outputs:
+            self.producers[t.untyped_storage()] = producer
+        return out
+
+    def _examine(self, info: _OpInfo, func, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
+                 outputs: list[torch.Tensor], producer: Producer, source: Optional[SourceLine], kwargs: dict) -> None:
+        inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, tensor as read, the live tensor)
+        scalars: list[str] = []
+        scalar_nan = scalar_inf = False
+        for name, value in named:
+            if name in info.out_args:
+                continue
+            if isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
+                    isinstance(v, torch.Tensor) for v in value)):
+                many = not isinstance(value, torch.Tensor)
+                for k, t in enumerate(_tensors_in(value)):
+                    inputs.append((f"{name}[{k}]" if many else name, before.get(id(t), t), t))
+                continue
+            nan, inf = _scalar_nonfinite(value)
+            scalar_nan |= nan
+            scalar_inf |= inf
+            text = _scalar_text(value)
+            if text is not None:
+                scalars.append(f"{name}={text}")
+
+        checked = [i for i, (_, t, _) in enumerate(inputs) if _checkable(t)]
+        in_counts = dict(zip(checked, _counts([inputs[i][1] for i in checked]))) if checked else {}
+        out_counts = _counts(outputs)
+        out_nan = any(c[0] for c in out_counts)
+        out_inf = any(c[1] or c[2] for c in out_counts)
+        in_nan = scalar_nan or any(c[0] for c in in_counts.values())
+        in_inf = scalar_inf or any(c[1] or c[2] for c in in_counts.values())
+
+        if out_inf and not (in_nan or in_inf):
+            kind, reason = "producer", "made non-finite values from finite inputs"
+        elif out_nan and not in_nan:
+            kind, reason = "producer", "made NaN from inputs without NaN"
+        else:
+            dirty = [i for i, c in in_counts.items()
+                     if c[0] and self.producers.get(inputs[i][2].untyped_storage()) is None]
+            if not dirty:
+                return  # propagates values that were already reported, or allowed
+            kind = "input"
+            names = ", ".join(inputs[i][0] for i in dirty)
+            reason = f"first op to consume NaN that no op under locate produced (input {names})"
+            for i in dirty:  # report a dirty tensor once, at its first consumer
+                self.producers[inputs[i][2].untyped_storage()] = _OUTSIDE
+
+        def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], prod: Optional[Producer]) -> TensorInfo:
+            lo, hi = _finite_min_max(t)
+            return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), *counts,
+                              lo, hi, prod)
+
+        input_infos = []
+        for i, (name, t, live) in enumerate(inputs):
+            prod = self.producers.get(live.untyped_storage()) if live.layout == torch.strided else None
+            input_infos.append(info_of(name, t, in_counts.get(i, (0, 0, 0)), None if prod is _OUTSIDE else prod))
+        names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
+        output_infos = [info_of(n, t, c, None) for n, t, c in zip(names, outputs, out_counts)]
+        dump = self.owner._dump_path_for_next()
+        if dump is not None:
+            _save_repro(dump, info.name, named, before, info.out_args)
+        finding = LocateFinding(
+            kind, info.name, producer.phase, producer.node, source,
+            producer.source if producer.phase == "backward" else None, reason,
+            tuple(output_infos), tuple(input_infos), tuple(scalars), dump)
+        self.owner.findings.append(finding)
+        if self.owner.action == "raise":
+            raise NonFiniteError(finding, str(finding))
+
+
+_OUTSIDE = Producer("(outside locate)", "forward", None, None)
+
+
+def _record_forward_source(node) -> None:
+    # Runs once per autograd node created under locate, right after its forward op returned.
+    source = user_frame()
+    if source is not None:
+        node.metadata[_FORWARD_SOURCE_KEY] = source
+
+
+def _forward_source_recorder() -> contextlib.AbstractContextManager:
+    # torch.autograd.graph.node_creation_hook is recent; without it backward findings name the node
+    # but not its forward line.
+    hook = getattr(torch.autograd.graph, "node_creation_hook", None)
+    return hook(_record_forward_source) if hook is not None else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# Dumps
+# --------------------------------------------------------------------------------------------------
+
+def _dump_value(value: Any, before: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return before.get(id(value), value).detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dump_value(v, before) for v in value)
+    if isinstance(value, torch.memory_format):  # not picklable: stored by name
+        return {"memory_format": str(value).removeprefix("torch.")}
+    return value
+
+
+def _load_value(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"memory_format"}:
+        return getattr(torch, value["memory_format"])
+    if isinstance(value, (list, tuple)):
+        return type(value)(_load_value(v) for v in value)
+    return value
+
+
+def _save_repro(path: str, op: str, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
+                out_args: frozenset[str]) -> None:
+    arguments = {name: _dump_value(value, before) for name, value in named if name not in out_args}
+    torch.save({"op": op, "arguments": arguments}, path)
+
+
+def _resolve_op(name: str):
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+def replay(path: Union[str, os.PathLike]) -> Any:
+    """Loads a dump written by locate(dump=path) (weights_only: it runs no pickled code) and runs the
+    op again on the saved inputs, returning its outputs."""
+    saved = torch.load(path, weights_only=True)
+    func = _resolve_op(saved["op"])
+    arguments = {name: _load_value(v) for name, v in saved["arguments"].items()}
+    return func(**arguments)
+
+
+# --------------------------------------------------------------------------------------------------
+# The context manager
+# --------------------------------------------------------------------------------------------------
+
+class Locate(contextlib.ContextDecorator):
+    """Context manager and decorator returned by `locate`. `findings` holds what the last (or current)
+    entry found, in order; with action="raise" the first one is also raised as NonFiniteError."""
+
+    def __init__(self, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = None):
+        if action not in ACTIONS:
+            raise ValueError(f"nanfast.locate: action must be one of {ACTIONS}, got {action!r}")
+        self.action = action
+        self.dump = os.fspath(dump) if dump is not None else None
+        self.findings: list[LocateFinding] = []
+        self._mode: Optional[_LocateMode] = None
+        self._hook: Optional[Any] = None
+        self._lock = threading.Lock()
+
+    @property
+    def finding(self) -> Optional[LocateFinding]:
+        """The first finding, or None."""
+        return self.findings[0] if self.findings else None
+
+    def _dump_path_for_next(self) -> Optional[str]:
+        return self.dump if self.dump is not None and not self.findings else None
+
+    def __enter__(self) -> Locate:
+        with self._lock:
+            if self._mode is not None:
+                raise RuntimeError("nanfast.locate: this locate() is already active; "
+                                   "use a new nanfast.locate() for a nested or concurrent region")
+            self._mode = _LocateMode(self)
+        self.findings = []
+        self._hook = _forward_source_recorder()
+        self._hook.__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._hook.__exit__(*exc)
+            self._mode = None
+            self._hook = None
+
+
+def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = None) -> Locate:
+    """Checks every ATen op that runs inside it, forward and backward, and reports the first one that
+    makes NaN/inf from inputs that held none (see LocateFinding), or the first to consume NaN that came
+    from outside (dirty data). Use as ``with nanfast.locate():`` or as a decorator ``@nanfast.locate()``.
+
+    action="raise" (default) raises NonFiniteError(finding) at that op, with the op's report as message;
+    action="record" runs on and collects every finding in ``.findings``. dump="path.pt" saves the first
+    reported op's inputs for nanfast.replay(path). Run forward and backward inside it: a backward node's
+    forward line is known only for nodes created inside. Each checked op costs one fused check and, on
+    CUDA, one host sync."""
+    return Locate(action, dump)
+
+
+# --------------------------------------------------------------------------------------------------
+# Re-running one training step
+# --------------------------------------------------------------------------------------------------
+
+def _tensors_of(target: Union[torch.nn.Module, Iterable[torch.Tensor], None]) -> tuple[list, list]:
+    if target is None:
+        return [], []
+    if isinstance(target, torch.nn.Module):
+        return list(target.parameters()), list(target.buffers())
+    return list(target), []
+
+
+@dataclasses.dataclass
+class StepState:
+    """The state a training step starts from: RNG states (CPU and initialized CUDA devices) and,
+    optionally, copies of parameter and buffer values and of gradients.
+
+    Capture it before a step (cheap with the defaults: RNG states, and grads only where they exist:
+    none after zero_grad(set_to_none=True)); `locate_step` restores it to run the step again."""
+
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    cpu_rng: torch.Tensor
+    cuda_rng: Optional[list[torch.Tensor]]
+    values: Optional[list[torch.Tensor]]  # copies of params + buffers
+    grads: Optional[list[Optional[torch.Tensor]]]  # copies of params' .grad
+
+    @classmethod
+    def capture(cls, target: Union[torch.nn.Module, Iterable[torch.Tensor], None] = None, *,
+                values: bool = False, grads: bool = True) -> StepState:
+        """`target`: a module (its parameters and buffers) or parameters. values=True copies their
+        values (needed when the step being re-run has already changed them); grads=True copies grads."""
+        params, buffers = _tensors_of(target)
+        return cls._capture(params, buffers, values, grads)
+
+    @classmethod
+    def _capture(cls, params: list, buffers: list, values: bool, grads: bool) -> StepState:
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        with torch.no_grad():
+            copies = [t.detach().clone() for t in params + buffers] if values else None
+            grad_copies = [None if p.grad is None else p.grad.detach().clone() for p in params] if grads else None
+        return cls(params, buffers, torch.get_rng_state(), cuda_rng, copies, grad_copies)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            if self.values is not None:
+                for t, saved in zip(self.params + self.buffers, self.values):
+                    t.copy_(saved)
+            if self.grads is not None:
+                for p, saved in zip(self.params, self.grads):
+                    p.grad = None if saved is None else saved.clone()
+
+
+def locate_step(step_fn: Callable[[], Any], before: StepState, *,
+                dump: Optional[Union[str, os.PathLike]] = None) -> Optional[LocateFinding]:
+    """Runs `step_fn` (one step's forward and backward on the same batch, no optimizer step) again
+    under locate(action="record"), from the state `before` was captured in, and returns the first
+    finding (None if the re-run stayed finite: the fault did not reproduce).
+
+    The re-run leaves no trace: the parameters, buffers and grads `before` covers, and the RNG states,
+    are put back as they were when locate_step was called (so training continues bit-identically)."""
+    after = StepState._capture(before.params, before.buffers, values=True, grads=True)
+    before.restore()
+    region = locate(action="record", dump=dump)
+    try:
+        with region:
+            step_fn()
+    finally:
+        after.restore()
+    return region.finding

@@ -1,0 +1,514 @@
+"""nanfast.locate: the first op that makes NaN/inf, forward and backward, with its node, user line, inputs
+and their producers; no report for masking; dumps; locate_step (the watch's re-run).
+
+Source lines are asserted against the line of the test code that ran the op, found by its marker
+comment (`# <name>` at the end of the line)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast.locate import LocateFinding, StepState, locate_step
+
+INF = float("inf")
+NAN = float("nan")
+_SOURCE = pathlib.Path(__file__).read_text().splitlines()
+
+
+def line(marker: str) -> int:
+    hits = [i for i, text in enumerate(_SOURCE, 1) if text.endswith(f"# <{marker}>")]
+    assert len(hits) == 1, f"marker <{marker}> must appear once"
+    return hits[0]
+
+
+def assert_line(source, marker: str) -> None:
+    assert source is not None
+    assert (source.filename, source.lineno) == (__file__, line(marker))
+
+
+def first_finding(fn, *args) -> LocateFinding:
+    """Runs fn under locate() and returns what it raised."""
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            fn(*args)
+    finding = raised.value.report
+    assert isinstance(finding, LocateFinding)
+    assert str(raised.value) == str(finding)
+    return finding
+
+
+def findings_of(fn, *args) -> list[LocateFinding]:
+    with nanfast.locate(action="record") as region:
+        fn(*args)
+    return region.findings
+
+
+def counts(info) -> tuple[int, int, int]:
+    return (info.nan, info.posinf, info.neginf)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward producers
+# --------------------------------------------------------------------------------------------------
+
+def log_of(x):
+    return torch.log(x)  # <log>
+
+
+def sqrt_of(x):
+    return torch.sqrt(x)  # <sqrt>
+
+
+def acos_of(x):
+    return torch.acos(x)  # <acos>
+
+
+def asin_of(x):
+    return torch.asin(x)  # <asin>
+
+
+def log1p_of(x):
+    return torch.log1p(x)  # <log1p>
+
+
+def exp_of(x):
+    return torch.exp(x)  # <exp>
+
+
+@pytest.mark.parametrize("fn, bad, op, marker, out_counts", [
+    (log_of, -1.0, "aten.log.default", "log", (1, 0, 0)),
+    (log_of, 0.0, "aten.log.default", "log", (0, 0, 1)),
+    (sqrt_of, -4.0, "aten.sqrt.default", "sqrt", (1, 0, 0)),
+    (acos_of, 2.0, "aten.acos.default", "acos", (1, 0, 0)),
+    (asin_of, -1.5, "aten.asin.default", "asin", (1, 0, 0)),
+    (log1p_of, -2.0, "aten.log1p.default", "log1p", (1, 0, 0)),
+    (log1p_of, -1.0, "aten.log1p.default", "log1p", (0, 0, 1)),
+    (exp_of, 100.0, "aten.exp.default", "exp", (0, 1, 0)),
+])
+def test_forward_producer(fn, bad, op, marker, out_counts):
+    x = torch.tensor([0.5, bad])
+    finding = first_finding(fn, x)
+    assert (finding.kind, finding.op, finding.phase, finding.node) == ("producer", op, "forward", None)
+    assert_line(finding.source, marker)
+    assert finding.where == finding.source and finding.forward_source is None
+    assert [counts(o) for o in finding.outputs] == [out_counts]
+    [inp] = finding.inputs
+    assert (inp.name, inp.shape, inp.dtype, counts(inp)) == ("self", (2,), "float32", (0, 0, 0))
+    assert (inp.min, inp.max) == (min(0.5, bad), max(0.5, bad))
+    assert inp.producer is None  # x was made before locate
+    assert op in finding.summary() and f"{__file__}:{line(marker)}" in finding.summary()
+
+
+def test_cast_overflow_is_a_producer():
+    def narrow(x):
+        return x.to(torch.float32)  # <cast>
+
+    finding = first_finding(narrow, torch.tensor([1.0, 1e300], dtype=torch.float64))
+    assert (finding.op, finding.phase) == ("aten._to_copy.default", "forward")
+    assert_line(finding.source, "cast")
+    assert counts(finding.outputs[0]) == (0, 1, 0)
+
+
+def test_inf_minus_inf_names_the_nan_producer_and_where_its_inputs_came_from():
+    def run():
+        big = torch.full((3,), INF)  # <full-inf>
+        return big - big  # <inf-minus-inf>
+
+    finding = first_finding(run)
+    assert (finding.kind, finding.op, finding.phase) == ("producer", "aten.sub.Tensor", "forward")
+    assert finding.reason == "made NaN from inputs without NaN"
+    assert_line(finding.source, "inf-minus-inf")
+    assert counts(finding.outputs[0]) == (3, 0, 0)
+    for inp in finding.inputs:
+        assert counts(inp) == (0, 3, 0) and (inp.min, inp.max) == (None, None)
+        assert inp.producer.op == "aten.full.default"
+        assert_line(inp.producer.source, "full-inf")
+
+
+def test_zero_times_inf_in_a_masked_entropy():
+    def masked_entropy(logits, mask):
+        logp = torch.log_softmax(logits.masked_fill(mask, -INF), dim=-1)  # <masked-logp>
+        return -(logp.exp() * logp).sum(-1)  # <entropy>
+
+    mask = torch.tensor([[False, True, False], [False, False, False]])
+    finding = first_finding(masked_entropy, torch.randn(2, 3), mask)
+    assert (finding.op, finding.phase) == ("aten.mul.Tensor", "forward")
+    assert_line(finding.source, "entropy")
+    assert counts(finding.outputs[0]) == (1, 0, 0)
+    probs, logp = finding.inputs
+    assert probs.min == 0.0 and probs.producer.op == "aten.exp.default"
+    assert counts(logp) == (0, 0, 1) and logp.producer.op == "aten._log_softmax.default"
+    assert_line(logp.producer.source, "masked-logp")
+
+
+def test_log_of_underflowed_softmax_shows_softmax_as_the_producer_of_its_input():
+    def run(x):
+        probs = F.softmax(x, dim=-1)  # <softmax>
+        return torch.log(probs)  # <log-probs>
+
+    finding = first_finding(run, torch.tensor([[0.0, 200.0, 1.0]]))
+    assert (finding.op, finding.phase) == ("aten.log.default", "forward")
+    assert_line(finding.source, "log-probs")
+    assert counts(finding.outputs[0]) == (0, 0, 2)
+    [probs] = finding.inputs
+    assert counts(probs) == (0, 0, 0) and probs.min == 0.0 and probs.max == 1.0
+    assert probs.producer.op == "aten._softmax.default" and probs.producer.phase == "forward"
+    assert_line(probs.producer.source, "softmax")
+    assert "aten._softmax.default" in str(finding)
+
+
+def test_ctc_loss_with_an_impossible_target_is_inf():
+    log_probs = torch.randn(2, 1, 5).log_softmax(-1).requires_grad_()
+    targets = torch.tensor([[1, 1, 1]])  # 3 labels (with a repeat) cannot fit in 2 frames
+
+    def run():
+        loss = F.ctc_loss(log_probs, targets, torch.tensor([2]), torch.tensor([3]))  # <ctc>
+        loss.backward()
+
+    finding = first_finding(run)
+    assert (finding.op, finding.phase) == ("aten._ctc_loss.Tensor", "forward")
+    assert_line(finding.source, "ctc")
+    assert counts(finding.outputs[0]) == (0, 1, 0)
+    assert [i.name for i in finding.inputs] == ["log_probs", "targets", "input_lengths", "target_lengths"]
+    assert finding.inputs[1].dtype == "int64" and (finding.inputs[1].min, finding.inputs[1].max) == (1, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward producers: the forward was finite, a backward formula divides by zero or overflows
+# --------------------------------------------------------------------------------------------------
+
+def sqrt_loss(x):
+    return torch.sqrt(x).sum()  # <fwd-sqrt>
+
+
+def atan2_loss(y, x):
+    return torch.atan2(y, x).sum()  # <fwd-atan2>
+
+
+def norm_loss(x):
+    return torch.linalg.vector_norm(x)  # <fwd-norm>
+
+
+def acos_loss(x):
+    return torch.acos(x).sum()  # <fwd-acos>
+
+
+def asin_loss(x):
+    return torch.asin(x).sum()  # <fwd-asin>
+
+
+def log_loss(x):
+    return torch.log(x).sum()  # <fwd-log>
+
+
+def rsqrt_loss(x):
+    return torch.rsqrt(x).sum()  # <fwd-rsqrt>
+
+
+def masked_logsumexp_loss(x):
+    fully_masked_first_row = torch.tensor([[True, True, True], [False, True, False]])
+    return torch.logsumexp(x.masked_fill(fully_masked_first_row, -INF), dim=-1).sum()  # <fwd-logsumexp>
+
+
+@pytest.mark.parametrize("loss_fn, values, op, node, marker", [
+    (sqrt_loss, [[0.0, 4.0]], "aten.div.Tensor", "SqrtBackward0", "fwd-sqrt"),
+    (atan2_loss, [[0.0, 1.0], [0.0, 1.0]], "aten.reciprocal.default", "Atan2Backward0", "fwd-atan2"),
+    (norm_loss, [[0.0, 0.0, 0.0]], "aten.div.Tensor", "LinalgVectorNormBackward0", "fwd-norm"),
+    (acos_loss, [[1.0, 0.5]], "aten.rsqrt.default", "AcosBackward0", "fwd-acos"),
+    (asin_loss, [[0.5, -1.0]], "aten.rsqrt.default", "AsinBackward0", "fwd-asin"),
+    # 1/x overflows float32 at a denormal x whose log is finite
+    (log_loss, [[1e-45, 1.0]], "aten.div.Tensor", "LogBackward0", "fwd-log"),
+    (rsqrt_loss, [[1e-45, 1.0]], "aten.pow.Tensor_Scalar", "RsqrtBackward0", "fwd-rsqrt"),
+    # logsumexp of a fully masked row is -inf (allowed); its gradient takes -inf - -inf
+    (masked_logsumexp_loss, [[[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]], "aten.sub.Tensor", "LogsumexpBackward0",
+     "fwd-logsumexp"),
+])
+def test_backward_producer(loss_fn, values, op, node, marker):
+    leaves = [torch.tensor(v, requires_grad=True) for v in values]
+
+    def step():
+        loss_fn(*leaves).backward()  # <backward-call>
+
+    finding = first_finding(step)
+    assert (finding.kind, finding.op, finding.phase, finding.node) == ("producer", op, "backward", node)
+    assert_line(finding.forward_source, marker)
+    assert_line(finding.source, "backward-call")
+    assert finding.where == finding.forward_source
+    assert f"backward of {node}" in finding.summary()
+    assert finding.outputs[0].nonfinite > 0 and all(i.nonfinite == 0 for i in finding.inputs
+                                                     if finding.reason.endswith("finite inputs"))
+
+
+def test_backward_inputs_name_their_producers():
+    x = torch.tensor([0.0, 4.0], requires_grad=True)
+    finding = first_finding(lambda: sqrt_loss(x).backward())
+    grad, doubled_result = finding.inputs
+    assert (grad.name, doubled_result.name) == ("self", "other")
+    assert (doubled_result.min, doubled_result.max) == (0.0, 4.0)
+    assert doubled_result.producer.phase == "backward" and doubled_result.producer.node == "SqrtBackward0"
+    assert_line(doubled_result.producer.source, "fwd-sqrt")
+
+
+def test_backward_of_a_graph_built_outside_locate_still_names_the_node():
+    x = torch.tensor([0.0, 4.0], requires_grad=True)
+    loss = sqrt_loss(x)
+    finding = first_finding(loss.backward)
+    assert (finding.op, finding.node, finding.forward_source) == ("aten.div.Tensor", "SqrtBackward0", None)
+    assert "forward op at unknown" in str(finding)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dirty data and non-finite parameters
+# --------------------------------------------------------------------------------------------------
+
+def test_dirty_data_is_reported_at_its_first_consumer():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    batch = torch.tensor([[1.0, 2.0, 3.0], [4.0, NAN, 6.0]])
+
+    def step():
+        layer(batch).sum().backward()  # <dirty-linear>
+
+    finding = first_finding(step)
+    assert (finding.kind, finding.op, finding.phase) == ("input", "aten.addmm.default", "forward")
+    assert_line(finding.source, "dirty-linear")
+    assert "input mat1" in finding.reason
+    data = {i.name: i for i in finding.inputs}["mat1"]
+    assert counts(data) == (1, 0, 0) and data.producer is None and (data.min, data.max) == (1.0, 6.0)
+    assert "not made under locate" in str(finding)
+
+
+def test_dirty_data_is_reported_once_and_its_propagation_not_at_all():
+    layer = torch.nn.Linear(3, 2)
+    batch = torch.tensor([[NAN, 2.0, 3.0]])
+    found = findings_of(lambda: torch.relu(layer(batch)).sum().backward())
+    assert [(f.kind, f.op) for f in found] == [("input", "aten.addmm.default")]
+
+
+def test_a_nan_parameter_is_dirty_input():
+    layer = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight[1, 2] = NAN
+    finding = first_finding(layer, torch.ones(1, 3))
+    assert (finding.kind, finding.op) == ("input", "aten.addmm.default")
+    assert "input mat2" in finding.reason  # the transposed weight
+
+
+def test_inf_in_data_is_allowed_until_it_makes_nan():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    batch = torch.tensor([[1.0, INF, 3.0]])
+    finding = first_finding(model, batch)
+    assert (finding.kind, finding.op) == ("producer", "aten.native_layer_norm.default")
+    assert finding.reason == "made NaN from inputs without NaN"
+    hidden = finding.inputs[0]
+    assert hidden.posinf + hidden.neginf > 0 and hidden.producer.op == "aten.addmm.default"
+
+
+# --------------------------------------------------------------------------------------------------
+# Masking is not reported
+# --------------------------------------------------------------------------------------------------
+
+def test_masked_fill_with_neg_inf_then_softmax_is_not_reported():
+    scores = torch.randn(2, 4, 4, requires_grad=True)
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+
+    def attention():
+        weights = F.softmax(scores.masked_fill(causal, -INF), dim=-1)
+        (weights @ torch.randn(2, 4, 3)).sum().backward()
+
+    assert findings_of(attention) == []
+    assert torch.isfinite(scores.grad).all()
+
+
+def test_additive_neg_inf_mask_built_before_locate_is_not_reported():
+    additive = torch.full((4, 4), -INF).triu(1)
+    scores = torch.randn(4, 4, requires_grad=True)
+    assert findings_of(lambda: F.softmax(scores + additive, dim=-1).sum().backward()) == []
+
+
+def test_scaled_dot_product_attention_masks_are_not_reported():
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    lower = torch.ones(4, 4, dtype=torch.bool).tril()
+
+    def attention():
+        F.scaled_dot_product_attention(q, q, q, attn_mask=lower).sum().backward()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    assert findings_of(attention) == []
+
+
+def test_softmax_of_a_fully_masked_row_is_reported():
+    scores = torch.randn(2, 3)
+    mask = torch.tensor([[True, True, True], [False, True, False]])
+
+    def attention():
+        return F.softmax(scores.masked_fill(mask, -INF), dim=-1)  # <fully-masked>
+
+    finding = first_finding(attention)
+    assert (finding.op, finding.reason) == ("aten._softmax.default", "made NaN from inputs without NaN")
+    assert_line(finding.source, "fully-masked")
+    assert counts(finding.outputs[0]) == (3, 0, 0)
+    assert finding.inputs[0].producer.op == "aten.masked_fill.Scalar"
+
+
+def test_non_finite_scalar_arguments_are_inputs_not_producers():
+    x = torch.zeros(3)
+    assert findings_of(lambda: (torch.full((2,), NAN), x.masked_fill(x == 0, INF), x + INF)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# In-place and out= ops
+# --------------------------------------------------------------------------------------------------
+
+def test_in_place_op_reports_its_input_before_the_op():
+    def run():
+        x = torch.tensor([-1.0, 2.0]) * 1
+        x.log_()  # <log-inplace>
+
+    finding = first_finding(run)
+    assert (finding.op, finding.reason) == ("aten.log_.default", "made NaN from inputs without NaN")
+    assert_line(finding.source, "log-inplace")
+    [before] = finding.inputs
+    assert (before.min, before.max, counts(before)) == (-1.0, 2.0, (0, 0, 0))
+    assert before.producer.op == "aten.mul.Tensor"
+
+
+def test_out_argument_is_an_output_not_an_input():
+    out = torch.full((2,), NAN)  # made before locate: stale values in an out= buffer are no input
+
+    finding = first_finding(lambda: torch.log(torch.tensor([0.0, 1.0]), out=out))
+    assert finding.op == "aten.log.out" and finding.kind == "producer"
+    assert [i.name for i in finding.inputs] == ["self"]
+    assert counts(finding.outputs[0]) == (0, 0, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# record, dump, decorator
+# --------------------------------------------------------------------------------------------------
+
+def test_record_collects_every_producer_and_does_not_raise():
+    log_probs = torch.randn(2, 1, 5).log_softmax(-1).requires_grad_()
+    found = findings_of(lambda: F.ctc_loss(log_probs, torch.tensor([[1, 1, 1]]), torch.tensor([2]),
+                                           torch.tensor([3])).backward())
+    assert [(f.op, f.phase) for f in found] == [("aten._ctc_loss.Tensor", "forward"),
+                                                 ("aten._ctc_loss_backward.Tensor", "backward")]
+    assert found[1].node.startswith("CtcLossBackward")
+    assert log_probs.grad.isnan().all()  # ran on to the end
+
+
+def test_dump_saves_the_inputs_and_replay_reproduces_the_nan(tmp_path):
+    path = tmp_path / "repro.pt"
+    x = torch.tensor([[-2.0, 3.0], [0.5, -0.0]])
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate(dump=path):
+            torch.sqrt(x * 2)
+    assert raised.value.report.dump == str(path) and str(path) in str(raised.value)
+    saved = torch.load(path, weights_only=True)
+    assert saved["op"] == "aten.sqrt.default" and torch.equal(saved["arguments"]["self"], x * 2)
+    replayed = nanfast.replay(path)
+    assert torch.equal(replayed.isnan(), torch.tensor([[True, False], [False, False]]))
+
+
+def test_dump_of_an_in_place_op_holds_the_values_before_it(tmp_path):
+    path = tmp_path / "inplace.pt"
+    x = torch.tensor([1.0, -1.0])
+    with pytest.raises(nanfast.NonFiniteError):
+        with nanfast.locate(dump=path):
+            (x + 0).sqrt_()
+    assert torch.equal(torch.load(path, weights_only=True)["arguments"]["self"], x)
+    assert nanfast.replay(path).isnan().tolist() == [False, True]
+
+
+@nanfast.locate()
+def decorated(x):
+    return torch.log(x)  # <decorated>
+
+
+def test_decorator():
+    for _ in range(2):  # reusable
+        with pytest.raises(nanfast.NonFiniteError) as raised:
+            decorated(torch.tensor([-1.0]))
+        assert_line(raised.value.report.source, "decorated")
+    assert decorated(torch.tensor([1.0])).item() == 0.0
+
+
+def test_bad_arguments_and_reentry():
+    with pytest.raises(ValueError, match="action"):
+        nanfast.locate(action="warn")
+    region = nanfast.locate()
+    with region:
+        with pytest.raises(RuntimeError, match="already active"):
+            region.__enter__()
+
+
+def test_outside_locate_nothing_is_checked():
+    with nanfast.locate():
+        pass
+    torch.log(torch.tensor([-1.0]))  # no error: the mode is gone
+
+
+# --------------------------------------------------------------------------------------------------
+# locate_step: the watch's re-run of one step
+# --------------------------------------------------------------------------------------------------
+
+def test_locate_step_reruns_the_step_with_its_rng_and_leaves_no_trace():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))
+    batch = torch.randn(16, 4)
+    outputs = []
+
+    def step():
+        hidden = model(batch)
+        outputs.append(hidden.detach().clone())
+        torch.sqrt(hidden).sum().backward()  # <step-sqrt>
+
+    before = StepState.capture(model)
+    step()  # the step as training ran it: dropout drew its mask, grads and running stats changed
+    after_grads = [p.grad.clone() for p in model.parameters()]
+    after_buffers = [b.clone() for b in model.buffers()]
+    after_rng = torch.get_rng_state()
+
+    finding = locate_step(step, before)
+    assert (finding.op, finding.phase) == ("aten.sqrt.default", "forward")
+    assert_line(finding.source, "step-sqrt")
+    assert torch.equal(outputs[0], outputs[1])  # same dropout mask, same batch statistics
+    assert counts(finding.outputs[0])[0] == int((outputs[0] < 0).sum())
+    assert all(torch.equal(p.grad.nan_to_num(), g.nan_to_num()) and torch.equal(p.grad.isnan(), g.isnan())
+               for p, g in zip(model.parameters(), after_grads))
+    assert all(torch.equal(b, a) for b, a in zip(model.buffers(), after_buffers))
+    assert torch.equal(torch.get_rng_state(), after_rng)
+
+
+def test_locate_step_restores_values_when_the_step_already_updated_them():
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[-1.0, -1.0]]))
+        model.bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.tensor([[1.0, 2.0]])
+
+    def step():
+        torch.log(model(batch)).sum().backward()
+
+    before = StepState.capture(model, values=True)
+    step()  # log(-3): a NaN loss (with finite grads)
+    optimizer.step()  # the update already ran: the weights moved
+    weights_after = [p.detach().clone() for p in model.parameters()]
+    assert model(batch).item() != -3.0
+
+    finding = locate_step(step, before)  # runs on the weights from before the update
+    assert (finding.kind, finding.op) == ("producer", "aten.log.default")
+    assert finding.inputs[0].min == -3.0
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights_after))
+
+
+def test_locate_step_returns_none_when_the_fault_does_not_reproduce():
+    x = torch.ones(3, requires_grad=True)
+    assert locate_step(lambda: x.sum().backward(), StepState.capture([x])) is None
+    assert x.grad is None  # restored
