@@ -7,7 +7,9 @@ from .check import check_all, named_tensors
 from .locate import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
+from .scan import check_batch, checked
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
-           "LocateFinding", "StepState", "locate", "locate_step", "replay"]
+           "LocateFinding", "StepState", "locate", "locate_step", "replay",
+           "check_batch", "checked"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from typing import Optional
 # command -> (module under nanfast, one-line help)
 COMMANDS = {
     "bench": ("bench", "benchmark nanfast against the pure-torch ways of finding NaN/inf"),
+    "scan": ("scan", "check checkpoint files for NaN/inf without running pickled code"),
 }
 
 
