@@ -581,8 +581,8 @@ class StepState:
     """The state a training step starts from: RNG states (CPU and initialized CUDA devices) and,
     optionally, copies of parameter and buffer values and of gradients.
 
-    Capture it before a step (cheap with the defaults: RNG states, and grads only where they exist:
-    none after zero_grad(set_to_none=True)); `locate_step` restores it to run the step again."""
+    Capture it before a step's forward (with the defaults it copies only the RNG states: a few KB);
+    `locate_step` restores it to run the step again."""
 
     params: list[torch.Tensor]
     buffers: list[torch.Tensor]
@@ -593,9 +593,11 @@ class StepState:
 
     @classmethod
     def capture(cls, target: Union[torch.nn.Module, Iterable[torch.Tensor], None] = None, *,
-                values: bool = False, grads: bool = True) -> StepState:
+                values: bool = False, grads: bool = False) -> StepState:
         """`target`: a module (its parameters and buffers) or parameters. values=True copies their
-        values (needed when the step being re-run has already changed them); grads=True copies grads."""
+        values: needed only when the step to re-run has already updated them (a watch that skips bad
+        steps leaves them as they were). grads=True copies their grads, for a step that accumulates onto
+        grads of earlier micro-batches; without it the re-run starts from no grads."""
         params, buffers = _tensors_of(target)
         return cls._capture(params, buffers, values, grads)
 
@@ -615,9 +617,9 @@ class StepState:
             if self.values is not None:
                 for t, saved in zip(self.params + self.buffers, self.values):
                     t.copy_(saved)
-            if self.grads is not None:
-                for p, saved in zip(self.params, self.grads):
-                    p.grad = None if saved is None else saved.clone()
+            grads = self.grads if self.grads is not None else [None] * len(self.params)
+            for p, saved in zip(self.params, grads):
+                p.grad = None if saved is None else saved.clone()
 
 
 def locate_step(step_fn: Callable[[], Any], before: StepState, *,

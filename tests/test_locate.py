@@ -512,3 +512,20 @@ def test_locate_step_returns_none_when_the_fault_does_not_reproduce():
     x = torch.ones(3, requires_grad=True)
     assert locate_step(lambda: x.sum().backward(), StepState.capture([x])) is None
     assert x.grad is None  # restored
+
+
+@pytest.mark.parametrize("copy_grads", [False, True])
+def test_locate_step_starts_from_no_grads_or_the_captured_ones(copy_grads):
+    x = torch.ones(3, requires_grad=True)
+    x.grad = torch.full((3,), 2.0)  # from an earlier micro-batch
+    before = StepState.capture([x], grads=copy_grads)
+    x.grad = torch.full((3,), 5.0)  # the step as it ran
+    seen = []
+
+    def step():
+        seen.append(None if x.grad is None else x.grad.clone())
+        x.sum().backward()
+
+    assert locate_step(step, before) is None  # the fault did not reproduce
+    assert (seen[0] is None) if not copy_grads else torch.equal(seen[0], torch.full((3,), 2.0))
+    assert torch.equal(x.grad, torch.full((3,), 5.0))  # put back
