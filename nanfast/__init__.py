@@ -4,12 +4,15 @@ Fused kernels (torch.ops.nanfast.*, CPU and CUDA) count NaN/+inf/-inf and comput
 tensors in one pass; check_all, watch and locate build on them."""
 
 from .check import check_all, named_tensors
+from .clip import clip_grad_norm_
 from .locate import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
 from .scan import check_batch, checked
+from .watch import Event, Place, Watch, watch
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
            "LocateFinding", "StepState", "locate", "locate_step", "replay",
-           "check_batch", "checked"]
+           "check_batch", "checked",
+           "Event", "Place", "Watch", "clip_grad_norm_", "watch"]
 __version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""`clip_grad_norm_` on the fused pass: the total norm and the non-finite counts of all gradients come
+from one read of the gradients (torch.nn.utils.clip_grad_norm_ reads them for the norm too, and turns
+every gradient into NaN when one element is non-finite)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+
+from .check import check_all
+from .ops import stats
+
+Parameters = Union[torch.Tensor, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+# As torch.nn.utils.clip_grad_norm_, so that both give the same coefficient.
+_EPS = 1e-6
+
+
+def _named_grads(parameters: Parameters) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    named = []
+    for i, item in enumerate(parameters):
+        name, p = item if isinstance(item, tuple) else (str(i), item)
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"nanfast.clip_grad_norm_: entry {name!r} is of type {type(p).__name__}, not a Tensor")
+        if p.grad is None:
+            continue
+        if p.grad.layout != torch.strided:
+            raise ValueError(f"nanfast.clip_grad_norm_: the grad of {name!r} has layout {p.grad.layout}; "
+                             "only strided grads are supported")
+        named.append((name, p.grad))
+    return named
+
+
+def total_norm(norms: list[torch.Tensor], absmaxes: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """float64 0-dim on the device of norms[0]: the 2-norm (from per-tensor 2-norms) or the inf-norm
+    (from per-tensor max |x|) of the finite elements of all tensors. No host sync."""
+    device = norms[0].device
+    if norm_type == 2.0:
+        sumsq = sum((n.square().sum().to(device, non_blocking=True) for n in norms), torch.zeros((), dtype=torch.float64, device=device))
+        return sumsq.sqrt()
+    return torch.stack([a.max().to(device, non_blocking=True) if a.numel() else torch.zeros((), dtype=torch.float64, device=device)
+                        for a in absmaxes]).max()
+
+
+def scale_grads_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Multiplies `grads` by min(1, max_norm / (total + eps)), as torch does, without a host sync."""
+    coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in groups.items():
+        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype, non_blocking=True))
+
+
+def check_norm_type(norm_type: float, api: str) -> float:
+    norm_type = float(norm_type)
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"{api}: norm_type must be 2 or inf (the fused pass computes 2-norms and max |x|), "
+                         f"got {norm_type}")
+    return norm_type
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = True) -> torch.Tensor:
+    """Clips the gradients of `parameters` (Tensors or (name, Tensor) pairs, e.g. model.named_parameters())
+    to total norm `max_norm`, as torch.nn.utils.clip_grad_norm_, from one fused pass over the gradients.
+
+    Returns the total norm before clipping (0-dim, in the first gradient's dtype and device). The norm is
+    that of the finite elements, so finite gradients never become NaN. With error_if_nonfinite (the
+    default here, unlike torch) one host read checks the counts and a non-finite gradient raises
+    NonFiniteError naming it; with error_if_nonfinite=False there is no host sync and non-finite
+    elements are left as they are (a `nanfast.watch` reports them)."""
+    norm_type = check_norm_type(norm_type, "nanfast.clip_grad_norm_")
+    named = _named_grads(parameters)
+    if not named:
+        return torch.zeros(())
+    grads = [g for _, g in named]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    results = [stats(group) for group in by_device.values()]
+    total = total_norm([s.norm for s in results], [s.absmax for s in results], norm_type)
+    if error_if_nonfinite and sum(int(s.counts.sum().item()) for s in results):
+        check_all(named)  # names every non-finite gradient in a NonFiniteError
+    scale_grads_(grads, total, max_norm)
+    return total.to(grads[0].dtype)

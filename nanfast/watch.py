@@ -1,0 +1,735 @@
+"""`watch`: always-on NaN/inf checks for a training loop. Hooks enqueue fused checks whose counts stay
+on the device; the host reads them once per step; a non-finite value gives an `Event` that names the
+first place, in execution order, where it appeared."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+import types
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.nanfast.* and their fakes)
+from .clip import check_norm_type, scale_grads_, total_norm
+from .report import NonFiniteError
+
+# The overload itself: skips the overload resolution of torch.ops.nanfast.stats on every hook call.
+_stats = torch.ops.nanfast.stats.default
+
+ACTIONS = ("raise", "warn", "skip")
+SYNC_MODES = ("eager", "lagged")
+# Phases in the order their values arise within a step.
+PHASES = ("param", "input", "forward", "loss", "backward", "grad")
+# Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
+_SCALED_PHASES = frozenset(("loss", "backward", "grad"))
+# Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
+_SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
+_MAX_NAMED_IN_SUMMARY = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where, within a step, non-finite values were seen.
+
+    ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
+    phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
+    input. ``call`` tells the calls of a module called several times in one forward apart (1-based);
+    ``microbatch`` is the index of the model's forward within the step (gradient accumulation)."""
+
+    phase: str
+    name: str
+    module_class: str
+    nan: int
+    posinf: int
+    neginf: int
+    call: int = 1
+    microbatch: int = 0
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def where(self) -> str:
+        module = f"{self.name or '<model>'} ({self.module_class})" + (f" call {self.call}" if self.call > 1 else "")
+        return {
+            "param": f"parameter {self.name}",
+            "input": "the input batch",
+            "forward": f"output of {module}",
+            "loss": f"gradient of the loss w.r.t. the output of {module}",
+            "backward": f"gradient flowing out of {module} in backward",
+            "grad": f"gradient of parameter {self.name}",
+        }[self.phase] + (f" [microbatch {self.microbatch}]" if self.microbatch else "")
+
+    def describe(self) -> str:
+        return f"{self.where()} (nan={self.nan}, +inf={self.posinf}, -inf={self.neginf})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a watch found in one step: the first place in execution order where a non-finite value
+    appeared (the producer) and the places hit after it (where it propagated)."""
+
+    step: int
+    first: Place
+    later: tuple[Place, ...]
+
+    @property
+    def phase(self) -> str:
+        return self.first.phase
+
+    @property
+    def name(self) -> str:
+        return self.first.name
+
+    @property
+    def module_class(self) -> str:
+        return self.first.module_class
+
+    @property
+    def nan(self) -> int:
+        return self.first.nan
+
+    @property
+    def posinf(self) -> int:
+        return self.first.posinf
+
+    @property
+    def neginf(self) -> int:
+        return self.first.neginf
+
+    @property
+    def dirty_input(self) -> bool:
+        """The batch itself held non-finite values: bad data, not a fault of the model."""
+        return self.first.phase == "input"
+
+    @property
+    def places(self) -> tuple[Place, ...]:
+        return (self.first, *self.later)
+
+    def summary(self) -> str:
+        if self.dirty_input:
+            head = f"step {self.step}: the input batch is dirty: {self.first.describe()}; the model did not produce it"
+        elif self.first.phase == "param":
+            head = (f"step {self.step}: {self.first.describe()} when the step began "
+                    "(written by the previous optimizer step, or loaded so)")
+        else:
+            head = f"step {self.step}: non-finite values first appeared in the {self.first.describe()}"
+        if not self.later:
+            return f"nanfast.watch: {head}"
+        named = "; ".join(p.where() for p in self.later[:_MAX_NAMED_IN_SUMMARY])
+        more = f"; and {len(self.later) - _MAX_NAMED_IN_SUMMARY} more" if len(self.later) > _MAX_NAMED_IN_SUMMARY else ""
+        return f"nanfast.watch: {head}; then propagated to {len(self.later)} places: {named}{more}"
+
+    __str__ = summary
+
+
+class _Site:
+    """A place that records slots: a watched module (or the input / the model), with its call count in
+    the current forward."""
+
+    __slots__ = ("name", "module_class", "ignored", "calls", "forward_id")
+
+    def __init__(self, name: str, module_class: str, ignored: bool):
+        self.name = name
+        self.module_class = module_class
+        self.ignored = ignored
+        self.calls = 0
+        self.forward_id = -1
+
+
+class _GradCheck:
+    """A tensor hook on a module's input: checks the gradient w.r.t. that input, i.e. what flows out
+    of the module in backward. Retargeted to the innermost module that takes the same tensor."""
+
+    __slots__ = ("watch", "phase", "site", "call", "microbatch")
+
+    def __init__(self, watch: Watch, phase: str, site: _Site, call: int, microbatch: int):
+        self.watch = watch
+        self.phase = phase
+        self.site = site
+        self.call = call
+        self.microbatch = microbatch
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.watch._installed:
+            self.watch._record(self.phase, self.site, self.call, self.microbatch, [grad])
+
+
+@dataclasses.dataclass
+class _Read:
+    """One step's checks, packed on the device, and where their host copy lands (lagged reads)."""
+
+    step: int
+    summary: torch.Tensor  # float64 [len(_SUMMARY)] on the device
+    counts: torch.Tensor  # int64 [rows, 3] on the device
+    slots: list  # (phase, label, call, microbatch, rows) in row order
+    scaler_skipped: bool
+    host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
+    copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
+
+
+class _Pass(NamedTuple):
+    """The fused pass over every parameter and gradient (see NOTE: [Parameters and gradients in one pass])."""
+
+    param_names: list
+    grad_names: list
+    grads: list
+    counts: torch.Tensor  # int64 [params + grads, 3]
+    norm: torch.Tensor
+    absmax: torch.Tensor
+    n_params: int
+
+
+def _floating_tensors(obj: Any, out: list) -> list:
+    """The floating and complex strided tensors in obj: nested tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        if (obj.is_floating_point() or obj.is_complex()) and obj.layout == torch.strided:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _floating_tensors(item, out)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            _floating_tensors(item, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _floating_tensors(getattr(obj, field.name), out)
+    return out
+
+
+def _stats_on(tensors: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.ops.nanfast.stats over tensors that may lie on several devices (one fused call per device),
+    rows in input order, results on `device`."""
+    first = tensors[0].device
+    if all(t.device == first for t in tensors):
+        results = _stats(tensors)
+    else:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        parts = [[r.to(device, non_blocking=True) for r in _stats([tensors[i] for i in idx])] for idx in by_device.values()]
+        order = torch.tensor([i for idx in by_device.values() for i in idx]).argsort().to(device, non_blocking=True)
+        results = tuple(torch.cat([p[k] for p in parts]).index_select(0, order) for k in range(3))
+    return tuple(r if r.device == device else r.to(device, non_blocking=True) for r in results)
+
+
+class Watch:
+    """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        inputs: bool = True,
+        activations: bool = True,
+        grads: bool = True,
+        params: bool = True,
+        loss: bool = True,
+        action: Union[str, Callable[[Event], Any]] = "raise",
+        every: int = 1,
+        sync: str = "eager",
+        ignore: Union[str, Iterable[str]] = (),
+        nan_only: bool = False,
+        scaler: Optional[Any] = None,
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"nanfast.watch: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(action) and action not in ACTIONS:
+            raise ValueError(f"nanfast.watch: action must be one of {ACTIONS} or a callable, got {action!r}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"nanfast.watch: sync must be one of {SYNC_MODES}, got {sync!r}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"nanfast.watch: every must be an int >= 1, got {every!r}")
+        if scaler is not None and optimizer is None:
+            raise ValueError("nanfast.watch: scaler= needs the optimizer it steps")
+        # NOTE: [Skipping a step]
+        # A skipped step must leave parameters and optimizer state exactly as they were. Optimizers that
+        # take a `found_inf` tensor (torch's fused=True Adam/AdamW/SGD, the protocol GradScaler uses) get
+        # the device-side flag of this step's checks: they skip on the device, no host read needed.
+        # Others are given no gradients for that step (every torch optimizer leaves a parameter without a
+        # .grad, and its state, untouched), which needs the host's verdict before the step: the eager read.
+        self._skip_on_device = action == "skip" and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if action == "skip":
+            if optimizer is None:
+                raise ValueError("nanfast.watch: action='skip' needs the optimizer whose step it skips")
+            if sync == "lagged" and not self._skip_on_device:
+                raise ValueError(
+                    "nanfast.watch: action='skip' with sync='lagged' needs an optimizer that skips on the device "
+                    f"(fused=True Adam, AdamW or SGD); {type(optimizer).__name__} needs the host's verdict before "
+                    "its step: use sync='eager'")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.action = action
+        self.every = every
+        self.sync = sync
+        self.nan_only = nan_only
+        self.ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+        self._check_inputs = inputs
+        self._check_activations = activations
+        self._check_grads = grads
+        self._check_params = params
+        self._check_loss = loss
+
+        self.events: list[Event] = []
+        self.last: Optional[Event] = None
+        self.skipped_steps = 0
+        self.scaler_skipped_steps = 0
+        self.step_count = 0  # steps ended so far (the number of the current step)
+
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        first = next(model.parameters(), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self._root = _Site("", type(model).__name__, self._ignored(""))
+        self._input = _Site("input", "", self._ignored("input"))
+        self._handles: list = []
+        self._scaler_step_saved: Optional[tuple[bool, Any]] = None
+        self._installed = True
+        self._forward_id = 0
+        self._stepped = False
+        self._skip_now = False
+        self._held_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._found: Optional[torch.Tensor] = None
+        self._saved_found_inf: Optional[torch.Tensor] = None
+        self._reset_step()
+        self._pending: Optional[_Read] = None
+        self._summary: Optional[torch.Tensor] = None
+        self._summary_values: Optional[list[float]] = None
+        self._summary_step = -1
+        self._install()
+
+    # ---- installing and removing ----
+
+    def _ignored(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ignore)
+
+    def _install(self) -> None:
+        model = self.model
+        self._handles.append(model.register_forward_pre_hook(self._before_model, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._after_model))
+        if self._check_activations or self._check_grads:
+            for name, module in model.named_modules():
+                if module is model:
+                    continue
+                site = _Site(name, type(module).__name__, self._ignored(name))
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before_module, site)))
+                if self._check_activations:
+                    self._handles.append(module.register_forward_hook(functools.partial(self._after_module, site)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
+            if self.action == "skip":
+                self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+        if self.scaler is not None:
+            # GradScaler.step does not call optimizer.step() when it found inf grads: the step must still end.
+            scaler_step = self.scaler.step
+            self._scaler_step_saved = ("step" in vars(self.scaler), vars(self.scaler).get("step"))
+
+            def step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+                self._stepped = False
+                result = scaler_step(optimizer, *args, **kwargs)
+                if optimizer is self.optimizer and not self._stepped:
+                    self._end_step(scaler_skipped=True)
+                return result
+
+            self.scaler.step = types.MethodType(step, self.scaler)
+
+    def remove(self) -> None:
+        """Removes every hook and restores the optimizer and scaler exactly. Results of a lagged read
+        still pending are dropped: call flush() first to act on them (the context manager does)."""
+        if not self._installed:
+            return
+        self._installed = False
+        self._active = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._scaler_step_saved is not None:
+            had_step, step = self._scaler_step_saved
+            if had_step:
+                self.scaler.step = step
+            else:
+                del self.scaler.step
+            self._scaler_step_saved = None
+        self._reset_step()
+        self._pending = None
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self.remove()
+
+    # ---- the hooks (hot path: one Python call and one fused op each) ----
+
+    def _reset_step(self) -> None:
+        self._active = self._installed and self.step_count % self.every == 0
+        self._counts: list[torch.Tensor] = []
+        self._slots: list[tuple] = []
+        self._forwards = 0
+        self._microbatch = 0
+        self._clipped: Optional[_Pass] = None
+        self._forget_last()
+
+    def _forget_last(self) -> None:
+        # NOTE: [Checking each tensor once]
+        # A container returns its last child's output and passes its input to its first child: the same
+        # tensor. The last tensor checked (and the last one given a gradient hook) is remembered with its
+        # version, so the container reuses the child's slot, which names the innermost module. Only one
+        # of each is held, and only until the forward ends: no activation outlives its use.
+        self._last_output: Optional[torch.Tensor] = None
+        self._last_output_version = -1
+        self._last_input: Optional[torch.Tensor] = None
+        self._last_input_version = -1
+        self._last_input_hook: Optional[_GradCheck] = None
+
+    def _record(self, phase: str, site: _Site, call: int, microbatch: int, tensors: list) -> None:
+        self._counts.append(_stats_on(tensors, self._device)[0])
+        self._slots.append((phase, site, call, microbatch, len(tensors)))
+
+    def _hook_grads(self, args: Any, phase: str, site: _Site, call: int) -> None:
+        # NOTE: [Where a gradient is checked]
+        # A tensor hook on each input of a module fires with the gradient w.r.t. that input: what the
+        # module's backward (and any other consumer of the tensor) produced. Registered before the
+        # module runs, it sees the value the module received even when the module modifies it in place
+        # (ReLU(inplace=True)). Full backward hooks would wrap every module in an autograd Function and
+        # forbid in-place ops on module outputs. Leaves are skipped: hooks on them would outlive the step,
+        # and their gradients are the parameters' (phase grad).
+        for t in _floating_tensors(args, []):
+            if t.grad_fn is None:
+                continue
+            if t is self._last_input and t._version == self._last_input_version:
+                self._last_input_hook.site = site
+                self._last_input_hook.call = call
+                continue
+            hook = _GradCheck(self, phase, site, call, self._microbatch)
+            t.register_hook(hook)
+            self._last_input, self._last_input_version, self._last_input_hook = t, t._version, hook
+
+    def _enter(self, site: _Site, args: Any) -> None:
+        if site.forward_id != self._forward_id:
+            site.forward_id = self._forward_id
+            site.calls = 0
+        site.calls += 1
+        if self._check_grads and not site.ignored and torch.is_grad_enabled():
+            self._hook_grads(args, "backward", site, site.calls)
+
+    def _check_output(self, phase: str, site: _Site, output: Any) -> None:
+        tensors = _floating_tensors(output, [])
+        if not tensors:
+            return
+        if len(tensors) == 1:
+            t = tensors[0]
+            if t is self._last_output and t._version == self._last_output_version:
+                return
+            self._last_output, self._last_output_version = t, t._version
+        if not site.ignored:
+            self._record(phase, site, site.calls, self._microbatch, tensors)
+
+    def _before_module(self, site: _Site, module: torch.nn.Module, args: tuple) -> None:
+        if self._active:
+            self._enter(site, args)
+
+    def _after_module(self, site: _Site, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._active:
+            self._check_output("forward", site, output)
+
+    def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._active:
+            return
+        self._forward_id += 1
+        self._microbatch = self._forwards
+        self._forwards += 1
+        if self._check_inputs and not self._input.ignored:
+            tensors = _floating_tensors(kwargs, _floating_tensors(args, []))
+            if tensors:
+                self._record("input", self._input, 1, self._microbatch, tensors)
+        self._enter(self._root, args)
+
+    def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._active:
+            if self._check_loss:
+                self._check_output("forward", self._root, output)
+                if torch.is_grad_enabled() and not self._root.ignored:
+                    self._forget_last()
+                    self._hook_grads(output, "loss", self._root, self._root.calls)
+            self._forget_last()
+        if self.optimizer is None and not torch.is_grad_enabled():
+            self._end_step()  # inference: each forward is a step
+
+    # ---- the step: one read ----
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._stepped = True
+        read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
+        if self.action != "skip":
+            return
+        if self._skip_on_device:
+            if read is None:
+                return
+            found = (read.summary[0] > 0).to(torch.float32)
+            self._saved_found_inf = vars(optimizer).get("found_inf")
+            # A GradScaler's own flag (fused optimizers) is kept: either one skips.
+            optimizer.found_inf = found if self._saved_found_inf is None else torch.maximum(self._saved_found_inf, found)
+            self._found = found
+        elif self._skip_now:
+            self._held_grads = []
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._held_grads.append((p, p.grad))
+                        p.grad = None
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._skip_on_device and self._found is not None:
+            if self._saved_found_inf is None:
+                del optimizer.found_inf
+            else:
+                optimizer.found_inf = self._saved_found_inf
+            skip = self._found.bool()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.masked_fill_(skip, 0)
+            self._found = self._saved_found_inf = None
+        elif self._held_grads:
+            for p, grad in self._held_grads:
+                p.grad = grad.zero_()
+            self._held_grads = []
+
+    def step(self) -> None:
+        """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
+        step's results. (With an optimizer, optimizer.step() does this.)"""
+        self._end_step()
+
+    def flush(self) -> None:
+        """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._evaluate(pending)
+
+    def _fused_pass(self) -> Optional[_Pass]:
+        # NOTE: [Parameters and gradients in one pass]
+        # At the read, before the optimizer step, one fused call covers every parameter (as the previous
+        # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
+        # read at step N+1, before anything else of that step) and every gradient. The same pass gives
+        # w.stats() and w.clip_grad_norm_ their norms.
+        if self.optimizer is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        else:
+            params = list(self.model.parameters())
+        names = [self._param_names.get(id(p)) or f"param[{i}]" for i, p in enumerate(params)]
+        with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
+        grads = [g for _, g in with_grad]
+        if not params:
+            return None
+        counts, norm, absmax = _stats_on(params + grads, self._device)
+        return _Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the watched parameters' gradients to total norm `max_norm` (as
+        torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
+        the step's check makes anyway: call it right before optimizer.step(). No host sync; norms are of
+        the finite elements (finite gradients never become NaN); non-finite gradients are reported by
+        the watch (phase grad)."""
+        norm_type = check_norm_type(norm_type, "Watch.clip_grad_norm_")
+        with torch.no_grad():
+            fused = self._fused_pass()
+            if fused is None or not fused.grads:
+                return torch.zeros(())
+            n = fused.n_params
+            total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
+            scale_grads_(fused.grads, total, max_norm)
+        self._clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
+        return total.to(fused.grads[0].dtype)
+
+    def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
+                  scaler_skipped: bool = False) -> Optional[_Read]:
+        """The step boundary: packs this step's checks, reads them (eager) or starts their copy and reads
+        the previous step's (lagged), and acts. Returns this step's packed read if the step was checked."""
+        self._skip_now = False
+        read = self._pack(found_inf, grad_scale, scaler_skipped) if self._active else None
+        self.step_count += 1
+        self._reset_step()
+        if self.sync == "lagged":
+            if read is not None:
+                _start_copy(read)
+            pending, self._pending = self._pending, read
+            if pending is not None:
+                self._evaluate(pending)
+        elif read is not None:
+            self._evaluate(read)
+        return read
+
+    def _pack(self, found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor], scaler_skipped: bool) -> _Read:
+        """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
+        and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]."""
+        device = self._device
+        counts, slots = list(self._counts), list(self._slots)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        grad_norm = grad_max = param_norm = zero
+        with torch.no_grad():
+            fused = (self._clipped or self._fused_pass()) if (self._check_params or self._check_grads) else None
+            if fused is not None:
+                n = fused.n_params
+                if self._check_params:
+                    self._add_named("param", fused.param_names, fused.counts[:n], counts, slots, front=True)
+                if self._check_grads:
+                    self._add_named("grad", fused.grad_names, fused.counts[n:], counts, slots, front=False)
+                param_norm = torch.linalg.vector_norm(fused.norm[:n])
+                if fused.grads:
+                    grad_norm = torch.linalg.vector_norm(fused.norm[n:])
+                    grad_max = fused.absmax[n:].max()
+                    if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
+                        inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
+                        grad_norm, grad_max = grad_norm * inv, grad_max * inv
+            packed = torch.cat(counts) if counts else torch.zeros((0, 3), dtype=torch.int64, device=device)
+            totals = packed.sum(0)
+            flag = totals[:1] if self.nan_only else totals.sum(0, keepdim=True)
+            found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)
+            summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found])])
+        return _Read(self.step_count, summary, packed, slots, scaler_skipped)
+
+    def _add_named(self, phase: str, names: list[str], counts: torch.Tensor, all_counts: list, slots: list, front: bool) -> None:
+        """Adds one row per named tensor (parameters or gradients), leaving out the ignored names."""
+        keep = [i for i, name in enumerate(names) if not self._ignored(name)] if self.ignore else None
+        if keep is not None and len(keep) < len(names):
+            names = [names[i] for i in keep]
+            counts = counts.index_select(0, torch.tensor(keep, device=counts.device))
+        if not names:
+            return
+        slot = (phase, tuple(names), 1, 0, len(names))
+        if front:
+            all_counts.insert(0, counts)
+            slots.insert(0, slot)
+        else:
+            all_counts.append(counts)
+            slots.append(slot)
+
+    # ---- reading and acting ----
+
+    def _evaluate(self, read: _Read) -> None:
+        if read.host is not None:  # lagged: the copy was enqueued a step ago
+            if read.copied is not None:
+                read.copied.synchronize()
+            values = read.host.tolist()
+            summary, flat = values[:len(_SUMMARY)], values[len(_SUMMARY):]
+            bad = summary[0] > 0
+            rows = [flat[i:i + 3] for i in range(0, len(flat), 3)] if bad else []
+            self._summary, self._summary_values = None, summary
+        else:
+            # NOTE: [One read per step]
+            # The one host sync of a checked step: a single .item() of the flag (the count of non-finite
+            # values that matter). Everything else stays on the device unless the step is bad.
+            bad = read.summary[0].item() > 0
+            self._summary, self._summary_values = read.summary, None
+            summary = read.summary.tolist() if bad else None
+            rows = read.counts.tolist() if bad else []
+        self._summary_step = read.step
+        scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
+        if scaler_skipped:
+            self.scaler_skipped_steps += 1
+        if not bad:
+            return
+        places = self._places(rows, read.slots, scaler_skipped)
+        if not places:
+            return  # only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
+        event = Event(read.step, places[0], tuple(places[1:]))
+        self.events.append(event)
+        self.last = event
+        self._act(event, scaler_skipped)
+
+    def _places(self, rows: list, slots: list, scaler_skipped: bool) -> list[Place]:
+        places = []
+        i = 0
+        for phase, label, call, microbatch, n in slots:
+            if scaler_skipped and phase in _SCALED_PHASES:
+                pass
+            elif isinstance(label, _Site):
+                nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
+                if nan if self.nan_only else nan + posinf + neginf:
+                    places.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch))
+            else:
+                for name, (nan, posinf, neginf) in zip(label, rows[i:i + n]):
+                    if nan if self.nan_only else nan + posinf + neginf:
+                        places.append(Place(phase, name, "", int(nan), int(posinf), int(neginf)))
+            i += n
+        return places
+
+    def _act(self, event: Event, scaler_skipped: bool) -> None:
+        if callable(self.action):
+            self.action(event)
+        elif self.action == "raise":
+            raise NonFiniteError(event)
+        elif self.action == "warn":
+            warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
+        elif event.phase == "param":
+            raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
+        else:
+            # The GradScaler already skipped it, or the optimizer skips it on the device (found_inf).
+            self._skip_now = not scaler_skipped and not self._skip_on_device
+            self.skipped_steps += 1
+            warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters and optimizer state unchanged, "
+                          "grads zeroed)", RuntimeWarning, stacklevel=2)
+
+    # ---- numbers for a logger ----
+
+    def stats(self) -> dict[str, float]:
+        """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
+        |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
+        the first checked step. In an eager watch the first call after a step reads them (one transfer)."""
+        if self._summary_values is None:
+            if self._summary is None:
+                return {}
+            self._summary_values = self._summary.tolist()
+        values = dict(zip(_SUMMARY, self._summary_values))
+        return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
+                "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
+                "neginf": values["neginf"]}
+
+    def __repr__(self) -> str:
+        state = "installed" if self._installed else "removed"
+        return (f"Watch({type(self.model).__name__}, step={self.step_count}, events={len(self.events)}, "
+                f"skipped_steps={self.skipped_steps}, {state})")
+
+
+def _start_copy(read: _Read) -> None:
+    """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
+    flat = torch.cat([read.summary, read.counts.flatten().to(torch.float64)])
+    if flat.device.type == "cuda":
+        read.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        read.host.copy_(flat, non_blocking=True)
+        read.copied = torch.cuda.Event()
+        read.copied.record()
+    else:
+        read.host = flat
+
+
+def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **options: Any) -> Watch:
+    """Installs NaN/inf checks on `model` (and `optimizer`) and returns the `Watch` (also a context
+    manager; `remove()` restores the model and optimizer exactly). See docs/watch.md.
+
+    Checks (each a bool option, all on by default): ``inputs`` (tensors entering model.forward),
+    ``activations`` (every submodule's outputs), ``grads`` (gradients flowing out of each module in
+    backward, and every parameter's grad before the optimizer step), ``params`` (every parameter, as
+    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them).
+
+    Options: ``action`` ("raise", "warn", "skip" or a callable taking the Event), ``every`` (check one
+    step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
+    late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
+    non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
+    ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors)."""
+    return Watch(model, optimizer, **options)

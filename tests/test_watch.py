@@ -1,0 +1,668 @@
+"""nanfast.watch on real small models with real faults: the event names the producer, skip leaves the run
+as if the bad batch never happened, remove() leaves nothing behind, and one host read per step."""
+
+import copy
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nanfast
+from nanfast.bench_watch import BasicBlock
+
+NAN, INF = float("nan"), float("inf")
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d_in=8, d_hidden=16, d_out=4):
+        super().__init__()
+        self.l1 = torch.nn.Linear(d_in, d_hidden)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.l2 = torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.l2(self.act(self.l1(x)))
+
+
+class Magnitude(torch.nn.Module):
+    """sqrt(sum x^2): finite at x = 0, but its gradient there is 0/0."""
+
+    def forward(self, x):
+        return torch.sqrt((x * x).sum(-1, keepdim=True))
+
+
+class WithMagnitude(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.act = torch.nn.ReLU()
+        self.magnitude = Magnitude()
+        self.l2 = torch.nn.Linear(1, 4)
+
+    def forward(self, x):
+        return self.l2(self.magnitude(self.act(self.l1(x))))
+
+
+class Shared(torch.nn.Module):
+    """One Linear called twice per forward (weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.shared(self.shared(x) * self.scale)
+
+
+class MaskBuilder(torch.nn.Module):
+    """Builds an additive attention mask: -inf on purpose."""
+
+    def forward(self, x):
+        return torch.zeros(x.shape[0], x.shape[0]).masked_fill(torch.eye(x.shape[0], dtype=torch.bool).logical_not(), -INF)
+
+
+class Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_mask = MaskBuilder()
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        weights = torch.softmax(x @ x.T + self.attn_mask(x), -1)
+        return self.proj(weights @ x)
+
+
+class TinyResNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.block = BasicBlock(8, 16, 2)
+        self.fc = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc(self.block(self.stem(x)).mean((2, 3)))
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts aten._local_scalar_dense: the op behind .item(), i.e. a host read of a device value."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def batch(n=5, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randn(n, 4, generator=g)
+
+
+def train_step(model, optimizer, x, y, scaler=None):
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss
+
+
+def snapshot(model, optimizer):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = copy.deepcopy(optimizer.state_dict()["state"])
+    return params, state
+
+
+def assert_same(model, optimizer, saved):
+    params, state = saved
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+    now = optimizer.state_dict()["state"]
+    assert now.keys() == state.keys()
+    for i in state:
+        assert now[i].keys() == state[i].keys()
+        for k, v in state[i].items():
+            assert torch.equal(now[i][k], v) if isinstance(v, torch.Tensor) else now[i][k] == v, (i, k)
+
+
+# ---- the event names the producer ----
+
+
+def test_poisoned_weight_is_named_as_parameter_and_its_propagation_follows():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    train_step(model, opt, *batch())
+    with torch.no_grad():
+        model.l1.weight[3, 2] = NAN
+    with pytest.raises(nanfast.NonFiniteError) as info:
+        train_step(model, opt, *batch())
+    event = info.value.report
+    assert event is w.last and w.events == [event]
+    assert (event.step, event.phase, event.name, event.module_class) == (1, "param", "l1.weight", "")
+    assert (event.nan, event.posinf, event.neginf) == (1, 0, 0)
+    assert not event.dirty_input
+    later = [(p.phase, p.name) for p in event.later]
+    # Row 3 of l1's output is NaN for every sample; it spreads through the rest of the step in order.
+    assert later[:3] == [("forward", "l1"), ("forward", "act"), ("forward", "l2")]
+    assert later.index(("loss", "")) < later.index(("backward", "l2")) < later.index(("grad", "l1.weight"))
+    forward_l1 = event.later[0]
+    assert (forward_l1.module_class, forward_l1.nan) == ("Linear", 5)
+    assert "l1.weight" in str(info.value)
+    w.remove()
+
+
+def test_poisoned_weight_without_param_check_names_the_module():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.l2.weight[0, 0] = INF
+    with nanfast.watch(model, opt, params=False) as w, pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, *batch())
+    assert (w.last.phase, w.last.name, w.last.module_class) == ("forward", "l2", "Linear")
+
+
+def test_dirty_batch_is_reported_as_data_not_as_the_first_layer():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    x[2] = 0.0
+    x = x / x.abs().amax(dim=1, keepdim=True)  # normalised by a max of 0: 0/0
+    with nanfast.watch(model, opt) as w, pytest.raises(nanfast.NonFiniteError, match="input batch is dirty"):
+        train_step(model, opt, x, y)
+    assert w.last.dirty_input and (w.last.phase, w.last.name, w.last.nan) == ("input", "input", 8)
+    assert w.last.later[0].name == "l1"  # the layer is listed as propagation, not blamed
+
+
+def test_log_of_zero_in_the_loss_is_phase_loss():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, _ = batch()
+    target = torch.arange(5) % 4
+    with nanfast.watch(model, opt) as w:
+        opt.zero_grad()
+        probs = torch.softmax(model(x) * 1e4, -1)  # a cold softmax: non-argmax probabilities are exactly 0
+        loss = -torch.log(probs[torch.arange(5), target]).mean()
+        assert loss.isinf()
+        loss.backward()
+        with pytest.raises(nanfast.NonFiniteError):
+            opt.step()
+    assert (w.last.phase, w.last.name, w.last.module_class) == ("loss", "", "MLP")
+    assert w.last.later[0].phase == "backward"
+
+
+def test_huge_learning_rate_makes_the_parameter_non_finite_in_its_group():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD([{"params": model.l1.parameters()}, {"params": model.l2.parameters(), "lr": 1e38}], lr=1e-3)
+    w = nanfast.watch(model, opt)
+    x, y = batch()
+    train_step(model, opt, x, y * 1e3)  # finite grads; lr * grad overflows in l2's update
+    assert w.events == []
+    with pytest.raises(nanfast.NonFiniteError, match="previous optimizer step"):
+        train_step(model, opt, *batch(seed=1))
+    assert (w.last.step, w.last.phase, w.last.name) == (1, "param", "l2.weight")
+    assert w.last.posinf + w.last.neginf > 0 and w.last.nan == 0
+    assert {p.name for p in w.last.places if p.phase == "param"} <= {"l2.weight", "l2.bias"}
+    w.remove()
+
+
+def test_backward_only_nan_names_the_module_whose_backward_made_it():
+    model = WithMagnitude()
+    with torch.no_grad():
+        model.l1.bias.fill_(-100.0)  # the ReLU output is all 0: sqrt's gradient there is 0/0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt) as w, pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, *batch())
+    first = w.last.first
+    assert (first.phase, first.name, first.module_class, first.nan) == ("backward", "magnitude", "Magnitude", 5 * 16)
+    assert w.last.later == ()  # the ReLU's backward zeroes it (its inputs were all < 0)
+
+
+def test_weight_sharing_names_the_call():
+    model = Shared()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.scale.fill_(1e38)  # the second call of `shared` overflows
+    with nanfast.watch(model, opt, params=False) as w, pytest.raises(nanfast.NonFiniteError, match="shared \\(Linear\\) call 2"):
+        train_step(model, opt, torch.ones(2, 4) * 10, torch.zeros(2, 4))
+    assert (w.last.phase, w.last.name, w.last.first.call) == ("forward", "shared", 2)
+
+
+def test_inplace_relu_resnet_block_trains_and_reports():
+    torch.manual_seed(0)
+    model = TinyResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 3)
+    with nanfast.watch(model, opt) as w:
+        for _ in range(2):
+            train_step(model, opt, x, y)
+        with torch.no_grad():
+            model.block.bn2.weight[1] = INF
+        with pytest.raises(nanfast.NonFiniteError):
+            train_step(model, opt, x, y)
+    assert [(p.phase, p.name) for p in w.last.places][:2] == [("param", "block.bn2.weight"), ("forward", "block.bn2")]
+
+
+# ---- actions ----
+
+
+def test_warn_keeps_training_and_callable_receives_the_event():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    x[0, 0] = INF
+    with nanfast.watch(model, opt, action="warn") as w:
+        with pytest.warns(RuntimeWarning, match="input batch is dirty"):
+            train_step(model, opt, x, y)
+        assert w.last.posinf == 1
+    seen = []
+    model = MLP()  # the warned step was applied: that model is NaN now
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action=seen.append) as w:
+        train_step(model, opt, *batch())
+        train_step(model, opt, x, y)
+    assert seen == w.events and len(seen) == 1 and seen[0].step == 1
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),  # skips on the device (found_inf)
+], ids=["adam", "sgd-momentum", "adamw-fused"])
+def test_skip_leaves_params_and_state_bit_identical_as_if_the_batch_never_happened(make_optimizer):
+    good = [batch(seed=s) for s in range(4)]
+    bad_x, bad_y = batch(seed=9)
+    bad_x[1, 3] = NAN
+
+    def run(batches, watched):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = make_optimizer(model.parameters())
+        w = nanfast.watch(model, opt, action="skip") if watched else None
+        saved = None
+        for x, y in batches:
+            if x is bad_x:
+                saved = snapshot(model, opt)
+                with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+                    train_step(model, opt, x, y)
+                assert_same(model, opt, saved)
+                assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+            else:
+                train_step(model, opt, x, y)
+        return model, opt, w
+
+    model, opt, w = run(good[:2] + [(bad_x, bad_y)] + good[2:], watched=True)
+    assert w.skipped_steps == 1 and w.last.phase == "input" and w.step_count == 5
+    reference, ref_opt, _ = run(good, watched=False)
+    assert_same(model, opt, snapshot(reference, ref_opt))
+
+
+def test_skip_cannot_undo_non_finite_parameters():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.l1.bias[0] = NAN
+    with nanfast.watch(model, opt, action="skip") as w, pytest.raises(nanfast.NonFiniteError, match="cannot be skipped"):
+        train_step(model, opt, *batch())
+    assert w.skipped_steps == 0
+
+
+def test_invalid_options_are_refused():
+    model = MLP()
+    with pytest.raises(ValueError, match="action"):
+        nanfast.watch(model, action="explode")
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        nanfast.watch(model, action="skip")
+    with pytest.raises(ValueError, match="sync='eager'"):
+        nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), action="skip", sync="lagged")
+    with pytest.raises(ValueError, match="every"):
+        nanfast.watch(model, every=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        nanfast.watch(torch.ones(3))
+
+
+# ---- installing and removing ----
+
+
+def hook_state(model, *others):
+    """Every hook dict of every module, and the attributes (by identity for methods) of the others."""
+    dicts = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_forward_hooks_with_kwargs",
+             "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks")
+    state = [(name, d, dict(getattr(m, d))) for name, m in model.named_modules() for d in dicts]
+    for o in others:
+        state.append((type(o).__name__, sorted(vars(o)), [id(v) for v in vars(o).values() if callable(v)],
+                      dict(getattr(o, "_optimizer_step_pre_hooks", {})), dict(getattr(o, "_optimizer_step_post_hooks", {}))))
+    return state
+
+
+def test_remove_restores_model_optimizer_and_scaler_exactly():
+    model = MLP()
+    user_hook = model.l1.register_forward_hook(lambda *a: None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)  # wraps opt.step before the watch
+    scaler = torch.amp.GradScaler("cpu")
+    train_step(model, opt, *batch(), scaler=scaler)  # lazily created state and attributes
+    scheduler.step()
+    before = hook_state(model, opt, scaler)
+    w = nanfast.watch(model, opt, action="skip", scaler=scaler, sync="lagged")
+    assert hook_state(model, opt, scaler) != before
+    train_step(model, opt, *batch(), scaler=scaler)
+    scheduler.step()
+    w.remove()
+    assert hook_state(model, opt, scaler) == before
+    user_hook.remove()
+    w.remove()  # idempotent
+
+
+def test_context_manager_removes_on_error_and_hooks_left_in_the_graph_are_inert():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyError):
+        with nanfast.watch(model, opt) as w:
+            loss = F.mse_loss(model(batch()[0]), batch()[1])
+            raise KeyError
+    assert not model.l1._forward_hooks and not opt._optimizer_step_pre_hooks
+    loss.backward()  # the tensor hooks of that forward fire into a removed watch
+    assert w.events == [] and w._counts == []
+
+
+def test_no_activation_outlives_the_step():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    model.l1.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    with nanfast.watch(model, opt):
+        train_step(model, opt, *batch())
+        with torch.no_grad():
+            model(batch()[0])
+        gc.collect()
+        assert outputs and all(ref() is None for ref in outputs)
+
+
+# ---- one host read per step ----
+
+
+def count_syncs(fn):
+    with SyncCounter() as counter:
+        fn()
+    return counter.count
+
+
+def test_one_host_read_per_step_and_none_when_unchecked():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert count_syncs(lambda: train_step(model, opt, *batch())) == 0  # SGD itself never reads the device
+    with nanfast.watch(model, opt, every=2) as w:
+        counts = [count_syncs(lambda: train_step(model, opt, *batch(seed=s))) for s in range(4)]
+    assert counts == [1, 0, 1, 0]
+    assert w.step_count == 4
+
+
+def test_lagged_reads_nothing_inside_the_step_and_reports_one_step_late():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    x[0, 0] = NAN
+    w = nanfast.watch(model, opt, sync="lagged")
+    assert count_syncs(lambda: train_step(model, opt, *batch())) == 0
+    assert count_syncs(lambda: train_step(model, opt, x, y)) == 0  # step 1 is bad
+    assert w.events == []
+    with pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, *batch())  # step 2 reads step 1
+    assert (w.last.step, w.last.phase) == (1, "input")
+    w.remove()
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, sync="lagged")
+    train_step(model, opt, x, y)
+    with pytest.raises(nanfast.NonFiniteError):
+        w.flush()  # what the context manager does on exit
+    assert (w.last.step, w.last.phase) == (0, "input")
+    w.flush()  # nothing left
+    w.remove()
+
+
+def test_lagged_skip_on_a_fused_optimizer_needs_no_host_read():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    w = nanfast.watch(model, opt, action="skip", sync="lagged")
+    train_step(model, opt, *batch())
+    x, y = batch(seed=1)
+    x[0, 0] = NAN
+    saved = snapshot(model, opt)
+    assert count_syncs(lambda: train_step(model, opt, x, y)) == 0
+    assert_same(model, opt, saved)
+    assert w.skipped_steps == 0  # not known yet
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        train_step(model, opt, *batch(seed=2))
+    assert w.skipped_steps == 1 and w.last.step == 1
+    w.remove()
+
+
+def test_gradient_accumulation_reads_once_and_names_the_microbatch():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+
+    def accumulated_step(poison):
+        opt.zero_grad()
+        for k in range(3):
+            x, y = batch(seed=k)
+            if poison and k == 2:
+                x[4, 1] = -INF
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    assert count_syncs(lambda: accumulated_step(False)) == 1
+    with pytest.raises(nanfast.NonFiniteError, match="microbatch 2"):
+        accumulated_step(True)
+    assert (w.last.phase, w.last.first.microbatch, w.last.neginf) == ("input", 2, 1)
+    w.remove()
+
+
+def test_inference_under_no_grad_checks_activations_each_forward():
+    model = MLP().eval()
+    w = nanfast.watch(model)
+    x = batch()[0]
+    with torch.no_grad():
+        assert count_syncs(lambda: model(x)) == 1
+        model.l2.bias[1] = NAN
+        with pytest.raises(nanfast.NonFiniteError):
+            model(x)
+    assert (w.last.phase, w.last.name) == ("param", "l2.bias")
+    assert [(p.phase, p.name, p.nan) for p in w.last.later] == [("forward", "l2", 5)]
+    assert w.step_count == 2
+    w.remove()
+
+
+def test_frozen_parameters_are_checked_without_grads():
+    model = MLP()
+    model.l1.requires_grad_(False)
+    opt = torch.optim.SGD(model.l2.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    train_step(model, opt, *batch())
+    assert w.events == []
+    with torch.no_grad():
+        model.l1.weight[0, 0] = NAN
+    w.optimizer = None  # the frozen weight is not in the optimizer: check every model parameter
+    with pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, *batch())
+    assert (w.last.phase, w.last.name) == ("param", "l1.weight")
+    w.remove()
+
+
+# ---- intended infinities ----
+
+
+def test_ignore_patterns_and_nan_only():
+    torch.manual_seed(0)
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    with nanfast.watch(model, opt) as w, pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, x, y)
+    assert (w.last.name, w.last.neginf, w.last.later) == ("attn_mask", 20, ())
+    for options in ({"ignore": ["*attn_mask*"]}, {"nan_only": True}):
+        with nanfast.watch(model, opt, **options) as w:
+            train_step(model, opt, x, y)
+        assert w.events == []
+    with torch.no_grad():
+        model.proj.bias[0] = NAN
+    with nanfast.watch(model, opt, nan_only=True, ignore="proj.bias") as w, pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, x, y)
+    assert (w.last.phase, w.last.name) == ("forward", "proj")  # the ignored name is only that parameter
+
+
+# ---- AMP ----
+
+
+def test_gradscaler_overflow_is_not_an_error_but_a_forward_fault_is():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The first scale overflows the scaled gradients; the back-off brings it to 2**7.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, backoff_factor=2.0 ** -120)
+    w = nanfast.watch(model, opt, scaler=scaler)
+
+    def step(x, y):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), y * 100)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    before = snapshot(model, opt)
+    step(*batch())
+    assert (w.scaler_skipped_steps, w.events, w.step_count) == (1, [], 1)
+    assert_same(model, opt, before)
+    step(*batch(seed=1))
+    assert (w.scaler_skipped_steps, w.events, w.step_count, scaler.get_scale()) == (1, [], 2, 2.0 ** 7)
+    with torch.no_grad():
+        model.l1.weight[0] = 1e38  # l1's bf16 output overflows for an all-ones input
+    w.remove()
+    w = nanfast.watch(model, opt, scaler=scaler, params=False)
+    with pytest.raises(nanfast.NonFiniteError):
+        step(torch.ones(5, 8), batch()[1])
+    assert (w.last.phase, w.last.name, w.last.posinf) == ("forward", "l1", 5)
+    assert w.scaler_skipped_steps == 1  # the scaler skipped that step too, but for a fault, not an overflow
+    w.remove()
+
+
+# ---- numbers for a logger, and clipping on the same pass ----
+
+
+def test_stats_are_the_fused_pass_numbers():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    assert w.stats() == {}
+    opt.zero_grad()
+    F.mse_loss(model(batch()[0]), batch()[1]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    s = w.stats()
+    assert s["step"] == 0 and s["nan"] == s["posinf"] == s["neginf"] == 0
+    assert s["grad_norm"] == pytest.approx(torch.nn.utils.get_total_norm(grads).item(), rel=1e-6)
+    assert s["param_norm"] == pytest.approx(torch.nn.utils.get_total_norm(params).item(), rel=1e-6)
+    assert s["grad_max_abs"] == max(g.abs().max().item() for g in grads)
+    w.remove()
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 5) * 3, torch.randn(300), torch.randn(2, 2, 2)]
+    for max_norm, norm_type in [(1.0, 2.0), (1e6, 2.0), (0.5, math.inf)]:
+        ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
+        for a, b, g in zip(ours, theirs, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        total = nanfast.clip_grad_norm_(ours, max_norm, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+        assert total.dtype == expected.dtype and torch.allclose(total, expected, rtol=1e-6)
+        for a, b in zip(ours, theirs):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0)
+
+
+def test_clip_grad_norm_reports_non_finite_instead_of_spreading_nan():
+    model = MLP()
+    F.mse_loss(model(batch()[0]), batch()[1]).backward()
+    model.l2.bias.grad[1] = NAN
+    finite = model.l1.weight.grad.clone()
+    with pytest.raises(nanfast.NonFiniteError, match="l2.bias"):
+        nanfast.clip_grad_norm_(model.named_parameters(), 1e-3)
+    assert torch.equal(model.l1.weight.grad, finite)  # nothing was scaled
+    assert count_syncs(lambda: nanfast.clip_grad_norm_(model.parameters(), 1e-3, error_if_nonfinite=False)) == 0
+    assert torch.isfinite(model.l1.weight.grad).all() and model.l1.weight.grad.norm() < finite.norm()
+    assert model.l2.bias.grad.isnan().sum() == 1  # torch's clip would have made every gradient NaN
+
+
+def test_watch_clip_grad_norm_reuses_the_step_pass():
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    for m in (model, reference):
+        F.mse_loss(m(batch()[0]), batch()[1]).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    assert count_syncs(lambda: w.clip_grad_norm_(0.1)) == 0
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0)
+    assert count_syncs(opt.step) == 1
+    assert w.stats()["grad_norm"] == pytest.approx(expected.item(), rel=1e-6)
+    w.remove()
+
+
+# ---- CUDA ----
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_cuda_step_never_syncs_the_host(sync):
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    w = nanfast.watch(model, opt, sync=sync, action="skip")
+    x, y = (t.cuda() for t in batch())
+    train_step(model, opt, x, y)  # first-step allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            if sync == "lagged":
+                opt.step()
+        if sync == "eager":
+            torch.cuda.set_sync_debug_mode(0)
+            opt.step()  # the one read of the step
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    bad = x.clone()
+    bad[0, 0] = NAN
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        train_step(model, opt, bad, y)
+        train_step(model, opt, x, y)
+        w.flush()
+    assert w.skipped_steps == 1 and w.last.phase == "input"
+    w.remove()
