@@ -11,6 +11,7 @@ from typing import Optional
 COMMANDS = {
     "bench": ("bench", "benchmark nanfast against the pure-torch ways of finding NaN/inf"),
     "scan": ("scan", "check checkpoint files for NaN/inf without running pickled code"),
+    "demo": ("demo", "train a small model with a planted fault: watch catches it, locate names the op"),
 }
 
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
 from .report import NonFiniteError
@@ -32,9 +32,9 @@ _FORWARD_SOURCE_KEY = "nanfast.forward_source"
 # Source lines
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class SourceLine:
-    """A line of the user's code: the innermost frame outside torch and nanfast."""
+class SourceLine(NamedTuple):
+    """A line of the user's code: the innermost frame outside torch and nanfast. (A NamedTuple, not a
+    dataclass: one is made per op, and a tuple is the cheapest object to make.)"""
 
     filename: str
     lineno: int
@@ -54,11 +54,9 @@ _internal_by_filename: dict[str, bool] = {}
 
 
 def _is_internal(filename: str) -> bool:
-    internal = _internal_by_filename.get(filename)
-    if internal is None:
-        path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        internal = (path.startswith(_TORCH_DIR) or path.startswith(_NANFAST_DIR)) and path not in _USER_FILES_IN_PACKAGE
-        _internal_by_filename[filename] = internal
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    internal = (path.startswith(_TORCH_DIR) or path.startswith(_NANFAST_DIR)) and path not in _USER_FILES_IN_PACKAGE
+    _internal_by_filename[filename] = internal
     return internal
 
 
@@ -66,9 +64,13 @@ def user_frame() -> Optional[SourceLine]:
     """The innermost frame of the calling thread outside torch and nanfast (None on threads that run
     no user code, as the CUDA autograd workers). Walks frames, never formats a traceback: it runs per op."""
     frame = sys._getframe(1)
+    internal_by_filename = _internal_by_filename
     while frame is not None:
         code = frame.f_code
-        if not _is_internal(code.co_filename):
+        internal = internal_by_filename.get(code.co_filename)
+        if internal is None:
+            internal = _is_internal(code.co_filename)
+        if not internal:
             return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back
     return None
@@ -78,10 +80,9 @@ def user_frame() -> Optional[SourceLine]:
 # What a finding holds
 # --------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Producer:
+class Producer(NamedTuple):
     """The op that last wrote a tensor's storage under `locate`. For a backward op, `source` is where
-    the forward op of its autograd node ran (the line the user wrote)."""
+    the forward op of its autograd node ran (the line the user wrote). One is made per op."""
 
     op: str
     phase: str  # "forward" | "backward"
@@ -232,9 +233,14 @@ def _op_info(func) -> _OpInfo:
     return info
 
 
+# The dtypes that can hold NaN/inf and that the kernels read (float4 and e8m0 scales are not checked).
+_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
+                       torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.complex64,
+                       torch.complex128))
+
+
 def _checkable(t: Any) -> bool:
-    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta
-            and (t.is_floating_point() or t.is_complex()))
+    return isinstance(t, torch.Tensor) and t.dtype in _FLOATING and t.layout == torch.strided and not t.is_meta
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -262,17 +268,24 @@ def _device_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+_any_nonfinite_op = torch.ops.nanfast.any_nonfinite.default
+_stats_op = torch.ops.nanfast.stats.default
+
+
 def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     # NOTE: [locate syncs]
     # Reading the flag is a host sync per checked op on CUDA (free on CPU). locate is a debugging
     # tool that must stop at the op itself, so it pays that; the always-on watch does not.
-    return any(bool(torch.ops.nanfast.any_nonfinite([tensors[i] for i in group])) for group in _device_groups(tensors))
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return _any_nonfinite_op(tensors).item()
+    return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in _device_groups(tensors))
 
 
 def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
     rows: list[tuple[int, int, int]] = [(0, 0, 0)] * len(tensors)
     for group in _device_groups(tensors):
-        counts = torch.ops.nanfast.stats([tensors[i] for i in group])[0].tolist()
+        counts = _stats_op([tensors[i] for i in group])[0].tolist()
         for i, c in zip(group, counts):
             rows[i] = tuple(c)
     return rows
@@ -334,52 +347,74 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
 #   - otherwise the op propagates values already reported (or allowed), and says nothing.
 # The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
 # before it runs (out= arguments and self of copy_/fill_ are written only, and are outputs).
-# Provenance: each checked op's outputs' storages map (weakly) to the op and its user line, so an
-# input is traced to the op that last wrote its storage; views and saved tensors share storages.
+# Provenance: each checked op's outputs' storages record the op and its user line, so an input is
+# traced to the op that last wrote its storage (see NOTE: [provenance on storages]).
+
+
+# NOTE: [provenance on storages]
+# The op that last wrote a storage is kept on the storage's Python object (torch keeps that object, and
+# so the attribute, as long as the storage lives): views and saved tensors share it, nothing is kept
+# alive by it, and no weak-reference callback runs when a storage dies (a dictionary of weak references
+# cost more than the rest of the per-op work). Each locate region has its own token, so records of an
+# earlier region are not taken for this one's.
+_PRODUCER_ATTR = "_nanfast_producer"
+_region_tokens = itertools.count()
 
 
 class _LocateMode(TorchDispatchMode):
     def __init__(self, owner: Locate):
         super().__init__()
         self.owner = owner
-        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.token = next(_region_tokens)
+
+    def producer_of(self, t: torch.Tensor) -> Optional[Producer]:
+        record = getattr(t.untyped_storage(), _PRODUCER_ATTR, None)
+        return record[1] if record is not None and record[0] == self.token else None
+
+    def set_producer(self, t: torch.Tensor, producer: Producer) -> None:
+        setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         info = _op_info(func)
         if info.skip:
             return func(*args, **kwargs)
-        named = _named_args(info, args, kwargs)
         # Pre-op copies of the arguments the op reads and overwrites.
         before: dict[int, torch.Tensor] = {}
         if info.read_write_args:
-            for name, value in named:
+            for name, value in _named_args(info, args, kwargs):
                 if name in info.read_write_args:
                     for t in _tensors_in(value):
                         if _checkable(t):
                             before[id(t)] = t.clone()
         out = func(*args, **kwargs)
 
-        outputs = [t for t in _tensors_in(out) if _checkable(t)]
-        if not outputs:  # in-place ops returning nothing (_foreach_*_) changed their written arguments
-            outputs = [t for name, value in named if name in info.read_write_args or name in info.out_args
-                       for t in _tensors_in(value) if _checkable(t)]
+        if isinstance(out, torch.Tensor):
+            outputs = [out] if _checkable(out) else []
+        else:
+            outputs = [t for t in _tensors_in(out) if _checkable(t)]
+            if not outputs and (info.read_write_args or info.out_args):
+                # In-place ops that return nothing (_foreach_*_) changed their written arguments.
+                outputs = [t for name, value in _named_args(info, args, kwargs)
+                           if name in info.read_write_args or name in info.out_args
+                           for t in _tensors_in(value) if _checkable(t)]
         if not outputs:
             return out
         node = torch._C._current_autograd_node()
-        source = user_frame()
         if node is None:
-            producer = Producer(info.name, "forward", None, source)
-        else:
+            producer = Producer(info.name, "forward", None, user_frame())
+        else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
         if _any_nonfinite(outputs):
-            self._examine(info, func, named, before, outputs, producer, source, kwargs)
+            source = producer.source if node is None else user_frame()
+            self._examine(info, _named_args(info, args, kwargs), before, outputs, producer, source)
+        record = (self.token, producer)
         for t in outputs:
-            self.producers[t.untyped_storage()] = producer
+            setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
         return out
 
-    def _examine(self, info: _OpInfo, func, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
-                 outputs: list[torch.Tensor], producer: Producer, source: Optional[SourceLine], kwargs: dict) -> None:
+    def _examine(self, info: _OpInfo, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
+                 outputs: list[torch.Tensor], producer: Producer, source: Optional[SourceLine]) -> None:
         inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, tensor as read, the live tensor)
         scalars: list[str] = []
         scalar_nan = scalar_inf = False
@@ -413,14 +448,14 @@ class _LocateMode(TorchDispatchMode):
             kind, reason = "producer", "made NaN from inputs without NaN"
         else:
             dirty = [i for i, c in in_counts.items()
-                     if c[0] and self.producers.get(inputs[i][2].untyped_storage()) is None]
+                     if c[0] and self.producer_of(inputs[i][2]) is None]
             if not dirty:
                 return  # propagates values that were already reported, or allowed
             kind = "input"
             names = ", ".join(inputs[i][0] for i in dirty)
             reason = f"first op to consume NaN that no op under locate produced (input {names})"
             for i in dirty:  # report a dirty tensor once, at its first consumer
-                self.producers[inputs[i][2].untyped_storage()] = _OUTSIDE
+                self.set_producer(inputs[i][2], _OUTSIDE)
 
         def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], prod: Optional[Producer]) -> TensorInfo:
             lo, hi = _finite_min_max(t)
@@ -429,7 +464,7 @@ class _LocateMode(TorchDispatchMode):
 
         input_infos = []
         for i, (name, t, live) in enumerate(inputs):
-            prod = self.producers.get(live.untyped_storage()) if live.layout == torch.strided else None
+            prod = self.producer_of(live) if live.layout == torch.strided else None
             input_infos.append(info_of(name, t, in_counts.get(i, (0, 0, 0)), None if prod is _OUTSIDE else prod))
         names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
         output_infos = [info_of(n, t, c, None) for n, t, c in zip(names, outputs, out_counts)]

@@ -529,3 +529,33 @@ def test_locate_step_starts_from_no_grads_or_the_captured_ones(copy_grads):
     assert locate_step(step, before) is None  # the fault did not reproduce
     assert (seen[0] is None) if not copy_grads else torch.equal(seen[0], torch.full((3,), 2.0))
     assert torch.equal(x.grad, torch.full((3,), 5.0))  # put back
+
+
+def test_demo_catches_skips_and_locates_the_planted_fault(capsys):
+    from nanfast import demo
+
+    assert demo.run() == 0
+    out = capsys.readouterr().out
+    demo_lines = pathlib.Path(demo.__file__).read_text().splitlines()
+    fault = next(i for i, text in enumerate(demo_lines, 1) if text.endswith("# the planted fault: no epsilon"))
+    assert f"step {demo.BAD_STEP}: loss nan  <- non-finite" in out
+    assert "standardize (Standardize)" in out  # the watch's first place
+    assert "parameters unchanged: True" in out
+    assert f"nanfast.locate: aten.div.Tensor (forward) at {demo.__file__}:{fault} in forward" in out
+    assert "<- aten.std.correction" in out
+    assert out.count("<- non-finite") == 1 and out.rstrip().endswith("the parameters stayed finite: True")
+
+
+def test_catches_what_detect_anomaly_misses():
+    """detect_anomaly checks only backward outputs, and only for NaN."""
+    x = torch.tensor([0.0, 4.0], requires_grad=True)
+    with pytest.warns(UserWarning, match="Anomaly Detection has been enabled"):
+        with torch.autograd.detect_anomaly():
+            torch.log(torch.tensor([-1.0]))  # forward-only NaN
+            sqrt_loss(x).backward()  # an inf gradient
+    assert x.grad[0].item() == INF
+    x.grad = None
+    with pytest.raises(nanfast.NonFiniteError, match="aten.log.default"):
+        with nanfast.locate():
+            torch.log(torch.tensor([-1.0]))
+    assert first_finding(lambda: sqrt_loss(x).backward()).node == "SqrtBackward0"
