@@ -276,10 +276,10 @@ def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     # NOTE: [locate syncs]
     # Reading the flag is a host sync per checked op on CUDA (free on CPU). locate is a debugging
     # tool that must stop at the op itself, so it pays that; the always-on watch does not.
-    device = tensors[0].device
-    if all(t.device == device for t in tensors):
+    groups = _device_groups(tensors)
+    if len(groups) == 1:
         return _any_nonfinite_op(tensors).item()
-    return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in _device_groups(tensors))
+    return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in groups)
 
 
 def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -292,10 +292,10 @@ def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
 
 
 def _finite_min_max(t: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
-    if t.is_complex() or t.numel() == 0:
+    if t.is_complex() or t.numel() == 0 or t.layout != torch.strided or t.is_meta:
         return None, None
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
+    if t.dtype == torch.bool or t.element_size() == 1 and t.is_floating_point():  # float8: no aminmax kernel
+        t = t.to(torch.float32 if t.is_floating_point() else torch.uint8)
     values = t[torch.isfinite(t)] if t.is_floating_point() else t.reshape(-1)
     if values.numel() == 0:
         return None, None

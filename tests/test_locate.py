@@ -559,3 +559,15 @@ def test_catches_what_detect_anomaly_misses():
         with nanfast.locate():
             torch.log(torch.tensor([-1.0]))
     assert first_finding(lambda: sqrt_loss(x).backward()).node == "SqrtBackward0"
+
+
+def test_low_precision_outputs():
+    def narrow(t):
+        return t.to(torch.float8_e5m2)  # <fp8-cast>
+
+    finding = first_finding(narrow, torch.tensor([1.5, 1e6]))
+    assert (finding.op, finding.kind) == ("aten._to_copy.default", "producer")
+    assert_line(finding.source, "fp8-cast")
+    [out] = finding.outputs
+    assert (out.dtype, counts(out), out.min, out.max) == ("float8_e5m2", (0, 1, 0), 1.5, 1.5)
+    assert first_finding(lambda: torch.tensor([60000.0]).half() * 2).op == "aten.mul.Tensor"
