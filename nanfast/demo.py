@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ def make_batches() -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def run(args: argparse.Namespace = None) -> int:
+def run(args: Optional[argparse.Namespace] = None) -> int:
     torch.manual_seed(0)
     model = Classifier()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -101,4 +102,4 @@ def run(args: argparse.Namespace = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    """The demo takes no options."""
