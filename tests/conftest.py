@@ -1,0 +1,73 @@
+"""Shared test setup: hypothesis profiles, fixtures that restore global state, and an op recorder.
+
+Hypothesis profiles (HYPOTHESIS_PROFILE picks one; the default is "ci" when CI=true, else "dev"):
+  ci        derandomized, so a CI failure reproduces exactly; no deadline (2 shared cores are slow)
+  dev       random examples, same budget
+  thorough  many more examples, for a long local run"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nanfast
+
+# Building tensors of up to ~10^5 elements inside a strategy is legitimately slower than hypothesis expects,
+# and the function-scoped fixtures below only restore global state once the whole test is over.
+_common = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("ci", max_examples=60, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=60, **_common)
+settings.register_profile("thorough", max_examples=1000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") == "true" else "dev"))
+
+
+
+@pytest.fixture
+def restore_cpu_isa():
+    """Restores the CPU kernels' instruction set a test changes with nanfast._C.set_cpu_isa."""
+    isa = nanfast._C.cpu_isa()
+    yield isa
+    nanfast._C.set_cpu_isa(isa)
+
+
+@pytest.fixture
+def restore_num_threads():
+    threads = torch.get_num_threads()
+    yield threads
+    torch.set_num_threads(threads)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher's Python key, by name ("aten._local_scalar_dense.default",
+    "nanfast.stats.default", ...). `.item()`, `bool()`, `int()`, `float()` of a tensor all go through
+    aten._local_scalar_dense, the host sync this project must not do inside its ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.devices: dict[str, list[set[str]]] = collections.defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.counts[name] += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        self.devices[name].append({str(t.device) for t in tensors})
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_syncs(self) -> int:
+        return self.counts["aten._local_scalar_dense.default"]
+
+
+@pytest.fixture
+def op_recorder():
+    return OpRecorder
