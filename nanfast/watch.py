@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import math
 import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +30,19 @@ _SCALED_PHASES = frozenset(("loss", "backward", "grad"))
 # Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
 _SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
 _MAX_NAMED_IN_SUMMARY = 8
+
+# NOTE: [Modules that cannot make non-finite values]
+# These only select, zero, reorder or reshape their input, or (dropout) scale it by 1/(1-p): their
+# outputs and input gradients are non-finite only where their inputs are (a dropout could overflow only
+# values within 1/(1-p) of the dtype's maximum), so checking them would find propagation, never a
+# producer. They get no hooks: in a ResNet every ReLU re-reads the BatchNorm output it modified in place,
+# and in a transformer the dropouts are a third of all activation bytes. `pass_through=()` checks them too.
+PASS_THROUGH = (
+    torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten,
+    torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d,
+    torch.nn.AdaptiveMaxPool1d, torch.nn.AdaptiveMaxPool2d, torch.nn.AdaptiveMaxPool3d,
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +250,7 @@ class Watch:
         ignore: Union[str, Iterable[str]] = (),
         nan_only: bool = False,
         scaler: Optional[Any] = None,
+        pass_through: tuple[type, ...] = PASS_THROUGH,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
@@ -274,6 +287,7 @@ class Watch:
         self.every = every
         self.sync = sync
         self.nan_only = nan_only
+        self.pass_through = tuple(pass_through)
         self.ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
         self._check_inputs = inputs
         self._check_activations = activations
@@ -319,7 +333,7 @@ class Watch:
         self._handles.append(model.register_forward_hook(self._after_model))
         if self._check_activations or self._check_grads:
             for name, module in model.named_modules():
-                if module is model:
+                if module is model or isinstance(module, self.pass_through):
                     continue
                 site = _Site(name, type(module).__name__, self._ignored(name))
                 self._handles.append(module.register_forward_pre_hook(functools.partial(self._before_module, site)))
@@ -468,7 +482,7 @@ class Watch:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()
         if self.optimizer is None and not torch.is_grad_enabled():
-            self._end_step()  # inference: each forward is a step
+            self._end_step(fused_pass=False)  # inference: each forward is a step, of activations only
 
     # ---- the step: one read ----
 
@@ -557,11 +571,12 @@ class Watch:
         return total.to(fused.grads[0].dtype)
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
-                  scaler_skipped: bool = False) -> Optional[_Read]:
-        """The step boundary: packs this step's checks, reads them (eager) or starts their copy and reads
-        the previous step's (lagged), and acts. Returns this step's packed read if the step was checked."""
+                  scaler_skipped: bool = False, fused_pass: bool = True) -> Optional[_Read]:
+        """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
+        unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
+        (lagged), and acts. Returns this step's packed read if the step was checked."""
         self._skip_now = False
-        read = self._pack(found_inf, grad_scale, scaler_skipped) if self._active else None
+        read = self._pack(found_inf, grad_scale, scaler_skipped, fused_pass) if self._active else None
         self.step_count += 1
         self._reset_step()
         if self.sync == "lagged":
@@ -574,7 +589,8 @@ class Watch:
             self._evaluate(read)
         return read
 
-    def _pack(self, found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor], scaler_skipped: bool) -> _Read:
+    def _pack(self, found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor], scaler_skipped: bool,
+              fused_pass: bool) -> _Read:
         """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
         and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]."""
         device = self._device
@@ -582,7 +598,9 @@ class Watch:
         zero = torch.zeros((), dtype=torch.float64, device=device)
         grad_norm = grad_max = param_norm = zero
         with torch.no_grad():
-            fused = (self._clipped or self._fused_pass()) if (self._check_params or self._check_grads) else None
+            fused = None
+            if fused_pass and (self._check_params or self._check_grads):
+                fused = self._clipped or self._fused_pass()
             if fused is not None:
                 n = fused.n_params
                 if self._check_params:
@@ -731,5 +749,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
     late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
     non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
-    ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors)."""
+    ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors),
+    ``pass_through`` (module types left unhooked because they cannot create non-finite values;
+    default PASS_THROUGH)."""
     return Watch(model, optimizer, **options)
