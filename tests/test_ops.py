@@ -43,8 +43,8 @@ INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, to
 CPU_ISAS = ("avx512", "avx2", "baseline")  # best first, as nanfast._C.set_cpu_isa caps them
 ALL_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + FLOAT8_DTYPES + INT_DTYPES
 
-# Where torch itself can resolve a negative view (float8 and wide unsigned types have no neg kernel).
-NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# Negative views of signed types (unsigned ones wrap around: see test_negative_view_of_unsigned_integers).
+NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64)
 
 NONFINITE = (math.nan, math.inf, -math.inf)
 VIEWS = ("contiguous", "zero_dim", "transposed", "permuted", "step", "narrow", "rows", "expand_outer",
@@ -364,6 +364,17 @@ def test_conjugate_views_count_the_imaginary_sign():
     neg_conj = torch._neg_view(conj)
     for view in (conj, imag, conj.real, neg_conj, torch._neg_view(z), conj[::2]):
         check_against_reference([view])
+
+
+def test_negative_view_of_unsigned_integers():
+    """torch's -x of a uint8 wraps around (-1 is 255): read with those values, or refused by name."""
+    t = torch._neg_view(torch.tensor([1, 0, 3], dtype=torch.uint8))
+    try:
+        nanfast.stats([torch.ones(2), t])
+    except (ValueError, TypeError, RuntimeError) as e:
+        assert "nanfast.stats" in str(e) and names_entry(str(e), 1)
+    else:
+        check_against_reference([torch.ones(2), t])
 
 
 def test_negative_views_are_read_in_place(op_recorder):
