@@ -59,6 +59,8 @@ C10_HOST_DEVICE inline bool needs_rescale(const Partial& p) {
 C10_HOST_DEVICE inline void begin_rescaled_pass(Partial& p) {
   int exponent = 0;
   frexp(p.absmax, &exponent);
+  // The scale and its reciprocal must be finite normal doubles (absmax may be near DBL_MAX or subnormal).
+  exponent = exponent > 1023 ? 1023 : (exponent < -1021 ? -1021 : exponent);
   p.scale = ldexp(1.0, exponent);
   p.sumsq = 0.0;
 }
@@ -75,7 +77,12 @@ C10_HOST_DEVICE inline void merge(Partial& a, const Partial& b) {
   a.posinf += b.posinf;
   a.neginf += b.neginf;
   a.absmax = b.absmax > a.absmax ? b.absmax : a.absmax;
-  if (b.scale == a.scale) {
+  if (b.sumsq == 0.0) {
+    // nothing to add; a keeps its scale
+  } else if (a.sumsq == 0.0) {
+    a.sumsq = b.sumsq;  // an empty a must not impose its scale (it would underflow b's squares)
+    a.scale = b.scale;
+  } else if (b.scale == a.scale) {
     a.sumsq += b.sumsq;
   } else if (b.scale < a.scale) {
     const double r = b.scale / a.scale;

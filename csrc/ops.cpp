@@ -58,9 +58,13 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
         tensors[0].device(), "; pass the tensors of one device per call");
     InputRun& run = runs[i];
     // Only a complex input needs a new (real) view; copying a Tensor costs refcount traffic per entry.
-    const at::Tensor real_view = input.is_complex() ? at::view_as_real(input.is_conj() ? input.conj() : input) : at::Tensor();
+    TORCH_INTERNAL_ASSERT(!input.is_conj(), "the Conjugate fallback resolves conjugated views");
+    const at::Tensor real_view = input.is_complex() ? at::view_as_real(input) : at::Tensor();
     const at::Tensor& t = input.is_complex() ? real_view : input;
     TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": tensors[", i, "] has unsupported dtype ", t.scalar_type());
+    TORCH_CHECK(
+        !t.is_neg() || at::isFloatingType(t.scalar_type()) || at::isSignedType(t.scalar_type()), op, ": tensors[", i,
+        "] is a negative view of an unsigned ", t.scalar_type(), " tensor (its values wrap around); pass .resolve_neg()");
     run.dtype = t.scalar_type();
     run.numel = t.numel();
     run.negated = t.is_neg();
@@ -111,6 +115,18 @@ TORCH_LIBRARY(nanfast, m) {
       "stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)",
       {at::Tag::pt2_compliant_tag});
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor", {at::Tag::pt2_compliant_tag});
+}
+
+// The outputs are statistics, not differentiable functions of the inputs.
+TORCH_LIBRARY_IMPL(nanfast, Autograd, m) {
+  m.impl("stats", torch::CppFunction::makeFallthrough());
+  m.impl("any_nonfinite", torch::CppFunction::makeFallthrough());
+}
+
+// See NOTE: [Inputs as the kernels see them]: negative views are read in place.
+TORCH_LIBRARY_IMPL(nanfast, Negative, m) {
+  m.impl("stats", torch::CppFunction::makeFallthrough());
+  m.impl("any_nonfinite", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace nanfast

@@ -9,9 +9,11 @@
 namespace nanfast {
 
 // NOTE: [Inputs as the kernels see them]
-// A complex tensor is read as its real view (real and imaginary parts are counted separately),
-// a conjugated one through its un-conjugated view (counts and norms ignore signs), and a tensor
-// with the negative bit through its memory, with +inf and -inf swapped afterwards. A tensor that is
+// A complex tensor is read as its real view (real and imaginary parts are counted separately). A
+// tensor with the negative bit is read through its memory, with +inf and -inf swapped afterwards
+// (the Negative key falls through to the kernels). A conjugated view is resolved by PyTorch's
+// Conjugate fallback before the kernels run (a copy): conjugation flips the sign of the imaginary
+// parts only, which the per-tensor counts cannot express. A tensor that is
 // non-overlapping and dense (contiguous, or a permutation such as a transposed weight) is read as
 // one run in memory order: counts and norms do not depend on element order. Any other view
 // (slices, expands) keeps coalesced sizes and strides and is read in place, one row at a time.

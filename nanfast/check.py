@@ -25,7 +25,10 @@ def named_tensors(obj: Any, *, grads: bool = False) -> Iterator[tuple[str, torch
             raise ValueError("nanfast.check_all: grads=True takes an nn.Module, not an optimizer")
         yield from _flatten(obj.state_dict()["state"], "state")
     elif isinstance(obj, torch.Tensor):
-        yield ("tensor", obj.grad if grads else obj)
+        if not grads:
+            yield ("tensor", obj)
+        elif obj.grad is not None:
+            yield ("tensor", obj.grad)
     elif isinstance(obj, Mapping):
         yield from _flatten(obj, "")
     elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
@@ -81,7 +84,15 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
     for device, indices in by_device.items():
-        s = stats([pairs[i][1] for i in indices])
+        try:
+            s = stats([pairs[i][1] for i in indices])
+        except (RuntimeError, TypeError, ValueError):
+            for i in indices:  # the error path: find the entry the op refuses, and name it
+                try:
+                    stats([pairs[i][1]])
+                except (RuntimeError, TypeError, ValueError) as e:
+                    raise type(e)(f"nanfast.check_all: {pairs[i][0]!r}: {e}") from e
+            raise
         # One transfer per device: counts are exact in float64 up to 2^53.
         rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):

@@ -14,8 +14,16 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.nanfast.
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
+def _check_one_device(tensors, api):
+    for i, t in enumerate(tensors):
+        if t.device != tensors[0].device:
+            raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {tensors[0].device}; "
+                             "pass tensors of one device (nanfast.check_all groups them by device)")
+
+
 @torch.library.register_fake("nanfast::stats")
 def _stats_fake(tensors):
+    _check_one_device(tensors, "nanfast.stats")
     n = len(tensors)
     device = tensors[0].device if n else torch.device("cpu")
     return (
@@ -27,6 +35,7 @@ def _stats_fake(tensors):
 
 @torch.library.register_fake("nanfast::any_nonfinite")
 def _any_nonfinite_fake(tensors):
+    _check_one_device(tensors, "nanfast.any_nonfinite")
     device = tensors[0].device if len(tensors) else torch.device("cpu")
     return torch.empty((), dtype=torch.bool, device=device)
 
@@ -54,6 +63,8 @@ def _diagnose(tensors: list, api: str) -> None:
         if t.device != tensors[0].device:
             raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {tensors[0].device}; "
                              "pass tensors of one device (nanfast.check_all groups them by device)")
+        if t.is_quantized:
+            raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
 
 
 def _call(op, tensors: list, api: str):
@@ -115,7 +126,10 @@ class Stats:
     @property
     def total_norm(self) -> torch.Tensor:
         """0-dim float64: the L2 norm of all finite elements of all tensors."""
-        return torch.linalg.vector_norm(self.norm)
+        # Relative to the largest norm: float64 tensors' norms can be near the float64 max.
+        top = self.norm.amax() if len(self) else self.norm.new_zeros(())
+        scale = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
+        return scale * torch.linalg.vector_norm(self.norm / scale)
 
     def __len__(self) -> int:
         return len(self.tensors)

@@ -1,6 +1,8 @@
 // CPU implementation of nanfast::stats and nanfast::any_nonfinite.
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Dispatch_v2.h>
@@ -14,16 +16,44 @@
 
 namespace nanfast::cpu {
 
+// Widens one element to double. A float8 element goes through a 256-entry table: c10's float8
+// conversions are several ns each, and that path is the only one these dtypes take.
+template <typename T, bool kFloat8 = sizeof(T) == 1 && !std::is_integral_v<T>>
+struct Widen {
+  double operator()(T x) const {
+    return static_cast<double>(x);
+  }
+};
+
+template <typename T>
+struct Widen<T, true> {
+  const std::array<double, 256>& table = make_table();
+  double operator()(T x) const {
+    return table[x.x];
+  }
+  static const std::array<double, 256>& make_table() {
+    static const std::array<double, 256> values = [] {
+      std::array<double, 256> v{};
+      for (int bits = 0; bits < 256; ++bits) {
+        v[bits] = static_cast<double>(T(static_cast<uint8_t>(bits), T::from_bits()));
+      }
+      return v;
+    }();
+    return values;
+  }
+};
+
 template <typename T>
 Partial precise_stats(const T* data, int64_t n, int64_t stride) {
+  const Widen<T> widen;
   Partial p = empty_partial();
   for (int64_t i = 0; i < n; ++i) {
-    accumulate(p, static_cast<double>(data[i * stride]));
+    accumulate(p, widen(data[i * stride]));
   }
   if (needs_rescale(p)) {
     begin_rescaled_pass(p);
     for (int64_t i = 0; i < n; ++i) {
-      accumulate_rescaled(p, static_cast<double>(data[i * stride]));
+      accumulate_rescaled(p, widen(data[i * stride]));
     }
   }
   return p;
@@ -31,9 +61,10 @@ Partial precise_stats(const T* data, int64_t n, int64_t stride) {
 
 template <typename T>
 bool precise_any_nonfinite(const T* data, int64_t n, int64_t stride) {
+  const Widen<T> widen;
   bool bad = false;
   for (int64_t i = 0; i < n; ++i) {
-    bad |= is_nonfinite(static_cast<double>(data[i * stride]));
+    bad |= is_nonfinite(widen(data[i * stride]));
   }
   return bad;
 }
