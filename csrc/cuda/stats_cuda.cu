@@ -1,0 +1,440 @@
+// CUDA implementation of nanfast::stats and nanfast::any_nonfinite.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/Dispatch_v2.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../nonfinite.h"
+#include "../ops.h"
+
+namespace nanfast::cuda {
+namespace {
+
+// NOTE: [CUDA multi-tensor chunks]
+// Every tensor is cut into chunks of kChunkElements elements (the last one may be shorter). A block
+// of kThreads threads reduces one chunk to a Partial, the chunk's piece, stored at
+// piece_base[tensor] + chunk. As in PyTorch's multi-tensor apply, the chunks of the dense tensors of
+// one dtype are batched into launches of a kernel templated on the dtype: a ChunkBatch, the kernel
+// argument itself (under the 4 KB limit, so no metadata is copied to the device and nothing waits
+// for the host), holds up to kBatchTensors tensors and one (tensor, chunk) entry per block, up to
+// kBatchBlocks of them; thousands of small tensors take a few launches, a huge one spreads over as
+// many. Threads read a dense chunk with 16-byte loads where its start is aligned for them. A view
+// that is not dense gets a launch of its own that reads it in place through its sizes and strides,
+// with the same chunks. Threads accumulate with the shared code of nonfinite.h, a block merges its
+// threads' Partials in a fixed tree in shared memory, and a finishing kernel (one block per tensor,
+// piece_base in its argument, kFinishTensors tensors a launch) merges each tensor's pieces in a
+// fixed order: no atomics, and the results depend neither on the batching nor on the order in which
+// blocks run. A float64 chunk whose absmax calls for it is summed a second time, rescaled (see the
+// note on Partial statistics in nonfinite.h); every thread of the block decides on the block's
+// Partial, so the branch is uniform. any_nonfinite makes the same launches with a flag kernel: no
+// norms, integer and bool tensors left out, and a block that finds a non-finite value stores true
+// into the output (every writer stores the same value); blocks that start after that skip their
+// reads.
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunkElements = int64_t{1} << 16;
+constexpr int kBatchTensors = 96;
+constexpr int kBatchBlocks = 352;
+constexpr int64_t kFinishTensors = 480;
+constexpr int kMaxDims = 16;
+
+static_assert((kThreads & (kThreads - 1)) == 0, "block_reduce needs a power-of-two block");
+static_assert(kBatchTensors <= 256, "ChunkBatch::block_tensor is a uint8_t");
+
+// ---------------------------------------------------------------------------------------------
+// Device side: reading a chunk, reducing it in a block.
+
+// Reduces the threads' values in a fixed tree order; every thread of the block gets the result.
+template <typename V, typename Combine>
+__device__ V block_reduce(V value, const Combine& combine) {
+  __shared__ V shared[kThreads];
+  const int tid = threadIdx.x;
+  shared[tid] = value;
+  __syncthreads();
+#pragma unroll
+  for (int width = kThreads / 2; width > 0; width /= 2) {
+    if (tid < width) {
+      combine(shared[tid], shared[tid + width]);
+    }
+    __syncthreads();
+  }
+  const V result = shared[0];
+  __syncthreads();  // the buffer is reused by the next call
+  return result;
+}
+
+struct MergePartials {
+  __device__ void operator()(Partial& a, const Partial& b) const {
+    merge(a, b);
+  }
+};
+
+template <typename T>
+struct alignas(16) Packet {
+  T values[16 / sizeof(T)];
+};
+
+// One chunk of a dense tensor; read with 16-byte loads where its start is aligned for them.
+template <typename T>
+struct DenseChunk {
+  using scalar_t = T;
+  const T* data;  // the chunk's first element
+  int len;
+
+  // Calls fn(x) with each element this thread reads, widened to double.
+  template <typename Fn>
+  __device__ __forceinline__ void for_each(const Fn& fn) const {
+    constexpr int kPacked = sizeof(Packet<T>) / sizeof(T);
+    int scalar_begin = 0;
+    if (reinterpret_cast<uintptr_t>(data) % sizeof(Packet<T>) == 0) {
+      const Packet<T>* packets = reinterpret_cast<const Packet<T>*>(data);
+      const int num_packets = len / kPacked;
+#pragma unroll 4
+      for (int k = threadIdx.x; k < num_packets; k += kThreads) {
+        const Packet<T> packet = packets[k];
+#pragma unroll
+        for (int j = 0; j < kPacked; ++j) {
+          fn(static_cast<double>(packet.values[j]));
+        }
+      }
+      scalar_begin = num_packets * kPacked;
+    }
+    for (int i = scalar_begin + threadIdx.x; i < len; i += kThreads) {
+      fn(static_cast<double>(data[i]));
+    }
+  }
+};
+
+// A view that is not dense: its coalesced sizes and strides, innermost dimension first.
+struct Geometry {
+  int ndim;
+  int64_t sizes[kMaxDims];
+  int64_t strides[kMaxDims];
+};
+
+__device__ __forceinline__ int64_t offset_of(const Geometry& geometry, int64_t index) {
+  int64_t offset = 0;
+#pragma unroll
+  for (int d = 0; d < kMaxDims; ++d) {
+    if (d < geometry.ndim) {
+      offset += index % geometry.sizes[d] * geometry.strides[d];
+      index /= geometry.sizes[d];
+    }
+  }
+  return offset;
+}
+
+// One chunk of a view that is not dense, read in place.
+template <typename T>
+struct StridedChunk {
+  using scalar_t = T;
+  const T* data;  // the view's first element
+  const Geometry& geometry;
+  int64_t begin;  // index of the chunk's first element, in the view's logical order
+  int len;
+
+  template <typename Fn>
+  __device__ __forceinline__ void for_each(const Fn& fn) const {
+    for (int i = threadIdx.x; i < len; i += kThreads) {
+      fn(static_cast<double>(data[offset_of(geometry, begin + i)]));
+    }
+  }
+};
+
+template <typename Chunk>
+__device__ Partial chunk_stats(const Chunk& chunk) {
+  Partial mine = empty_partial();
+  chunk.for_each([&](double x) { accumulate(mine, x); });
+  Partial total = block_reduce(mine, MergePartials{});
+  // Only float64 values can square out of the range of a double (see NOTE: [Partial statistics]).
+  if constexpr (std::is_same_v<typename Chunk::scalar_t, double>) {
+    if (needs_rescale(total)) {  // every thread holds the same total: the branch is uniform
+      begin_rescaled_pass(total);
+      Partial mine_rescaled = total;
+      chunk.for_each([&](double x) { accumulate_rescaled(mine_rescaled, x); });
+      total.sumsq = block_reduce(mine_rescaled.sumsq, [](double& a, const double& b) { a += b; });
+    }
+  }
+  return total;
+}
+
+// What a block does with its chunk, for stats: store the chunk's Partial as its piece.
+struct StatsOfChunk {
+  Partial* pieces;
+
+  template <typename Chunk>
+  __device__ void operator()(const Chunk& chunk, int64_t piece) const {
+    const Partial total = chunk_stats(chunk);
+    if (threadIdx.x == 0) {
+      pieces[piece] = total;
+    }
+  }
+};
+
+// What a block does with its chunk, for any_nonfinite: set *found if the chunk holds NaN or inf.
+struct FlagNonfinite {
+  bool* found;
+
+  template <typename Chunk>
+  __device__ void operator()(const Chunk& chunk, int64_t /*piece*/) const {
+    if (*static_cast<volatile bool*>(found)) {
+      return;  // another block has found one: the answer is known
+    }
+    bool nonfinite = false;
+    chunk.for_each([&](double x) { nonfinite |= is_nonfinite(x); });
+    if (nonfinite) {
+      *found = true;
+    }
+  }
+};
+
+struct BatchTensor {
+  const void* data;
+  int64_t numel;
+  int64_t piece_base;
+};
+
+struct ChunkBatch {
+  BatchTensor tensors[kBatchTensors];
+  int32_t block_chunk[kBatchBlocks];   // block -> chunk of its tensor
+  uint8_t block_tensor[kBatchBlocks];  // block -> its tensor in `tensors`
+};
+
+static_assert(
+    sizeof(ChunkBatch) + std::max(sizeof(StatsOfChunk), sizeof(FlagNonfinite)) <= 4096,
+    "kernel arguments are limited to 4 KB");
+
+__device__ __forceinline__ int chunk_length(int64_t numel, int64_t begin) {
+  return static_cast<int>(numel - begin < kChunkElements ? numel - begin : kChunkElements);
+}
+
+template <typename T, typename Op>
+__global__ void __launch_bounds__(kThreads) dense_chunks_kernel(ChunkBatch batch, Op op) {
+  const BatchTensor& tensor = batch.tensors[batch.block_tensor[blockIdx.x]];
+  const int64_t chunk = batch.block_chunk[blockIdx.x];
+  const int64_t begin = chunk * kChunkElements;
+  op(DenseChunk<T>{static_cast<const T*>(tensor.data) + begin, chunk_length(tensor.numel, begin)},
+     tensor.piece_base + chunk);
+}
+
+template <typename T, typename Op>
+__global__ void __launch_bounds__(kThreads)
+    strided_chunks_kernel(const T* data, int64_t numel, Geometry geometry, int64_t piece_base, Op op) {
+  const int64_t chunk = blockIdx.x;
+  const int64_t begin = chunk * kChunkElements;
+  op(StridedChunk<T>{data, geometry, begin, chunk_length(numel, begin)}, piece_base + chunk);
+}
+
+struct FinishBatch {
+  int64_t first_tensor;
+  // The pieces of tensor first_tensor + i are [piece_base[i], piece_base[i + 1]).
+  int64_t piece_base[kFinishTensors + 1];
+};
+
+static_assert(sizeof(FinishBatch) + 4 * sizeof(void*) <= 4096, "kernel arguments are limited to 4 KB");
+
+// One block per tensor: merges the tensor's pieces and writes its row of the outputs.
+__global__ void __launch_bounds__(kThreads) finish_stats_kernel(
+    FinishBatch batch, const Partial* pieces, int64_t* counts, double* norm, double* absmax) {
+  Partial mine = empty_partial();
+  const int64_t end = batch.piece_base[blockIdx.x + 1];
+  for (int64_t k = batch.piece_base[blockIdx.x] + threadIdx.x; k < end; k += kThreads) {
+    merge(mine, pieces[k]);
+  }
+  const Partial total = block_reduce(mine, MergePartials{});
+  if (threadIdx.x == 0) {
+    const int64_t t = batch.first_tensor + blockIdx.x;
+    counts[3 * t] = total.nan;
+    counts[3 * t + 1] = total.posinf;
+    counts[3 * t + 2] = total.neginf;
+    norm[t] = l2_norm(total);
+    absmax[t] = total.absmax;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: planning and launching.
+
+int64_t chunks_of(int64_t numel) {
+  return (numel + kChunkElements - 1) / kChunkElements;
+}
+
+// piece_base[t]: the index of tensor t's first piece; piece_base.back() is the number of pieces.
+std::vector<int64_t> piece_bases(const std::vector<InputRun>& runs) {
+  std::vector<int64_t> piece_base(runs.size() + 1, 0);
+  for (size_t t = 0; t < runs.size(); ++t) {
+    piece_base[t + 1] = piece_base[t] + chunks_of(runs[t].numel);
+  }
+  return piece_base;
+}
+
+// The non-empty inputs of one dtype: dense ones are batched, views get launches of their own.
+struct DtypeGroup {
+  std::vector<size_t> dense;
+  std::vector<std::pair<size_t, Geometry>> views;
+};
+
+// Groups the inputs whose dtype passes `keep`, checking everything a launch could refuse up front.
+std::map<at::ScalarType, DtypeGroup> group_by_dtype(
+    const char* op, const std::vector<InputRun>& runs, bool (*keep)(at::ScalarType)) {
+  std::map<at::ScalarType, DtypeGroup> groups;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const InputRun& run = runs[i];
+    if (run.numel == 0 || !keep(run.dtype)) {
+      continue;
+    }
+    TORCH_CHECK(
+        chunks_of(run.numel) <= std::numeric_limits<int32_t>::max(), op, ": tensors[", i, "] has ", run.numel,
+        " elements, more than the CUDA kernels can index");
+    DtypeGroup& group = groups[run.dtype];
+    if (run.dense) {
+      group.dense.push_back(i);
+      continue;
+    }
+    const int ndim = static_cast<int>(run.sizes.size());
+    TORCH_CHECK(
+        ndim <= kMaxDims, op, ": tensors[", i, "] is a view whose strides leave ", ndim,
+        " dimensions after merging; the CUDA kernels read views of at most ", kMaxDims,
+        " (pass a .contiguous() copy)");
+    Geometry geometry{};
+    geometry.ndim = ndim;
+    for (int d = 0; d < ndim; ++d) {
+      geometry.sizes[d] = run.sizes[ndim - 1 - d];
+      geometry.strides[d] = run.strides[ndim - 1 - d];
+    }
+    group.views.emplace_back(i, geometry);
+  }
+  return groups;
+}
+
+// Launches `op` over every chunk of `group`, whose dtype is T (see NOTE: [CUDA multi-tensor chunks]).
+template <typename T, typename Op>
+void launch_chunks(
+    const std::vector<InputRun>& runs, const DtypeGroup& group, const std::vector<int64_t>& piece_base,
+    const Op& op, cudaStream_t stream) {
+  ChunkBatch batch{};
+  int num_tensors = 0;
+  int num_blocks = 0;
+  const auto flush = [&] {
+    if (num_blocks > 0) {
+      dense_chunks_kernel<T, Op><<<num_blocks, kThreads, 0, stream>>>(batch, op);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    num_tensors = 0;
+    num_blocks = 0;
+  };
+  for (size_t i : group.dense) {
+    const int64_t chunks = chunks_of(runs[i].numel);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      if (num_blocks == kBatchBlocks) {
+        flush();
+      }
+      if (chunk == 0 || num_tensors == 0) {  // tensor i is not in this batch yet
+        if (num_tensors == kBatchTensors) {
+          flush();
+        }
+        batch.tensors[num_tensors++] = BatchTensor{runs[i].data, runs[i].numel, piece_base[i]};
+      }
+      batch.block_tensor[num_blocks] = static_cast<uint8_t>(num_tensors - 1);
+      batch.block_chunk[num_blocks] = static_cast<int32_t>(chunk);
+      ++num_blocks;
+    }
+  }
+  flush();
+  for (const auto& [i, geometry] : group.views) {
+    const InputRun& run = runs[i];
+    strided_chunks_kernel<T, Op><<<static_cast<unsigned>(chunks_of(run.numel)), kThreads, 0, stream>>>(
+        static_cast<const T*>(run.data), run.numel, geometry, piece_base[i], op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+void launch_finish(
+    const std::vector<int64_t>& piece_base, const Partial* pieces, at::Tensor& counts, at::Tensor& norm,
+    at::Tensor& absmax, cudaStream_t stream) {
+  const int64_t n = static_cast<int64_t>(piece_base.size()) - 1;
+  for (int64_t first = 0; first < n; first += kFinishTensors) {
+    const int64_t count = std::min(kFinishTensors, n - first);
+    FinishBatch batch{};
+    batch.first_tensor = first;
+    std::copy(piece_base.begin() + first, piece_base.begin() + first + count + 1, batch.piece_base);
+    finish_stats_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+        batch, pieces, counts.mutable_data_ptr<int64_t>(), norm.mutable_data_ptr<double>(),
+        absmax.mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+bool any_dtype(at::ScalarType /*dtype*/) {
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cuda(at::TensorList tensors) {
+  const char* op_name = "nanfast.stats";
+  const std::vector<InputRun> runs = describe_inputs(op_name, tensors);
+  const std::map<at::ScalarType, DtypeGroup> groups = group_by_dtype(op_name, runs, any_dtype);
+  const std::vector<int64_t> piece_base = piece_bases(runs);
+
+  const c10::cuda::CUDAGuard device_guard(tensors[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::TensorOptions options = tensors[0].options();
+  const int64_t n = static_cast<int64_t>(runs.size());
+  at::Tensor counts = at::empty({n, 3}, options.dtype(at::kLong));
+  at::Tensor norm = at::empty({n}, options.dtype(at::kDouble));
+  at::Tensor absmax = at::empty({n}, options.dtype(at::kDouble));
+  at::Tensor pieces = at::empty({piece_base.back() * static_cast<int64_t>(sizeof(Partial))}, options.dtype(at::kByte));
+  Partial* pieces_data = static_cast<Partial*>(pieces.mutable_data_ptr());
+
+  for (const auto& entry : groups) {
+    AT_DISPATCH_V2(
+        entry.first, "nanfast.stats", AT_WRAP([&] {
+          launch_chunks<scalar_t>(runs, entry.second, piece_base, StatsOfChunk{pieces_data}, stream);
+        }),
+        at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, AT_EXPAND(AT_INTEGRAL_TYPES),
+        AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), AT_EXPAND(AT_FLOAT8_TYPES), at::kBool);
+  }
+  launch_finish(piece_base, pieces_data, counts, norm, absmax, stream);
+  fix_negated_counts(runs, counts);
+  return {counts, norm, absmax};
+}
+
+at::Tensor any_nonfinite_cuda(at::TensorList tensors) {
+  const char* op_name = "nanfast.any_nonfinite";
+  const std::vector<InputRun> runs = describe_inputs(op_name, tensors);
+  // Integer and bool tensors are finite by definition: they are not read.
+  const std::map<at::ScalarType, DtypeGroup> groups = group_by_dtype(op_name, runs, can_be_nonfinite);
+  const std::vector<int64_t> piece_base = piece_bases(runs);
+
+  const c10::cuda::CUDAGuard device_guard(tensors[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor found = at::zeros({}, tensors[0].options().dtype(at::kBool));
+  const FlagNonfinite flag{found.mutable_data_ptr<bool>()};
+  for (const auto& entry : groups) {
+    AT_DISPATCH_V2(
+        entry.first, "nanfast.any_nonfinite", AT_WRAP([&] {
+          launch_chunks<scalar_t>(runs, entry.second, piece_base, flag, stream);
+        }),
+        at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, AT_EXPAND(AT_FLOAT8_TYPES));
+  }
+  return found;
+}
+
+}  // namespace
+}  // namespace nanfast::cuda
+
+TORCH_LIBRARY_IMPL(nanfast, CUDA, m) {
+  m.impl("stats", &nanfast::cuda::stats_cuda);
+  m.impl("any_nonfinite", &nanfast::cuda::any_nonfinite_cuda);
+}

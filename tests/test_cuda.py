@@ -1,0 +1,323 @@
+"""The CUDA kernels of torch.ops.nanfast.stats / any_nonfinite: the same inputs (views, sign bits and
+the memory around them included) on CUDA and on CPU give the same results, which match the float64
+reference; launches, streams and host syncs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from reference import assert_stats_match, reference_any_nonfinite
+
+import nanfast
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# csrc/cuda/stats_cuda.cu: elements per chunk (one block each), the tensors and blocks one launch
+# takes, and the dimensions a view may keep after merging. A 16-byte load holds 16 / itemsize elements.
+K_CHUNK = 65536  # kChunkElements
+K_BATCH_TENSORS = 96  # kBatchTensors
+K_BATCH_BLOCKS = 352  # kBatchBlocks
+K_MAX_DIMS = 16  # kMaxDims
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FLOAT8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz)
+COMPLEX_DTYPES = (torch.complex128, torch.complex64, torch.complex32)
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
+              torch.uint64, torch.bool)
+ALL_DTYPES = FLOAT_DTYPES + FLOAT8_DTYPES + COMPLEX_DTYPES + INT_DTYPES
+REAL_DTYPE = {torch.complex128: torch.float64, torch.complex64: torch.float32, torch.complex32: torch.float16}
+# Where torch itself has a neg kernel to resolve a negative view (see reference.py).
+NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+NONFINITE = (math.nan, math.inf, -math.inf)
+EDGE_SIZES = (0, 1, 15, 17, K_CHUNK - 1, K_CHUNK + 1, 2 * K_CHUNK + 3)
+
+
+def on_cuda(t: torch.Tensor) -> torch.Tensor:
+    """t's view (sizes, strides, offset, conjugate and negative bits) over a CUDA copy of its whole
+    storage: the memory around the view travels too, so reading outside the view would show."""
+    raw = torch._neg_view(t) if t.is_neg() else t
+    raw = raw.conj() if raw.is_conj() else raw
+    storage = raw.untyped_storage().cuda()
+    out = torch.empty(0, dtype=raw.dtype, device="cuda")
+    out.set_(storage, raw.storage_offset(), raw.shape, raw.stride())
+    out = out.conj() if t.is_conj() else out
+    return torch._neg_view(out) if t.is_neg() else out
+
+
+def check_cuda_matches_cpu(cpu_list: list[torch.Tensor]) -> None:
+    """On CUDA, counts and absmax equal the CPU kernels' and norms agree to 1e-6; both match the reference."""
+    cuda_list = [on_cuda(t) for t in cpu_list]
+    counts, norm, absmax = torch.ops.nanfast.stats(cuda_list)
+    assert counts.is_cuda and norm.is_cuda and absmax.is_cuda
+    assert_stats_match(counts, norm, absmax, cpu_list)
+    cpu_counts, cpu_norm, cpu_absmax = torch.ops.nanfast.stats(cpu_list)
+    assert torch.equal(counts.cpu(), cpu_counts)
+    assert torch.equal(absmax.cpu(), cpu_absmax)
+    torch.testing.assert_close(norm.cpu(), cpu_norm, rtol=1e-6, atol=0)
+    found = torch.ops.nanfast.any_nonfinite(cuda_list)
+    assert found.is_cuda and found.shape == () and found.dtype == torch.bool
+    assert found.item() == torch.ops.nanfast.any_nonfinite(cpu_list).item() == reference_any_nonfinite(cpu_list)
+
+
+def random_tensor(n: int, dtype: torch.dtype, gen: torch.Generator, nonfinite_fraction: float = 0.01):
+    """n elements of dtype over several magnitudes; NaN, +inf and -inf at about nonfinite_fraction of
+    the positions where the dtype has them (a float8 type may turn some into NaN)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=gen).bool()
+    if dtype in (torch.int64, torch.uint64):
+        return torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen, dtype=torch.int64).view(dtype)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max + 1, (n,), generator=gen, dtype=torch.int64).to(dtype)
+    count = 2 * n if dtype.is_complex else n
+    values = torch.randn(count, generator=gen, dtype=torch.float64)
+    values *= 10.0 ** torch.randint(-3, 4, (count,), generator=gen).double()
+    bad = torch.rand(count, generator=gen) < nonfinite_fraction
+    values[bad] = torch.tensor(NONFINITE, dtype=torch.float64)[torch.randint(0, 3, (int(bad.sum()),), generator=gen)]
+    values = values.to(REAL_DTYPE.get(dtype, dtype))
+    return torch.view_as_complex(values.view(n, 2)) if dtype.is_complex else values
+
+
+def views_of(base: torch.Tensor) -> list[torch.Tensor]:
+    """base (1-D, contiguous) and views of it: dense ones (read as one run) and others (read in place)."""
+    n = base.numel()
+    rows = max(1, math.isqrt(n))
+    grid = base[: rows * (n // rows)].view(rows, n // rows)
+    views = [base, base[1:], base[3:], grid.t(), base[1::3], grid[:, 1:], grid[1::2, ::5],
+             base[: min(n, 3000)].view(-1, 1).expand(-1, 3)]
+    if n:
+        views.append(base[n // 2])  # 0-dim
+    if n >= 5:
+        views.append(base.as_strided((n - 4, 5), (1, 1)))  # overlapping rows
+    signed = []
+    for v in views[:3]:
+        if v.dtype in NEG_VIEW_DTYPES:
+            signed.append(torch._neg_view(v))
+        if v.is_complex():
+            signed += [v.conj(), v.conj().imag]  # conj().imag is a real view with the negative bit
+    return views + signed
+
+
+# --- against the CPU kernels and the reference ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_size_and_view(dtype):
+    """Sizes at chunk and 16-byte-load edges, from aligned and misaligned starts, as views of every kind."""
+    gen = torch.Generator().manual_seed(0)
+    for n in EDGE_SIZES:
+        check_cuda_matches_cpu(views_of(random_tensor(n, dtype, gen)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + FLOAT8_DTYPES + (torch.complex64,), ids=str)
+def test_one_nonfinite_at_each_chunk_edge(dtype):
+    """A single NaN, +inf or -inf at the first and last element of chunks, and of 16-byte loads."""
+    n = 2 * K_CHUNK + 40
+    clean = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    cases = []
+    for k, position in enumerate((0, 7, 8, 15, 16, K_CHUNK - 1, K_CHUNK, K_CHUNK + 1, 2 * K_CHUNK, n - 1)):
+        t = clean.clone()
+        t[position] = NONFINITE[k % 3]
+        cases += [t, t[1:], t[position:]]
+    check_cuda_matches_cpu(cases + [clean])
+
+
+@pytest.mark.parametrize("count", [1, 3, K_BATCH_TENSORS - 1, K_BATCH_TENSORS, K_BATCH_TENSORS + 1, 2000])
+def test_lists_of_many_tensors(count):
+    """Lists of mixed dtypes, sizes and views: several dtypes and several launches per call."""
+    gen = torch.Generator().manual_seed(count)
+    tensor_list = []
+    for i in range(count):
+        dtype = ALL_DTYPES[int(torch.randint(0, len(ALL_DTYPES), (), generator=gen))]
+        n = EDGE_SIZES[i % 5] if i % 50 == 0 else int(torch.randint(0, 3000, (), generator=gen))
+        views = views_of(random_tensor(n, dtype, gen, nonfinite_fraction=0.001))
+        tensor_list.append(views[int(torch.randint(0, len(views), (), generator=gen))])
+    check_cuda_matches_cpu(tensor_list)
+
+
+def test_empty_and_zero_dim_tensors():
+    check_cuda_matches_cpu(
+        [torch.tensor(math.nan), torch.empty(0), torch.tensor(3.0, dtype=torch.float64), torch.empty(0, 5).t(),
+         torch.tensor(-math.inf, dtype=torch.bfloat16), torch.tensor(7, dtype=torch.int16), torch.empty(3, 0, 2)]
+    )
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[1e300], [1e-300], [1e-200, 1e300], [2.0**1023, 2.0**-1074], [5e-324, 0.0], [1e-310, 3e-309]],
+    ids=str,
+)
+def test_float64_chunks_that_need_rescaling(values):
+    """float64 squares beyond a double's range: a block sums its chunk a second time, rescaled. Next to
+    chunks that need no rescaling, with a NaN, and as a view (the strided kernel does the same)."""
+    t = torch.randn(2 * K_CHUNK + 7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    chunk = t[K_CHUNK : 2 * K_CHUNK]
+    chunk.fill_(values[0])
+    chunk[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    chunk[100] = math.nan
+    check_cuda_matches_cpu(
+        [t, chunk, chunk.view(-1, 1).expand(-1, 2), torch.tensor(values, dtype=torch.float64).repeat(5)]
+    )
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_subnormals_are_not_flushed(dtype):
+    """Built without fast math: subnormal inputs keep their values in absmax and norm."""
+    tiny = torch.finfo(dtype).smallest_normal / 8
+    t = torch.full((K_CHUNK + 5,), tiny, dtype=dtype)
+    s = nanfast.stats([on_cuda(t)])
+    assert s.absmax.item() == float(t[0]) > 0
+    assert math.isclose(s.norm.item(), float(t[0]) * math.sqrt(t.numel()), rel_tol=1e-9)
+    check_cuda_matches_cpu([t, t[1:]])
+
+
+# --- views, read in place ------------------------------------------------------------------------
+
+
+def test_views_read_only_their_elements():
+    """NaN fills the memory around and between the views' elements: none of it is read."""
+    base = torch.full((4 * K_CHUNK + 64,), math.nan)
+    grid = base[: 4 * K_CHUNK].view(512, 512)
+    views = [base[1::2], grid[:, 3:200], grid[10:300:3, 1::5], grid[:, :100].t()]
+    for view in views:
+        view.copy_(torch.randn(view.shape))
+    base[7] = 2.0
+    base[4 * K_CHUNK : 4 * K_CHUNK + 40] = torch.randn(40)
+    views += [base[7:8].expand(3, 5000), base[4 * K_CHUNK : 4 * K_CHUNK + 40].as_strided((31, 10), (1, 1))]
+    assert base.isnan().any() and not any(v.isnan().any() for v in views)
+    check_cuda_matches_cpu(views)
+    cuda_views = [on_cuda(v) for v in views]
+    assert torch.ops.nanfast.stats(cuda_views)[0].sum().item() == 0
+    assert torch.ops.nanfast.any_nonfinite(cuda_views).item() is False
+
+
+def test_view_with_more_dimensions_than_the_kernels_take():
+    """A view whose dimensions do not merge (odd strides: none is twice the next) is read with up to
+    K_MAX_DIMS of them; one more is refused with an error naming the entry."""
+    base = torch.randn(400)
+    base[0] = math.inf
+
+    def odd_strided(ndim: int) -> torch.Tensor:
+        return base.as_strided((2,) * ndim, tuple(range(2 * ndim - 1, 0, -2)))
+
+    check_cuda_matches_cpu([odd_strided(K_MAX_DIMS), odd_strided(3)])
+    too_many = [torch.zeros(3, device="cuda"), on_cuda(odd_strided(K_MAX_DIMS + 1))]
+    for op in (torch.ops.nanfast.stats, torch.ops.nanfast.any_nonfinite):
+        with pytest.raises(RuntimeError, match=r"tensors\[1\] is a view whose strides leave 17 dimensions"):
+            op(too_many)
+
+
+# --- launches: batching, determinism, streams, sizes -----------------------------------------------
+
+
+def test_results_do_not_depend_on_batching():
+    """A tensor's results are the same bit for bit alone and after other tensors (which move its
+    chunks to other launches and other blocks), and from call to call."""
+    gen = torch.Generator().manual_seed(3)
+    big = random_tensor((K_BATCH_BLOCKS + 5) * K_CHUNK, torch.float32, gen, nonfinite_fraction=1e-6)
+    mid = random_tensor(3 * K_CHUNK + 1, torch.float64, gen)
+    sizes = torch.randint(0, 3000, (K_BATCH_TENSORS + 5,), generator=gen).tolist()
+    small = [random_tensor(n, torch.float16, gen) for n in sizes]
+    check_cuda_matches_cpu([big, mid] + small)
+    big, mid, small = on_cuda(big), on_cuda(mid), [on_cuda(t) for t in small]
+    alone = torch.ops.nanfast.stats([big, mid])
+    orders = ([big, mid], small + [big, mid], small[:1] + [big] + small[1:50] + [mid], small[:95] + [big, mid])
+    for tensor_list in orders:
+        counts, norm, absmax = torch.ops.nanfast.stats(tensor_list)
+        rows = [i for i, t in enumerate(tensor_list) if t is big or t is mid]
+        assert torch.equal(counts[rows], alone[0])
+        assert torch.equal(norm[rows].view(torch.int64), alone[1].view(torch.int64))
+        assert torch.equal(absmax[rows].view(torch.int64), alone[2].view(torch.int64))
+
+
+def test_runs_on_the_current_stream():
+    """The op reads its inputs after the work queued before it on the current stream."""
+    t = on_cuda(random_tensor(5 * K_CHUNK, torch.float16, torch.Generator().manual_seed(4)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keeps `stream` busy: a kernel on another stream would read t first
+        t.mul_(2)
+        counts, norm, absmax = torch.ops.nanfast.stats([t])
+        found = torch.ops.nanfast.any_nonfinite([t])
+    stream.synchronize()
+    cpu_counts, cpu_norm, cpu_absmax = torch.ops.nanfast.stats([t.cpu()])
+    assert torch.equal(counts.cpu(), cpu_counts) and torch.equal(absmax.cpu(), cpu_absmax)
+    torch.testing.assert_close(norm.cpu(), cpu_norm, rtol=1e-6, atol=0)
+    assert found.item() is True
+
+
+def test_more_than_2_31_elements():
+    """64-bit indexing: values past element 2^31, dense (float8) and as a view read in place (expanded)."""
+    n = 2**31 + 4096
+    positions = torch.tensor([3, 2**31 + 100, 2**31 + 5, 2**31 + 77, n - 1], device="cuda")
+    values = torch.tensor([-3.0, 2.0, math.nan, math.inf, -math.inf]).to(torch.float8_e5m2)
+    dense = torch.zeros(n, dtype=torch.uint8, device="cuda")  # set as bytes: no float8 kernels needed
+    dense[positions] = values.view(torch.uint8).cuda()
+    dense = dense.view(torch.float8_e5m2)
+    expanded = torch.tensor([1.0, math.nan, -2.0], device="cuda").expand(2**30, 3)  # 3 * 2^30 elements
+    counts, norm, absmax = torch.ops.nanfast.stats([dense, expanded])
+    assert counts.tolist() == [[1, 1, 1], [2**30, 0, 0]]
+    assert absmax.tolist() == [3.0, 2.0]
+    assert math.isclose(norm[0].item(), math.sqrt(13), rel_tol=1e-12)
+    assert math.isclose(norm[1].item(), math.sqrt(5 * 2**30), rel_tol=1e-9)
+    assert torch.ops.nanfast.any_nonfinite([dense]).item() is True
+    assert torch.ops.nanfast.any_nonfinite([dense[: 2**31]]).item() is False
+
+
+def test_any_nonfinite_with_integers_and_the_last_element():
+    ints = [torch.arange(K_CHUNK + 3, device="cuda").to(dtype) for dtype in INT_DTYPES]
+    t = torch.zeros(3 * K_CHUNK + 1, device="cuda")
+    assert torch.ops.nanfast.any_nonfinite(ints + [t]).item() is False
+    t[-1] = math.inf
+    assert torch.ops.nanfast.any_nonfinite(ints + [t]).item() is True
+    assert torch.ops.nanfast.any_nonfinite([t[:-1]]).item() is False
+    assert torch.ops.nanfast.any_nonfinite(ints + [t[:-1], t[-1:].expand(4, 2)]).item() is True
+
+
+# --- op contract -----------------------------------------------------------------------------------
+
+
+def opcheck_inputs():
+    t = torch.randn(5, 7, device="cuda")
+    t[1, 2] = math.nan
+    cuda = torch.device("cuda")
+    return {
+        "one": [torch.randn(3, device=cuda)],
+        "mixed": [t, t.t(), t[:, ::2], torch.arange(4, device=cuda), torch.randn(2, dtype=torch.complex64, device=cuda),
+                  torch.empty(0, device=cuda)],
+        "half": [torch.randn(K_CHUNK + 3, device=cuda).bfloat16(),
+                 torch.full((2,), math.inf, dtype=torch.half, device=cuda)],
+        "requires_grad": [torch.randn(4, device=cuda, requires_grad=True), torch.randn(3, device=cuda)],
+    }
+
+
+@pytest.mark.parametrize("name", ["one", "mixed", "half", "requires_grad"])
+@pytest.mark.parametrize("op", [torch.ops.nanfast.stats.default, torch.ops.nanfast.any_nonfinite.default])
+def test_opcheck(op, name):
+    torch.library.opcheck(op, (opcheck_inputs()[name],))
+
+
+def test_no_host_sync(op_recorder):
+    """No sync inside the ops: CUDA's sync debug mode raises on one, and the recorder counts .item()s.
+    The inputs take every path: batches, views, float64, integers, negative and conjugate bits."""
+    z = torch.randn(300, dtype=torch.complex64, device="cuda")
+    tensor_list = [torch.randn(2 * K_CHUNK + 1, device="cuda"), torch.randn(40, 30, device="cuda")[:, ::3],
+                   torch.tensor([math.nan, math.inf], dtype=torch.float64, device="cuda"),
+                   torch.arange(5, device="cuda"), z.conj(), z.conj().imag,
+                   torch._neg_view(torch.randn(7, device="cuda"))] + [torch.randn(3, device="cuda")] * 200
+    nanfast.stats(tensor_list)  # the first calls set up the allocator's pools: not the op's doing
+    nanfast.any_nonfinite(tensor_list)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with op_recorder() as ops:
+            s = nanfast.stats(tensor_list)
+            found = nanfast.any_nonfinite(tensor_list)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ops.counts["nanfast.stats.default"] == 1 and ops.counts["nanfast.any_nonfinite.default"] == 1
+    assert ops.host_syncs == 0
+    assert found.item() is True and s.counts.sum().item() == 2
