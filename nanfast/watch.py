@@ -156,20 +156,23 @@ class _Site:
 
 
 class _GradCheck:
-    """A tensor hook on a module's input: checks the gradient w.r.t. that input, i.e. what flows out
-    of the module in backward. Retargeted to the innermost module that takes the same tensor."""
+    """A pre-hook on the autograd node that produced a module's input: checks the gradient w.r.t. that
+    input (output `output_nr` of the node), i.e. what flows out of the module in backward. Retargeted
+    to the innermost module that takes the same tensor."""
 
-    __slots__ = ("watch", "phase", "site", "call", "microbatch")
+    __slots__ = ("watch", "phase", "site", "call", "microbatch", "output_nr")
 
-    def __init__(self, watch: Watch, phase: str, site: _Site, call: int, microbatch: int):
+    def __init__(self, watch: Watch, phase: str, site: _Site, call: int, microbatch: int, output_nr: int):
         self.watch = watch
         self.phase = phase
         self.site = site
         self.call = call
         self.microbatch = microbatch
+        self.output_nr = output_nr
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        if self.watch._installed:
+    def __call__(self, grad_outputs: tuple) -> None:
+        grad = grad_outputs[self.output_nr]
+        if grad is not None and self.watch._installed:
             self.watch._record(self.phase, self.site, self.call, self.microbatch, [grad])
 
 
@@ -411,26 +414,29 @@ class Watch:
         self._last_input_hook: Optional[_GradCheck] = None
 
     def _record(self, phase: str, site: _Site, call: int, microbatch: int, tensors: list) -> None:
-        self._counts.append(_stats_on(tensors, self._device)[0])
+        counts = _stats(tensors)[0] if len(tensors) == 1 else _stats_on(tensors, self._device)[0]
+        self._counts.append(counts if counts.device == self._device else counts.to(self._device, non_blocking=True))
         self._slots.append((phase, site, call, microbatch, len(tensors)))
 
     def _hook_grads(self, args: Any, phase: str, site: _Site, call: int) -> None:
         # NOTE: [Where a gradient is checked]
-        # A tensor hook on each input of a module fires with the gradient w.r.t. that input: what the
-        # module's backward (and any other consumer of the tensor) produced. Registered before the
-        # module runs, it sees the value the module received even when the module modifies it in place
-        # (ReLU(inplace=True)). Full backward hooks would wrap every module in an autograd Function and
-        # forbid in-place ops on module outputs. Leaves are skipped: hooks on them would outlive the step,
-        # and their gradients are the parameters' (phase grad).
+        # The gradient w.r.t. each input of a module is what the module's backward (and any other
+        # consumer of the tensor) produced. It is caught by a pre-hook on the autograd node that made the
+        # input (what a tensor hook does, for less), registered before the module runs: it sees the value
+        # the module received even when the module modifies it in place (ReLU(inplace=True)). Full
+        # backward hooks would wrap every module in an autograd Function and forbid in-place ops on module
+        # outputs. Leaves have no node (their gradients are the parameters', phase grad); the hooks go
+        # with the graph.
         for t in _floating_tensors(args, []):
-            if t.grad_fn is None:
+            node = t.grad_fn
+            if node is None:
                 continue
             if t is self._last_input and t._version == self._last_input_version:
                 self._last_input_hook.site = site
                 self._last_input_hook.call = call
                 continue
-            hook = _GradCheck(self, phase, site, call, self._microbatch)
-            t.register_hook(hook)
+            hook = _GradCheck(self, phase, site, call, self._microbatch, t.output_nr)
+            node.register_prehook(hook)
             self._last_input, self._last_input_version, self._last_input_hook = t, t._version, hook
 
     def _enter(self, site: _Site, args: Any) -> None:
