@@ -403,15 +403,16 @@ class Watch:
 
     def _forget_last(self) -> None:
         # NOTE: [Checking each tensor once]
-        # A container returns its last child's output and passes its input to its first child: the same
-        # tensor. The last tensor checked (and the last one given a gradient hook) is remembered with its
-        # version, so the container reuses the child's slot, which names the innermost module. Only one
-        # of each is held, and only until the forward ends: no activation outlives its use.
+        # A container returns its last child's output and passes its input on to its first child: the
+        # same tensor. The last output checked is remembered with its version counter, so the container
+        # reuses the child's slot (which names the innermost module) unless something changed it in place
+        # in between. Gradient hooks are keyed by (autograd node, output): a tensor taken by several
+        # modules (a container and its first child, a block's main path and its downsample) is hooked
+        # once, for the module that took it last. Both are dropped when the forward returns: no
+        # activation outlives its use.
         self._last_output: Optional[torch.Tensor] = None
         self._last_output_version = -1
-        self._last_input: Optional[torch.Tensor] = None
-        self._last_input_version = -1
-        self._last_input_hook: Optional[_GradCheck] = None
+        self._grad_checks: dict[tuple[Any, int], _GradCheck] = {}
 
     def _record(self, phase: str, site: _Site, call: int, microbatch: int, tensors: list) -> None:
         counts = _stats(tensors)[0] if len(tensors) == 1 else _stats_on(tensors, self._device)[0]
@@ -431,13 +432,13 @@ class Watch:
             node = t.grad_fn
             if node is None:
                 continue
-            if t is self._last_input and t._version == self._last_input_version:
-                self._last_input_hook.site = site
-                self._last_input_hook.call = call
-                continue
-            hook = _GradCheck(self, phase, site, call, self._microbatch, t.output_nr)
-            node.register_prehook(hook)
-            self._last_input, self._last_input_version, self._last_input_hook = t, t._version, hook
+            key = (node, t.output_nr)
+            hook = self._grad_checks.get(key)
+            if hook is None:
+                hook = self._grad_checks[key] = _GradCheck(self, phase, site, call, self._microbatch, t.output_nr)
+                node.register_prehook(hook)
+            else:
+                hook.phase, hook.site, hook.call = phase, site, call
 
     def _enter(self, site: _Site, args: Any) -> None:
         if site.forward_id != self._forward_id:
@@ -484,7 +485,6 @@ class Watch:
             if self._check_loss:
                 self._check_output("forward", self._root, output)
                 if torch.is_grad_enabled() and not self._root.ignored:
-                    self._forget_last()
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()
         if self.optimizer is None and not torch.is_grad_enabled():
