@@ -128,8 +128,8 @@ class Event:
         if self.dirty_input:
             head = f"step {self.step}: the input batch is dirty: {self.first.describe()}; the model did not produce it"
         elif self.first.phase == "param":
-            head = (f"step {self.step}: {self.first.describe()} when the step began "
-                    "(written by the previous optimizer step, or loaded so)")
+            head = (f"step {self.step} began with non-finite values in {self.first.describe()}: made by the previous "
+                    "optimizer step (or whatever last wrote the parameters)")
         else:
             head = f"step {self.step}: non-finite values first appeared in the {self.first.describe()}"
         if not self.later:
