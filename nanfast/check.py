@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .ops import stats
 from .report import Entry, NonFiniteError, Report
 
@@ -73,28 +74,33 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
     parameters' .grad instead, skipping parameters without one), a torch.optim.Optimizer (its state
     tensors, named state.<param index>.<key>), a Mapping name -> Tensor (a state_dict; nested
     dicts/lists named with '.'), or an iterable of Tensors or of (name, Tensor) pairs. Tensors on
-    several devices are grouped: one fused pass and one host sync per device.
+    several devices are grouped: one fused pass and one host sync per device. A DTensor (FSDP2,
+    tensor parallel) is checked on its local shard, then its row is reduced over its mesh (two small
+    all-reduces per process group, not per tensor): its entry names and counts the full tensor, with
+    the global norm, on every rank. With DTensors, every rank of their meshes must call check_all.
 
     Raises NonFiniteError (carrying the Report) if anything is non-finite and raise_on_nonfinite."""
     pairs = list(named_tensors(obj, grads=grads))
+    local = [distributed.local_tensor(t) for _, t in pairs]
     by_device: dict[torch.device, list[int]] = {}
-    for i, (name, t) in enumerate(pairs):
+    for i, ((name, _), t) in enumerate(zip(pairs, local)):
         _validate(name, t)
         by_device.setdefault(t.device, []).append(i)
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
     for device, indices in by_device.items():
         try:
-            s = stats([pairs[i][1] for i in indices])
+            s = stats([local[i] for i in indices])
         except (RuntimeError, TypeError, ValueError):
             for i in indices:  # the error path: find the entry the op refuses, and name it
                 try:
-                    stats([pairs[i][1]])
+                    stats([local[i]])
                 except (RuntimeError, TypeError, ValueError) as e:
                     raise type(e)(f"nanfast.check_all: {pairs[i][0]!r}: {e}") from e
             raise
         # One transfer per device: counts are exact in float64 up to 2^53.
-        rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1).tolist()
+        rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1)
+        rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):
             name, t = pairs[i]
             entries[i] = Entry(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(device),

@@ -10,6 +10,7 @@ from typing import Union
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.nanfast.*)
+from . import distributed
 
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -136,17 +137,33 @@ class Stats:
 
 
 def stats(tensors: TensorOrTensors) -> Stats:
-    """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device)."""
+    """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device). DTensors (FSDP2,
+    tensor parallel) are read on their local shards and their results reduced over their mesh: the
+    counts and norms of the full tensors, the same on every rank (collectives, but no host sync)."""
     tensors = _as_list(tensors, "nanfast.stats")
     if not tensors:
         return Stats(*_stats_fake(tensors), ())
+    if distributed.has_dtensor(tensors):
+        return _dtensor_stats(tensors)
     return Stats(*_call(torch.ops.nanfast.stats, tensors, "nanfast.stats"), tuple(tensors))
+
+
+def _dtensor_stats(tensors: list) -> Stats:
+    """Stats of the full tensors when some are DTensors: the fused pass over the local shards, then
+    small all-reduces over their meshes (see NOTE: [Global statistics of a DTensor])."""
+    counts, norm, absmax = _call(torch.ops.nanfast.stats, [distributed.local_tensor(t) for t in tensors], "nanfast.stats")
+    rows = distributed.globalize_rows(tensors, torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1))
+    return Stats(rows[:, :3].to(torch.int64), rows[:, 3].contiguous(), rows[:, 4].contiguous(), tuple(tensors))
 
 
 def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
     """0-dim bool tensor on the tensors' device: does any element of any tensor hold NaN or ±inf.
-    The cheapest check: no norms, and it stops reading once it has found one."""
+    The cheapest check: no norms, and it stops reading once it has found one. For DTensors, true on
+    every rank of their mesh when any shard holds one (one MAX all-reduce)."""
     tensors = _as_list(tensors, "nanfast.any_nonfinite")
     if not tensors:
         return torch.zeros((), dtype=torch.bool)
+    if distributed.has_dtensor(tensors):
+        local = [distributed.local_tensor(t) for t in tensors]
+        return distributed.globalize_flag(tensors, _call(torch.ops.nanfast.any_nonfinite, local, "nanfast.any_nonfinite"))
     return _call(torch.ops.nanfast.any_nonfinite, tensors, "nanfast.any_nonfinite")

@@ -1,0 +1,143 @@
+"""nanfast on `torch.distributed` as it is: a step's non-finite flag all-reduced asynchronously (so
+every rank takes the same decision), the ranks' findings gathered only when a step is bad, and
+DTensor (FSDP2 `fully_shard`, tensor parallel) entries checked on their local shards and reduced
+over their mesh, so that counts and norms are those of the full tensor."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# Columns of a row of per-tensor results, as check_all and stats lay them out.
+NAN, POSINF, NEGINF, NORM, ABSMAX = range(5)
+
+
+def dtensor_type() -> Optional[type]:
+    """torch's DTensor class if it has been imported, else None. Importing torch.distributed.tensor
+    costs a second; a program that has no DTensor has not imported it, and needs no check."""
+    module = sys.modules.get("torch.distributed.tensor._api")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def has_dtensor(tensors: Sequence[Any]) -> bool:
+    cls = dtensor_type()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The values of `t` this rank holds: a DTensor's local shard (after reducing any Partial
+    placement), any other tensor itself."""
+    return _resolve_partial(t).to_local() if is_dtensor(t) else t
+
+
+def default_group(group: Optional[Any]) -> Optional[Any]:
+    """The process group to agree over: `group` if given, the default group when torch.distributed is
+    initialised and has more than one rank, else None (one process: nothing to agree on)."""
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def all_reduce_flag_async(flag: torch.Tensor, group: Any) -> Any:
+    """Starts the MAX all-reduce of `flag` (a tensor of the step's non-finite counts) in place over
+    `group` and returns its Work. Nothing blocks here: wait() on the Work right before the value is
+    used (on NCCL wait() only orders the current stream after the collective; the host reads the flag
+    once after it, as it would anyway)."""
+    return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
+def gather_objects(obj: Any, group: Any) -> list:
+    """Every rank's `obj`, in group-rank order. A host collective: only for a bad step, which every
+    rank knows to be bad from the reduced flag, so all of them call it."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+# NOTE: [Global statistics of a DTensor]
+# Each rank runs the fused pass over its local shard, like any other tensor. Then, per process group
+# (not per tensor), two small all-reduces over the mesh dimensions on which the DTensor is sharded:
+# MAX of [norm, absmax], then SUM of [nan, +inf, -inf, (norm / max norm)^2]. The global norm is
+# max norm * sqrt(sum): a float64 tensor's norm can be near the float64 maximum, and its square would
+# overflow, so the squares are summed relative to the largest. On mesh dimensions where the DTensor is
+# replicated every rank holds the same values: nothing is reduced there (the counts stay those of one
+# copy). A Partial (pending-reduction) DTensor is redistributed to Replicate first: its local values
+# are not the tensor's values.
+
+
+def _reduce_dims(t: Any) -> list[int]:
+    from torch.distributed.tensor import Shard
+
+    return [d for d, placement in enumerate(t.placements) if isinstance(placement, Shard)]
+
+
+def _resolve_partial(t: Any) -> Any:
+    """`t` with its Partial placements reduced (a collective of its own; sharded and replicated DTensors,
+    FSDP2's parameters and gradients, need none)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if any(isinstance(p, Partial) for p in t.placements):
+        return t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    return t
+
+
+def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (float64 [len(tensors), 5]: nan, +inf, -inf, norm, absmax of each tensor's local part)
+    with the rows of DTensor entries replaced by those of the full DTensor. Collectives: two per
+    process group involved, in the order the tensors come (the same on every rank); none when no entry
+    is a DTensor."""
+    groups: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if is_dtensor(t):
+            for d in _reduce_dims(t):
+                groups.setdefault(t.device_mesh.get_group(d), []).append(i)
+    if not groups:
+        return rows
+    rows = rows.clone()
+    local_norm = rows[:, NORM].clone()
+    for group, indices in groups.items():
+        index = torch.tensor(indices, device=rows.device)
+        top = rows.index_select(0, index)[:, NORM:].contiguous()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        rows[index, NORM:] = top
+    # rows[:, NORM] is now the largest shard norm of each DTensor: the scale of its squares.
+    scale = torch.where(torch.isfinite(rows[:, NORM]) & (rows[:, NORM] > 0), rows[:, NORM], 1.0)
+    relative_sumsq = (local_norm / scale).square()
+    for group, indices in groups.items():
+        index = torch.tensor(indices, device=rows.device)
+        part = torch.cat([rows.index_select(0, index)[:, :NORM], relative_sumsq.index_select(0, index)[:, None]], dim=1)
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        rows[index, :NORM] = part[:, :NORM]
+        relative_sumsq[index] = part[:, NORM]
+    reduced = torch.zeros(len(tensors), dtype=torch.bool)
+    reduced[[i for indices in groups.values() for i in indices]] = True
+    rows[:, NORM] = torch.where(reduced.to(rows.device), scale * relative_sumsq.sqrt(), local_norm)
+    return rows
+
+
+def globalize_flag(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tensor:
+    """`flag` (0-dim bool: any non-finite value in the local parts of `tensors`) made true on every rank
+    of the meshes the DTensor entries are sharded over when it is true on one: one MAX all-reduce per
+    process group."""
+    groups = {}
+    for t in tensors:
+        if is_dtensor(t):
+            for d in _reduce_dims(t):
+                groups.setdefault(t.device_mesh.get_group(d), None)
+    if not groups:
+        return flag
+    value = flag.to(torch.int32).reshape(1)
+    for group in groups:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value[0].bool()
