@@ -1,0 +1,124 @@
+"""nanfast with torch.compile: check_all and stats on a compiled model, the ops traced inside a
+compiled step without graph breaks (fullgraph=True) and giving eager's results; CUDA-graph capture of
+the ops (skipped without a GPU). The ops themselves are compiled alone in tests/test_ops.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import nanfast
+
+
+class Net(torch.nn.Module):
+    """log of its input: non-finite outputs for inputs <= 0, so a batch chooses clean or bad."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 8)
+        self.outer = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.inner(torch.log(x)))
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+CLEAN = torch.rand(6, 4) + 0.5
+BAD = CLEAN.clone()
+BAD[2, 1] = 0.0  # log(0) = -inf: infinities downstream, NaN where +inf and -inf meet
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_check_all_on_a_compiled_model_names_its_parameters():
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(CLEAN).sum().backward()
+    eager = nanfast.check_all(model, grads=True)
+    report = nanfast.check_all(compiled, grads=True)
+    assert [e.name for e in report.entries] == ["inner.weight", "inner.bias", "outer.weight", "outer.bias"]
+    assert report == eager  # the same tensors: the compiled model's parameters are the model's
+    with torch.no_grad():
+        model.outer.weight[1, 2] = math.nan
+    with pytest.raises(nanfast.NonFiniteError, match=r"outer\.weight \[3, 8\] \(nan=1"):
+        nanfast.check_all(compiled)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_stats_of_compiled_outputs_match_eager(backend):
+    model = _model()
+    compiled = torch.compile(model, backend=backend)
+    for batch in (CLEAN, BAD):
+        with torch.no_grad():
+            expected, got = nanfast.stats(model(batch)), nanfast.stats(compiled(batch))
+        assert got.counts.tolist() == expected.counts.tolist()
+        torch.testing.assert_close(got.norm, expected.norm, rtol=1e-5, atol=0)
+    assert nanfast.stats(compiled(BAD)).nonfinite.item() > 0
+
+
+def checked_step(model: torch.nn.Module, x: torch.Tensor):
+    """A training step's forward with its checks, all inside one compiled graph."""
+    out = model(x)
+    s = nanfast.stats([out, x])
+    loss = torch.where(s.any_nonfinite, torch.zeros((), dtype=out.dtype), out.square().mean())
+    return (loss, s.counts, s.norm, s.absmax, s.total_norm, nanfast.any_nonfinite([out]),
+            torch.ops.nanfast.any_nonfinite([x]), torch.ops.nanfast.stats([out])[0])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_checks_compile_inside_a_step_without_graph_breaks(backend):
+    model = _model()
+    # fullgraph=True: a graph break anywhere in the step (the checks included) is an error.
+    compiled = torch.compile(checked_step, backend=backend, fullgraph=True)
+    for batch in (CLEAN, BAD):
+        expected = checked_step(model, batch)
+        got = compiled(model, batch)
+        for g, e in zip(got, expected):
+            if g.is_floating_point():
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=0, equal_nan=True)
+            else:
+                assert torch.equal(g, e)
+    assert compiled(model, BAD)[5].item() and not compiled(model, CLEAN)[5].item()
+
+
+def test_compiled_step_has_one_graph():
+    explanation = torch._dynamo.explain(checked_step)(_model(), CLEAN)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ops_capture_in_a_cuda_graph():
+    """No host sync and no allocation outside the caching allocator: the ops record into a CUDA graph,
+    and each replay reads the inputs' current values."""
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(37, 5, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture, as torch.cuda.graphs asks
+        nanfast.stats([x, y])
+        nanfast.any_nonfinite([x, y])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s = nanfast.stats([x, y])
+        found = nanfast.any_nonfinite([x, y])
+        total = s.total_norm
+    for planted in (None, (3, math.nan), (7, math.inf)):
+        if planted is not None:
+            x[planted[0]] = planted[1]
+        graph.replay()
+        eager = nanfast.stats([x, y])
+        assert torch.equal(s.counts, eager.counts)
+        assert torch.equal(s.norm, eager.norm) and torch.equal(total, eager.total_norm)
+        assert found.item() == (planted is not None)
