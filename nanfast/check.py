@@ -17,7 +17,7 @@ from .report import Entry, NonFiniteError, Report
 def named_tensors(obj: Any, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs `check_all` checks in `obj` (see check_all for what each kind gives)."""
     if isinstance(obj, torch.nn.Module):
-        obj = _uncompiled(obj)
+        obj = uncompiled(obj)
         if grads:
             yield from ((name, p.grad) for name, p in obj.named_parameters() if p.grad is not None)
         else:
@@ -48,7 +48,7 @@ def named_tensors(obj: Any, *, grads: bool = False) -> Iterator[tuple[str, torch
                         "a mapping of tensors (state_dict) or an iterable of tensors or (name, tensor) pairs")
 
 
-def _uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     """The model inside a torch.compile wrapper, whose names carry an `_orig_mod.` prefix: entries are
     named as in the model (the parameters are the same tensors)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
