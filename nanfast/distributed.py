@@ -12,8 +12,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-# Columns of a row of per-tensor results, as check_all and stats lay them out.
-NAN, POSINF, NEGINF, NORM, ABSMAX = range(5)
+# A row of per-tensor results is (nan, +inf, -inf, norm, absmax), as check_all and stats lay it out:
+# counts before NORM, norm and absmax from it.
+NORM = 3
 
 
 def dtensor_type() -> Optional[type]:
