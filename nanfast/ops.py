@@ -9,7 +9,7 @@ from typing import Union
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library: registers torch.ops.nanfast.*)
+from . import _C  # loading it registers torch.ops.nanfast.*; it also has their unboxed bindings
 from . import distributed
 
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -76,6 +76,15 @@ def _call(op, tensors: list, api: str):
     except (RuntimeError, TypeError):
         _diagnose(tensors, api)
         raise
+
+
+def _ops():
+    """(stats, any_nonfinite): the unboxed bindings in eager mode, the operators under torch.compile,
+    which traces torch.ops but not pybind functions (see NOTE: [Unboxed entry points] in
+    csrc/python_module.cpp). Both make the same dispatcher call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.nanfast.stats.default, torch.ops.nanfast.any_nonfinite.default
+    return _C.stats, _C.any_nonfinite
 
 
 def _in_fake_mode() -> bool:
@@ -145,13 +154,13 @@ def stats(tensors: TensorOrTensors) -> Stats:
         return Stats(*_stats_fake(tensors), ())
     if distributed.has_dtensor(tensors):
         return _dtensor_stats(tensors)
-    return Stats(*_call(torch.ops.nanfast.stats, tensors, "nanfast.stats"), tuple(tensors))
+    return Stats(*_call(_ops()[0], tensors, "nanfast.stats"), tuple(tensors))
 
 
 def _dtensor_stats(tensors: list) -> Stats:
     """Stats of the full tensors when some are DTensors: the fused pass over the local shards, then
     small all-reduces over their meshes (see NOTE: [Global statistics of a DTensor])."""
-    counts, norm, absmax = _call(torch.ops.nanfast.stats, [distributed.local_tensor(t) for t in tensors], "nanfast.stats")
+    counts, norm, absmax = _call(_ops()[0], [distributed.local_tensor(t) for t in tensors], "nanfast.stats")
     rows = distributed.globalize_rows(tensors, torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1))
     return Stats(rows[:, :3].to(torch.int64), rows[:, 3].contiguous(), rows[:, 4].contiguous(), tuple(tensors))
 
@@ -165,5 +174,5 @@ def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
         return torch.zeros((), dtype=torch.bool)
     if distributed.has_dtensor(tensors):
         local = [distributed.local_tensor(t) for t in tensors]
-        return distributed.globalize_flag(tensors, _call(torch.ops.nanfast.any_nonfinite, local, "nanfast.any_nonfinite"))
-    return _call(torch.ops.nanfast.any_nonfinite, tensors, "nanfast.any_nonfinite")
+        return distributed.globalize_flag(tensors, _call(_ops()[1], local, "nanfast.any_nonfinite"))
+    return _call(_ops()[1], tensors, "nanfast.any_nonfinite")
