@@ -347,7 +347,12 @@ class Watch:
             if self.action == "skip":
                 self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
         if self.scaler is not None:
-            # GradScaler.step does not call optimizer.step() when it found inf grads: the step must still end.
+            # NOTE: [AMP and GradScaler]
+            # A GradScaler multiplies the loss by its scale, so gradients (phases loss, backward, grad)
+            # overflow now and then; it then skips the step and lowers the scale. In a step it skipped,
+            # those phases are not reported; unscaled phases (param, input, forward) still are. For a
+            # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
+            # a fused one gets `optimizer.found_inf`, which the read packs (see _pack).
             scaler_step = self.scaler.step
             self._scaler_step_saved = ("step" in vars(self.scaler), vars(self.scaler).get("step"))
 

@@ -577,6 +577,27 @@ def test_gradscaler_overflow_is_not_an_error_but_a_forward_fault_is():
     w.remove()
 
 
+def test_gradscaler_with_a_fused_optimizer_reads_the_scalers_found_inf():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, backoff_factor=2.0 ** -120)
+    w = nanfast.watch(model, opt, scaler=scaler, action="skip")
+    train_step(model, opt, *batch(), scaler=scaler)  # creates the optimizer state
+    scaler.update(2.0 ** 127)
+    before = snapshot(model, opt)
+    train_step(model, opt, batch()[0], batch()[1] * 100, scaler=scaler)  # overflows; optimizer.step() still runs
+    assert (w.scaler_skipped_steps, w.skipped_steps, w.events) == (1, 0, [])
+    assert_same(model, opt, before)
+    train_step(model, opt, *batch(seed=1), scaler=scaler)
+    assert (w.scaler_skipped_steps, w.events) == (1, [])
+    # The norm is of the unscaled grads (the fused kernel unscales .grad in place as it steps).
+    unscaled = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert w.stats()["grad_norm"] == pytest.approx(unscaled, rel=1e-6) and scaler.get_scale() == 2.0 ** 7
+    assert not any(isinstance(v, torch.Tensor) for k, v in vars(opt).items() if k in ("found_inf", "grad_scale"))
+    w.remove()
+
+
 # ---- numbers for a logger, and clipping on the same pass ----
 
 
