@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast.locate import StepState, locate_step
 
 STEPS = 8
 BAD_STEP = 5
@@ -61,14 +60,17 @@ def run(args: Optional[argparse.Namespace] = None) -> int:
     batches = make_batches()
     print(f"nanfast demo: {STEPS} steps of a small classifier; a constant sample is planted at step {BAD_STEP}\n")
 
-    watch = nanfast.watch(model, optimizer, action="skip")
+    current: dict[str, torch.Tensor] = {}
+
+    def forward_backward() -> None:
+        """The step's forward and backward on the current batch: what the watch re-runs under locate."""
+        F.cross_entropy(model(current["features"]), current["label"]).backward()
+
+    # A bad step is skipped, then re-run under nanfast.locate (same batch, same RNG states): the
+    # finding comes with the event.
+    watch = nanfast.watch(model, optimizer, action="skip", on_event="locate", rerun=forward_backward)
     for step, batch in enumerate(batches):
-        # Cheap: the RNG states. What locate_step needs to run this step again.
-        state = StepState.capture(model)
-
-        def forward_backward(batch=batch):
-            F.cross_entropy(model(batch["features"]), batch["label"]).backward()
-
+        current.update(batch)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(batch["features"]), batch["label"])
         loss.backward()
@@ -82,18 +84,13 @@ def run(args: Optional[argparse.Namespace] = None) -> int:
         if not caught:
             continue
 
-        print(f"\n1. The watch caught it (fused checks in hooks, one host read per step):\n   {watch.last.summary()}")
+        event = watch.last
+        print(f"\n1. The watch caught it (fused checks in hooks, one host read per step):\n   {event.summary()}")
         unchanged = all(torch.equal(p, before) for p, before in zip(model.parameters(), params_before))
         print(f"2. It skipped the optimizer step: parameters unchanged: {unchanged}")
         print(f"3. check_batch: the data is not the cause: {nanfast.check_batch(batch).summary()}")
-        # INTEGRATION POINT: nanfast.watch(..., on_event="locate") does the next three lines itself and
-        # attaches the finding to the event. Until then the watch's hooks come off for the re-run (it
-        # must not count as a training step) and go back on after it.
-        watch.remove()
-        finding = locate_step(forward_backward, state)
-        watch = nanfast.watch(model, optimizer, action="skip")
-        print("4. locate re-ran the step (same batch, same RNG state) under locate() and names the op:")
-        print("   " + str(finding).replace("\n", "\n   "))
+        print("4. The watch re-ran the step (same batch, same RNG state) under locate() and names the op:")
+        print("   " + str(event.located).replace("\n", "\n   "))
         print()
     watch.remove()
     print(f"\ntrained {STEPS} steps; the bad one was skipped and the parameters stayed finite: "

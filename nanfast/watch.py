@@ -14,7 +14,9 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
+from . import distributed
 from . import ops  # noqa: F401  (registers torch.ops.nanfast.* and their fakes)
+from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .report import NonFiniteError
 
@@ -22,6 +24,7 @@ from .report import NonFiniteError
 _stats = torch.ops.nanfast.stats.default
 
 ACTIONS = ("raise", "warn", "skip")
+ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 # Phases in the order their values arise within a step.
 PHASES = ("param", "input", "forward", "loss", "backward", "grad")
@@ -90,6 +93,18 @@ class Event:
     step: int
     first: Place
     later: tuple[Place, ...]
+    # Distributed (see NOTE: [Agreeing across ranks]): the rank whose place is `first` (the earliest
+    # over all ranks), and every rank that saw non-finite values with its places.
+    rank: Optional[int] = None
+    by_rank: tuple[tuple[int, tuple[Place, ...]], ...] = ()
+    # on_event="locate": what the re-run of the step under nanfast.locate found (a LocateFinding), or
+    # None when the re-run stayed finite or was not made.
+    located: Optional[Any] = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks that saw non-finite values in this step (empty in a single process)."""
+        return tuple(rank for rank, _ in self.by_rank)
 
     @property
     def phase(self) -> str:
@@ -125,13 +140,18 @@ class Event:
         return (self.first, *self.later)
 
     def summary(self) -> str:
+        on = f" on rank {self.rank}" if self.rank is not None else ""
         if self.dirty_input:
-            head = f"step {self.step}: the input batch is dirty: {self.first.describe()}; the model did not produce it"
+            head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"
         elif self.first.phase == "param":
-            head = (f"step {self.step} began with non-finite values in {self.first.describe()}: made by the previous "
+            head = (f"step {self.step} began with non-finite values{on} in {self.first.describe()}: made by the previous "
                     "optimizer step (or whatever last wrote the parameters)")
         else:
-            head = f"step {self.step}: non-finite values first appeared in the {self.first.describe()}"
+            head = f"step {self.step}: non-finite values first appeared{on} in the {self.first.describe()}"
+        if self.by_rank:
+            head += f" (ranks that saw non-finite values: {list(self.ranks)})"
+        if self.located is not None:
+            head += f"; located: {self.located.summary()}"
         if not self.later:
             return f"nanfast.watch: {head}"
         named = "; ".join(p.where() for p in self.later[:_MAX_NAMED_IN_SUMMARY])
@@ -185,6 +205,7 @@ class _Read:
     counts: torch.Tensor  # int64 [rows, 3] on the device
     slots: list  # (phase, label, call, microbatch, rows) in row order
     scaler_skipped: bool
+    agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
     host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
     copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
 
@@ -254,6 +275,9 @@ class Watch:
         nan_only: bool = False,
         scaler: Optional[Any] = None,
         pass_through: tuple[type, ...] = PASS_THROUGH,
+        process_group: Optional[Any] = None,
+        on_event: Optional[str] = None,
+        rerun: Optional[Callable[[], Any]] = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
@@ -267,6 +291,15 @@ class Watch:
             raise ValueError(f"nanfast.watch: every must be an int >= 1, got {every!r}")
         if scaler is not None and optimizer is None:
             raise ValueError("nanfast.watch: scaler= needs the optimizer it steps")
+        if on_event not in ON_EVENT:
+            raise ValueError(f"nanfast.watch: on_event must be one of {ON_EVENT}, got {on_event!r}")
+        if on_event == "locate":
+            if not callable(rerun):
+                raise ValueError("nanfast.watch: on_event='locate' needs rerun=, a callable that runs the step's forward "
+                                 "and backward again on the same batch (no optimizer step)")
+            if sync != "eager":
+                raise ValueError("nanfast.watch: on_event='locate' needs sync='eager': the step is re-run before the "
+                                 "optimizer applies it")
         # NOTE: [Skipping a step]
         # A skipped step must leave parameters and optimizer state exactly as they were. Optimizers that
         # take a `found_inf` tensor (torch's fused=True Adam/AdamW/SGD, the protocol GradScaler uses) get
@@ -283,6 +316,7 @@ class Watch:
                     f"(fused=True Adam, AdamW or SGD); {type(optimizer).__name__} needs the host's verdict before "
                     "its step: use sync='eager'")
 
+        model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -292,6 +326,10 @@ class Watch:
         self.nan_only = nan_only
         self.pass_through = tuple(pass_through)
         self.ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+        self.process_group = process_group
+        self.on_event = on_event
+        self.rerun = rerun
+        self._step_state: Optional[Any] = None  # locate.StepState of the current step (on_event="locate")
         self._check_inputs = inputs
         self._check_activations = activations
         self._check_grads = grads
@@ -305,6 +343,8 @@ class Watch:
         self.step_count = 0  # steps ended so far (the number of the current step)
 
         self._param_names = {id(p): name for name, p in model.named_parameters()}
+        # FSDP2 / tensor parallel: the fused pass reads the local shards (the op has no DTensor rule).
+        self._sharded = distributed.has_dtensor(list(model.parameters()))
         first = next(model.parameters(), None)
         self._device = first.device if first is not None else torch.device("cpu")
         self._root = _Site("", type(model).__name__, self._ignored(""))
@@ -465,20 +505,31 @@ class Watch:
         if not site.ignored:
             self._record(phase, site, site.calls, self._microbatch, tensors)
 
+    # NOTE: [The watch and torch.compile]
+    # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
+    # while tracing): reading a tensor's grad_fn and keeping Python state per call would break the
+    # graph at every module. What runs compiled is therefore not checked module by module; the fused
+    # pass over parameters and gradients at optimizer.step(), outside the compiled region, still sees
+    # every non-finite value the step leaves in them, and anything run eagerly is hooked as usual.
+
     def _before_module(self, site: _Site, module: torch.nn.Module, args: tuple) -> None:
-        if self._active:
+        if self._active and not torch.compiler.is_compiling():
             self._enter(site, args)
 
     def _after_module(self, site: _Site, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self._active:
+        if self._active and not torch.compiler.is_compiling():
             self._check_output("forward", site, output)
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active:
+        if not self._active or torch.compiler.is_compiling():
             return
         self._forward_id += 1
         self._microbatch = self._forwards
         self._forwards += 1
+        if self.on_event == "locate" and self._microbatch == 0:
+            from .locate import StepState
+
+            self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
             tensors = _floating_tensors(kwargs, _floating_tensors(args, []))
             if tensors:
@@ -486,6 +537,8 @@ class Watch:
         self._enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._active:
             if self._check_loss:
                 self._check_output("forward", self._root, output)
@@ -561,7 +614,10 @@ class Watch:
         grads = [g for _, g in with_grad]
         if not params:
             return None
-        counts, norm, absmax = _stats_on(params + grads, self._device)
+        tensors = params + grads
+        if self._sharded:
+            tensors = [distributed.local_tensor(t) for t in tensors]
+        counts, norm, absmax = _stats_on(tensors, self._device)
         return _Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -571,6 +627,10 @@ class Watch:
         the finite elements (finite gradients never become NaN); non-finite gradients are reported by
         the watch (phase grad)."""
         norm_type = check_norm_type(norm_type, "Watch.clip_grad_norm_")
+        if self._sharded:
+            raise NotImplementedError("Watch.clip_grad_norm_: the watch reads sharded (DTensor) parameters' local shards, "
+                                      "so its norms are this rank's; use torch.nn.utils.clip_grad_norm_, which reduces "
+                                      "DTensor norms over their mesh")
         with torch.no_grad():
             fused = self._fused_pass()
             if fused is None or not fused.grads:
@@ -630,7 +690,17 @@ class Watch:
             flag = totals[:1] if self.nan_only else totals.sum(0, keepdim=True)
             found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)
             summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found])])
-        return _Read(self.step_count, summary, packed, slots, scaler_skipped)
+        read = _Read(self.step_count, summary, packed, slots, scaler_skipped)
+        group = distributed.default_group(self.process_group)
+        if group is not None:
+            # NOTE: [Agreeing across ranks]
+            # The flag (summary[0]) becomes the MAX over the ranks, in place and asynchronously: every
+            # rank reads the same verdict at its one read and takes the same action in the same step, so
+            # no rank waits in a collective (DDP's next gradient reduction, this all-reduce) that another
+            # rank left by raising. The Work is waited on right before the flag is used; only a bad step,
+            # which all ranks know to be bad, gathers the ranks' places. Counts and norms stay local.
+            read.agreeing = distributed.all_reduce_flag_async(summary[:1], group)
+        return read
 
     def _add_named(self, phase: str, names: list[str], counts: torch.Tensor, all_counts: list, slots: list, front: bool) -> None:
         """Adds one row per named tensor (parameters or gradients), leaving out the ignored names."""
@@ -651,6 +721,7 @@ class Watch:
     # ---- reading and acting ----
 
     def _evaluate(self, read: _Read) -> None:
+        _agree(read)
         if read.host is not None:  # lagged: the copy was enqueued a step ago
             if read.copied is not None:
                 read.copied.synchronize()
@@ -674,9 +745,17 @@ class Watch:
         if not bad:
             return
         places = self._places(rows, read.slots, scaler_skipped)
-        if not places:
+        group = distributed.default_group(self.process_group)
+        if group is not None:
+            event = _distributed_event(read.step, places, group)
+        elif places:
+            event = Event(read.step, places[0], tuple(places[1:]))
+        else:
+            event = None
+        if event is None:
             return  # only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-        event = Event(read.step, places[0], tuple(places[1:]))
+        if self.on_event == "locate":
+            event = dataclasses.replace(event, located=self._locate())
         self.events.append(event)
         self.last = event
         self._act(event, scaler_skipped)
@@ -697,6 +776,20 @@ class Watch:
                         places.append(Place(phase, name, "", int(nan), int(posinf), int(neginf)))
             i += n
         return places
+
+    def _locate(self) -> Optional[Any]:
+        """Re-runs the step (self.rerun) under nanfast.locate from the RNG states its first forward began
+        with; the watch's hooks stay idle meanwhile (the re-run is not a step). Every rank re-runs (all
+        see the same verdict), so the collectives of a DDP backward match."""
+        if self._step_state is None:
+            return None
+        from .locate import locate_step
+
+        active, self._active = self._active, False
+        try:
+            return locate_step(self.rerun, self._step_state)
+        finally:
+            self._active = active
 
     def _act(self, event: Event, scaler_skipped: bool) -> None:
         if callable(self.action):
@@ -735,8 +828,40 @@ class Watch:
                 f"skipped_steps={self.skipped_steps}, {state})")
 
 
+def _agree(read: _Read) -> None:
+    """Waits for the flag's all-reduce (on NCCL this orders the stream after it; the host waits at the
+    read that follows, the one it makes anyway)."""
+    if read.agreeing is not None:
+        read.agreeing.wait()
+        read.agreeing = None
+
+
+def _phase_order(place: Place) -> tuple[int, int]:
+    """Where a place comes in a step, comparable across ranks: parameters first, then each microbatch's
+    forward and backward, the parameters' gradients last."""
+    if place.phase == "param":
+        return (-1, 0)
+    if place.phase == "grad":
+        return (1 << 30, 0)
+    return (place.microbatch, PHASES.index(place.phase))
+
+
+def _distributed_event(step: int, places: list, group: Any) -> Optional[Event]:
+    """The event of a bad step, the same on every rank: each rank's places gathered, the first place the
+    earliest over the ranks (ties: the lowest rank). None if no rank has a place to report."""
+    import torch.distributed as dist
+
+    gathered = distributed.gather_objects((dist.get_rank(), tuple(places)), group)
+    by_rank = tuple((rank, p) for rank, p in gathered if p)
+    if not by_rank:
+        return None
+    rank, first_places = min(by_rank, key=lambda item: (_phase_order(item[1][0]), item[0]))
+    return Event(step, first_places[0], first_places[1:], rank=rank, by_rank=by_rank)
+
+
 def _start_copy(read: _Read) -> None:
     """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
+    _agree(read)
     flat = torch.cat([read.summary, read.counts.flatten().to(torch.float64)])
     if flat.device.type == "cuda":
         read.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -762,5 +887,9 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
     ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors),
     ``pass_through`` (module types left unhooked because they cannot create non-finite values;
-    default PASS_THROUGH)."""
+    default PASS_THROUGH), ``process_group`` (the ranks that must agree; by default the world when
+    torch.distributed is initialised: the step's flag is all-reduced, so every rank takes the same
+    action in the same step, and events name the ranks that saw the fault), ``on_event="locate"`` with
+    ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
+    is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager")."""
     return Watch(model, optimizer, **options)

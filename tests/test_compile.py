@@ -122,3 +122,27 @@ def test_ops_capture_in_a_cuda_graph():
         assert torch.equal(s.counts, eager.counts)
         assert torch.equal(s.norm, eager.norm) and torch.equal(total, eager.total_norm)
         assert found.item() == (planted is not None)
+
+
+def test_watch_on_a_compiled_model_keeps_the_graph_whole():
+    """The hooks are idle inside the compiled region (no graph breaks); the fault inside it is caught at
+    the gradients and the step is skipped, as in eager."""
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    w = nanfast.watch(compiled, optimizer, action="skip")
+    changed = []
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        for batch in (CLEAN, BAD, CLEAN):
+            optimizer.zero_grad()
+            compiled(batch).sum().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+    w.remove()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert changed == [True, False, True]
+    assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "grad", "inner.weight")]
+    assert nanfast.check_all(model, raise_on_nonfinite=False).ok

@@ -12,11 +12,14 @@ import os
 import pickle
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
 
@@ -108,7 +111,113 @@ def dtensor_placements(rank, mesh):
     }
 
 
-SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements]
+class Probe(torch.nn.Module):
+    """Passes its input on, with a detached statistic of it that nothing downstream uses: a fault
+    planted in the statistic is seen by the watch on this rank only (DDP's gradient reduction would
+    otherwise carry a bad gradient to every rank and make them agree without the watch's help)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fault = False
+
+    def forward(self, h):
+        stat = h.detach().abs().amax(dim=-1)
+        return h, (stat / 0.0 if self.fault else stat)
+
+
+class ProbedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 8)
+        self.probe = Probe()
+        self.outer = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h, _ = self.probe(self.inner(x))
+        return self.outer(h)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts aten._local_scalar_dense, the op behind .item(): the host syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ddp_training(rank, action, fault_rank, fault_step, steps=4):
+    """DDP on gloo, every rank its own batches; the fault is planted at fault_step on fault_rank only.
+    Returns what each step did on this rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = ProbedNet()
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # no host reads of its own, unlike Adam
+    gen = torch.Generator().manual_seed(100 + rank)
+    record = {"raised": [], "changed": [], "params_equal_across_ranks": [], "host_reads": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
+        w = nanfast.watch(model, optimizer, action=action)
+        for step in range(steps):
+            net.probe.fault = rank == fault_rank and step == fault_step
+            optimizer.zero_grad()
+            model(torch.randn(8, 4, generator=gen)).square().mean().backward()
+            before = [p.detach().clone() for p in net.parameters()]
+            try:
+                with HostReads() as reads:
+                    optimizer.step()
+            except nanfast.NonFiniteError as e:
+                record["raised"].append((step, str(e)))
+            record["host_reads"].append(reads.count)
+            record["changed"].append(not all(torch.equal(p, b) for p, b in zip(net.parameters(), before)))
+            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, flat)
+            record["params_equal_across_ranks"].append(all(torch.equal(g, gathered[0]) for g in gathered))
+        w.remove()
+    record["skipped_steps"] = w.skipped_steps
+    record["events"] = [(e.step, e.rank, e.ranks, e.phase, e.name, e.summary()) for e in w.events]
+    return record
+
+
+def ddp_watch_skip(rank, mesh):
+    return _ddp_training(rank, "skip", fault_rank=1, fault_step=2)
+
+
+def ddp_watch_raise(rank, mesh):
+    return _ddp_training(rank, "raise", fault_rank=0, fault_step=1)
+
+
+def fsdp2_watch_skip(rank, mesh):
+    """A watch on a fully_shard model: the fused pass reads the local shards; a NaN planted in rank 1's
+    shard of a gradient makes every rank skip that step."""
+    model = _sharded_model(mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    changed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = nanfast.watch(model, optimizer, action="skip")
+        for step in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(4, 5, generator=gen)).square().sum().backward()
+            if rank == 1 and step == 1:
+                model[1].weight.grad.to_local()[0, 0] = float("nan")
+            before = [p.full_tensor() for p in model.parameters()]
+            optimizer.step()
+            changed.append(not all(torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before)))
+        w.remove()
+    return {"changed": changed, "events": [(e.step, e.rank, e.ranks, e.phase, e.name) for e in w.events],
+            "full_params": [p.full_tensor() for p in model.parameters()]}
+
+
+SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, fsdp2_watch_skip]
 
 
 def _raises(fn):
@@ -214,3 +323,38 @@ def test_dtensor_placements_and_float64_range(ranks):
         assert r["any_clean"] is False
         assert r["any_flagged"] is True  # only rank 0's shard holds NaN: both ranks see it
         assert r["stats_counts"] == [[0, 0, 1], [1, 0, 0]]
+
+
+def test_ddp_watch_ranks_skip_together(ranks):
+    """The fault is seen on rank 1 only; the reduced flag makes rank 0 skip the same step."""
+    results = _results(ranks, ddp_watch_skip)
+    for r in results:
+        assert r["raised"] == []
+        assert r["skipped_steps"] == 1
+        assert r["changed"] == [True, True, False, True]
+        assert all(r["params_equal_across_ranks"])
+        # A good step's one read: the reduced flag, waited on at the read, costs no extra host sync.
+        assert [r["host_reads"][i] for i in (0, 1, 3)] == [1, 1, 1]
+        [(step, rank, seen_by, phase, name, summary)] = r["events"]
+        assert (step, rank, seen_by, phase, name) == (2, 1, (1,), "forward", "module.probe")
+        assert "on rank 1" in summary
+    assert results[0]["events"] == results[1]["events"]
+
+
+def test_ddp_watch_ranks_raise_together(ranks):
+    """Rank 0 sees the fault; both ranks raise in step 1, and both go on (no rank hangs in a
+    collective: the processes finished the later scenarios and exited)."""
+    results = _results(ranks, ddp_watch_raise)
+    for r in results:
+        assert [step for step, _ in r["raised"]] == [1]
+        assert "on rank 0" in r["raised"][0][1] and "module.probe" in r["raised"][0][1]
+        assert r["changed"] == [True, False, True, True]
+        assert all(r["params_equal_across_ranks"])
+
+
+def test_fsdp2_watch_ranks_skip_together(ranks):
+    results = _results(ranks, fsdp2_watch_skip)
+    for r in results:
+        assert r["changed"] == [True, False, True]
+        assert r["events"] == [(1, 1, (1,), "grad", "1.weight")]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["full_params"], results[1]["full_params"]))
