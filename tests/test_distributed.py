@@ -150,7 +150,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ddp_training(rank, action, fault_rank, fault_step, steps=4):
+def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
     """DDP on gloo, every rank its own batches; the fault is planted at fault_step on fault_rank only.
     Returns what each step did on this rank."""
     from torch.nn.parallel import DistributedDataParallel
@@ -163,7 +163,7 @@ def _ddp_training(rank, action, fault_rank, fault_step, steps=4):
     record = {"raised": [], "changed": [], "params_equal_across_ranks": [], "host_reads": []}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
-        w = nanfast.watch(model, optimizer, action=action)
+        w = nanfast.watch(model, optimizer, action=action, sync=sync)
         for step in range(steps):
             net.probe.fault = rank == fault_rank and step == fault_step
             optimizer.zero_grad()
@@ -217,7 +217,12 @@ def fsdp2_watch_skip(rank, mesh):
             "full_params": [p.full_tensor() for p in model.parameters()]}
 
 
-SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, fsdp2_watch_skip]
+def ddp_watch_lagged(rank, mesh):
+    return _ddp_training(rank, "raise", fault_rank=1, fault_step=1, sync="lagged")
+
+
+SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
+             fsdp2_watch_skip]
 
 
 def _raises(fn):
@@ -350,6 +355,16 @@ def test_ddp_watch_ranks_raise_together(ranks):
         assert "on rank 0" in r["raised"][0][1] and "module.probe" in r["raised"][0][1]
         assert r["changed"] == [True, False, True, True]
         assert all(r["params_equal_across_ranks"])
+
+
+def test_ddp_lagged_watch_ranks_raise_together_a_step_late(ranks):
+    """sync="lagged": the reduced flag travels in the non-blocking copy; both ranks raise at the next step."""
+    results = _results(ranks, ddp_watch_lagged)
+    for r in results:
+        assert [step for step, _ in r["raised"]] == [2]
+        assert "step 1" in r["raised"][0][1] and "on rank 1" in r["raised"][0][1]
+        assert all(r["params_equal_across_ranks"])
+        assert r["host_reads"][0] == 0  # a lagged step does not wait for the host
 
 
 def test_fsdp2_watch_ranks_skip_together(ranks):
