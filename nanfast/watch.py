@@ -15,13 +15,15 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from . import distributed
-from . import ops  # noqa: F401  (registers torch.ops.nanfast.* and their fakes)
+from . import _C, ops  # noqa: F401  (ops registers torch.ops.nanfast.* and their fakes)
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .report import NonFiniteError
 
-# The overload itself: skips the overload resolution of torch.ops.nanfast.stats on every hook call.
-_stats = torch.ops.nanfast.stats.default
+# The unboxed binding of torch.ops.nanfast.stats (see NOTE: [Unboxed entry points]): a hook calls it for
+# every module, so its ~1.5 us less per call count. The hooks are idle under torch.compile, which
+# could not trace it.
+_stats = _C.stats
 
 ACTIONS = ("raise", "warn", "skip")
 ON_EVENT = (None, "locate")
