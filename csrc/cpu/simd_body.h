@@ -13,12 +13,14 @@
 // pairwise, and widen that sum to double (relative error below 2e-7); float64 squares in double.
 // A non-finite value makes a sum of squares (or of x * 0) NaN or inf, so it is detected from the
 // segment's sums rather than tested register by register. The fast sums are exact enough only
-// while no square overflows or turns subnormal, so a segment that holds a non-finite value, or whose
-// absmax is above Simd<T>::kAbove or in (0, Simd<T>::kBelow), is summed again by precise_stats(),
-// and so is every tail shorter than a register. Data without extremes never leaves the fast path;
-// the decision is per segment, so results stay deterministic.
+// while no square overflows or turns subnormal. A segment that holds a non-finite value, or whose
+// absmax is above Simd<T>::kAbove, is summed again by precise_stats(), and so is every tail shorter
+// than a register; a float-like segment whose absmax is in (0, kBelow) is summed again with squares
+// in double lanes (a float64 one needs precise_stats' rescaling). The decision is per segment, so
+// results stay deterministic.
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace nanfast::cpu::NANFAST_ISA {
@@ -119,6 +121,25 @@ inline void widen_add(vdouble& acc, vfloat s, std::index_sequence<I...>) {
   acc += __builtin_convertvector(__builtin_shufflevector(s, s, (I + half)...), vdouble);
 }
 
+template <size_t... I>
+inline void widen_add_squares(vdouble& acc, vfloat x, std::index_sequence<I...>) {
+  constexpr size_t half = sizeof...(I);
+  const vdouble lo = __builtin_convertvector(__builtin_shufflevector(x, x, I...), vdouble);
+  const vdouble hi = __builtin_convertvector(__builtin_shufflevector(x, x, (I + half)...), vdouble);
+  acc += lo * lo + hi * hi;
+}
+
+// Squares in double: exact for any finite float, for segments whose magnitudes are too small to
+// square in float (vanishing gradients) but need no rescaling.
+template <typename T>
+inline vdouble widened_sumsq(const T* p, int64_t vec_len) {
+  vdouble acc = {};
+  for (int64_t i = 0; i < vec_len; i += kLanes<T>) {
+    widen_add_squares(acc, Simd<T>::load(p + i), std::make_index_sequence<sizeof(vfloat) / sizeof(float) / 2>{});
+  }
+  return acc;
+}
+
 inline void add_squares(vdouble& acc, vdouble s) {
   acc += s;
 }
@@ -160,9 +181,15 @@ Partial stats_run(const T* data, int64_t n) {
       add_squares(seg_sumsq, x * x);
     }
     const double top = max_lane(seg_max);
-    if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (top > 0 && top < S::kBelow)) {
+    const bool tiny = top > 0 && top < S::kBelow;
+    if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (tiny && std::is_same_v<vec, vdouble>)) {
       merge(result, precise_stats(p, vec_len, 1));
     } else {
+      if constexpr (std::is_same_v<vec, vfloat>) {
+        if (tiny) {
+          seg_sumsq = widened_sumsq(p, vec_len);
+        }
+      }
       sumsq += seg_sumsq;
       absmax = vmax(absmax, seg_max);
     }

@@ -83,6 +83,9 @@ namespace {
 // Partial per tensor it touches (a piece); pieces are merged per tensor in index order. Neither the
 // cut nor the merge order depends on the thread count, so results are identical for any thread count.
 constexpr int64_t kItemElements = int64_t{1} << 16;
+// Fewer items than this per thread run on the calling thread: below ~1 MB, waking the pool costs more
+// than it saves (and on a loaded machine a woken thread can wait a scheduler tick).
+constexpr int64_t kMinItemsPerThread = 4;
 
 struct WorkList {
   std::vector<int64_t> offsets;     // offsets[t]: first logical index of tensor t; back() is the total
@@ -223,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cpu(at::TensorList tensors)
 
   const WorkList work(runs);
   std::vector<Partial> pieces(work.piece_base.back());
-  at::parallel_for(0, work.num_items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t piece, int64_t lo, int64_t hi) {
         pieces[piece] = stats_of_piece(runs[t], lo, hi);
@@ -256,7 +259,7 @@ at::Tensor any_nonfinite_cpu(at::TensorList tensors) {
   runs.erase(std::remove_if(runs.begin(), runs.end(), [](const InputRun& r) { return !can_be_nonfinite(r.dtype); }), runs.end());
   const WorkList work(runs);
   std::atomic<bool> found{false};
-  at::parallel_for(0, work.num_items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end && !found.load(std::memory_order_relaxed); ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t /*piece*/, int64_t lo, int64_t hi) {
         if (any_of_piece(runs[t], lo, hi)) {
