@@ -11,7 +11,7 @@ from typing import Union
 import torch
 
 from .check import check_all
-from .ops import stats
+from .ops import combine_norms, stats
 
 Parameters = Union[torch.Tensor, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -41,8 +41,7 @@ def total_norm(norms: list[torch.Tensor], absmaxes: list[torch.Tensor], norm_typ
     (from per-tensor max |x|) of the finite elements of all tensors. No host sync."""
     device = norms[0].device
     if norm_type == 2.0:
-        sumsq = sum((n.square().sum().to(device, non_blocking=True) for n in norms), torch.zeros((), dtype=torch.float64, device=device))
-        return sumsq.sqrt()
+        return combine_norms(torch.cat([n.to(device, non_blocking=True) for n in norms]))
     return torch.stack([a.max().to(device, non_blocking=True) if a.numel() else torch.zeros((), dtype=torch.float64, device=device)
                         for a in absmaxes]).max()
 

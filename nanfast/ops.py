@@ -93,6 +93,14 @@ def _in_fake_mode() -> bool:
     return detect_fake_mode() is not None
 
 
+def combine_norms(norms: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a concatenation, from the L2 norms of its parts (float64 [N] -> 0-dim), relative
+    to the largest part: squaring float64 tensors' norms could overflow. No host sync."""
+    top = norms.amax() if norms.numel() else norms.new_zeros(())
+    scale = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
+    return scale * torch.linalg.vector_norm(norms / scale)
+
+
 @dataclasses.dataclass(frozen=True)
 class Stats:
     """Per-tensor statistics of one fused pass, all on the tensors' device (no host sync).
@@ -136,10 +144,7 @@ class Stats:
     @property
     def total_norm(self) -> torch.Tensor:
         """0-dim float64: the L2 norm of all finite elements of all tensors."""
-        # Relative to the largest norm: float64 tensors' norms can be near the float64 max.
-        top = self.norm.amax() if len(self) else self.norm.new_zeros(())
-        scale = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
-        return scale * torch.linalg.vector_norm(self.norm / scale)
+        return combine_norms(self.norm)
 
     def __len__(self) -> int:
         return len(self.tensors)

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from . import distributed
-from . import _C, ops  # noqa: F401  (ops registers torch.ops.nanfast.* and their fakes)
+from . import _C, distributed
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
+from .ops import combine_norms
 from .report import NonFiniteError
 
 # The unboxed binding of torch.ops.nanfast.stats (see NOTE: [Unboxed entry points]): a hook calls it for
@@ -680,9 +680,9 @@ class Watch:
                     self._add_named("param", fused.param_names, fused.counts[:n], counts, slots, front=True)
                 if self._check_grads:
                     self._add_named("grad", fused.grad_names, fused.counts[n:], counts, slots, front=False)
-                param_norm = torch.linalg.vector_norm(fused.norm[:n])
+                param_norm = combine_norms(fused.norm[:n])
                 if fused.grads:
-                    grad_norm = torch.linalg.vector_norm(fused.norm[n:])
+                    grad_norm = combine_norms(fused.norm[n:])
                     grad_max = fused.absmax[n:].max()
                     if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
                         inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
