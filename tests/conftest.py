@@ -7,15 +7,14 @@ Hypothesis profiles (HYPOTHESIS_PROFILE picks one; the default is "ci" when CI=t
 
 from __future__ import annotations
 
-import collections
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
+from op_recorder import OpRecorder
 
 # Building tensors of up to ~10^5 elements inside a strategy is legitimately slower than hypothesis expects,
 # and the function-scoped fixtures below only restore global state once the whole test is over.
@@ -43,29 +42,6 @@ def restore_num_threads():
     threads = torch.get_num_threads()
     yield threads
     torch.set_num_threads(threads)
-
-
-class OpRecorder(TorchDispatchMode):
-    """Counts the ops that reach the dispatcher's Python key, by name ("aten._local_scalar_dense.default",
-    "nanfast.stats.default", ...). `.item()`, `bool()`, `int()`, `float()` of a tensor all go through
-    aten._local_scalar_dense, the host sync this project must not do inside its ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.devices: dict[str, list[set[str]]] = collections.defaultdict(list)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.counts[name] += 1
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        self.devices[name].append({str(t.device) for t in tensors})
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def host_syncs(self) -> int:
-        return self.counts["aten._local_scalar_dense.default"]
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
+from op_recorder import OpRecorder
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
 
@@ -137,19 +137,6 @@ class ProbedNet(torch.nn.Module):
         return self.outer(h)
 
 
-class HostReads(TorchDispatchMode):
-    """Counts aten._local_scalar_dense, the op behind .item(): the host syncs."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
     """DDP on gloo, every rank its own batches; the fault is planted at fault_step on fault_rank only.
     Returns what each step did on this rank."""
@@ -170,11 +157,11 @@ def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
             model(torch.randn(8, 4, generator=gen)).square().mean().backward()
             before = [p.detach().clone() for p in net.parameters()]
             try:
-                with HostReads() as reads:
+                with OpRecorder() as reads:
                     optimizer.step()
             except nanfast.NonFiniteError as e:
                 record["raised"].append((step, str(e)))
-            record["host_reads"].append(reads.count)
+            record["host_reads"].append(reads.host_syncs)
             record["changed"].append(not all(torch.equal(p, b) for p, b in zip(net.parameters(), before)))
             flat = torch.cat([p.detach().flatten() for p in net.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]

@@ -10,9 +10,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
+from op_recorder import OpRecorder
 from nanfast.bench_watch import BasicBlock
 
 NAN, INF = float("nan"), float("inf")
@@ -87,19 +87,6 @@ class TinyResNet(torch.nn.Module):
 
     def forward(self, x):
         return self.fc(self.block(self.stem(x)).mean((2, 3)))
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts aten._local_scalar_dense: the op behind .item(), i.e. a host read of a device value."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def batch(n=5, d=8, seed=0):
@@ -410,9 +397,9 @@ def test_no_activation_outlives_the_step():
 
 
 def count_syncs(fn):
-    with SyncCounter() as counter:
+    with OpRecorder() as counter:
         fn()
-    return counter.count
+    return counter.host_syncs
 
 
 def test_one_host_read_per_step_and_none_when_unchecked():
