@@ -15,11 +15,15 @@ from . import distributed
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
+def _check_device(api: str, i: int, t: torch.Tensor, first: torch.Tensor) -> None:
+    if t.device != first.device:
+        raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {first.device}; "
+                         "pass tensors of one device (nanfast.check_all groups them by device)")
+
+
 def _check_one_device(tensors, api):
     for i, t in enumerate(tensors):
-        if t.device != tensors[0].device:
-            raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {tensors[0].device}; "
-                             "pass tensors of one device (nanfast.check_all groups them by device)")
+        _check_device(api, i, t, tensors[0])
 
 
 @torch.library.register_fake("nanfast::stats")
@@ -44,8 +48,6 @@ def _any_nonfinite_fake(tensors):
 def _as_list(tensors: TensorOrTensors, api: str) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
-    if isinstance(tensors, (list, tuple)):
-        return list(tensors)
     try:
         return list(tensors)
     except TypeError:
@@ -61,9 +63,7 @@ def _diagnose(tensors: list, api: str) -> None:
         if t.layout != torch.strided:
             raise ValueError(f"{api}: entry {i} has layout {t.layout}; only strided tensors are supported "
                              "(check a sparse tensor's .values(), or .to_dense() it)")
-        if t.device != tensors[0].device:
-            raise ValueError(f"{api}: entry {i} is on {t.device} but entry 0 is on {tensors[0].device}; "
-                             "pass tensors of one device (nanfast.check_all groups them by device)")
+        _check_device(api, i, t, tensors[0])
         if t.is_quantized:
             raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
 
