@@ -46,7 +46,8 @@ bool supported_dtype(at::ScalarType dtype) {
 }  // namespace
 
 std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
-  std::vector<InputRun> runs(tensors.size());
+  std::vector<InputRun> runs;
+  runs.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& input = tensors[i];
     TORCH_CHECK(input.defined(), op, ": tensors[", i, "] is undefined");
@@ -56,7 +57,7 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
     TORCH_CHECK(
         input.device() == tensors[0].device(), op, ": tensors[", i, "] is on ", input.device(), " but tensors[0] is on ",
         tensors[0].device(), "; pass the tensors of one device per call");
-    InputRun& run = runs[i];
+    InputRun& run = runs.emplace_back();
     // Only a complex input needs a new (real) view; copying a Tensor costs refcount traffic per entry.
     TORCH_INTERNAL_ASSERT(!input.is_conj(), "the Conjugate fallback resolves conjugated views");
     const at::Tensor real_view = input.is_complex() ? at::view_as_real(input) : at::Tensor();

@@ -4,7 +4,6 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/SmallVector.h>
 
 namespace nanfast {
 
@@ -23,8 +22,10 @@ struct InputRun {
   int64_t numel = 0;  // elements read: twice the tensor's numel for complex
   bool negated = false;
   bool dense = true;
-  c10::SmallVector<int64_t, 6> sizes;  // outermost first; only for views that are not dense
-  c10::SmallVector<int64_t, 6> strides;
+  // Only for views that are not dense, outermost first. Heap vectors keep a run small: thousands of
+  // dense runs are described per call.
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
 };
 
 // Validates `tensors` for op `op` (one device, strided layout, a supported dtype) and describes

@@ -45,16 +45,17 @@ def _any_nonfinite_fake(tensors):
     return torch.empty((), dtype=torch.bool, device=device)
 
 
-def _as_list(tensors: TensorOrTensors, api: str) -> list[torch.Tensor]:
+def _as_tuple(tensors: TensorOrTensors, api: str) -> tuple[torch.Tensor, ...]:
+    """The entries as one tuple: the bindings hold it for the call, and Stats keeps it."""
     if isinstance(tensors, torch.Tensor):
-        return [tensors]
+        return (tensors,)
     try:
-        return list(tensors)
+        return tuple(tensors)
     except TypeError:
         raise TypeError(f"{api}: expected a Tensor or a sequence of Tensors, got {type(tensors).__name__}") from None
 
 
-def _diagnose(tensors: list, api: str) -> None:
+def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
     """Raises a clear error naming the first bad entry; called only once the op has refused the list
     (checking every entry up front would cost more than the kernel on thousands of small tensors)."""
     for i, t in enumerate(tensors):
@@ -68,7 +69,7 @@ def _diagnose(tensors: list, api: str) -> None:
             raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
 
 
-def _call(op, tensors: list, api: str):
+def _call(op, tensors: Sequence[torch.Tensor], api: str):
     if tensors[0].is_meta and not _in_fake_mode():
         raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
     try:
@@ -154,27 +155,27 @@ def stats(tensors: TensorOrTensors) -> Stats:
     """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device). DTensors (FSDP2,
     tensor parallel) are read on their local shards and their results reduced over their mesh: the
     counts and norms of the full tensors, the same on every rank (collectives, but no host sync)."""
-    tensors = _as_list(tensors, "nanfast.stats")
+    tensors = _as_tuple(tensors, "nanfast.stats")
     if not tensors:
         return Stats(*_stats_fake(tensors), ())
     if distributed.has_dtensor(tensors):
         return _dtensor_stats(tensors)
-    return Stats(*_call(_ops()[0], tensors, "nanfast.stats"), tuple(tensors))
+    return Stats(*_call(_ops()[0], tensors, "nanfast.stats"), tensors)
 
 
-def _dtensor_stats(tensors: list) -> Stats:
+def _dtensor_stats(tensors: tuple) -> Stats:
     """Stats of the full tensors when some are DTensors: the fused pass over the local shards, then
     small all-reduces over their meshes (see NOTE: [Global statistics of a DTensor])."""
     counts, norm, absmax = _call(_ops()[0], [distributed.local_tensor(t) for t in tensors], "nanfast.stats")
     rows = distributed.globalize_rows(tensors, torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1))
-    return Stats(rows[:, :3].to(torch.int64), rows[:, 3].contiguous(), rows[:, 4].contiguous(), tuple(tensors))
+    return Stats(rows[:, :3].to(torch.int64), rows[:, 3].contiguous(), rows[:, 4].contiguous(), tensors)
 
 
 def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
     """0-dim bool tensor on the tensors' device: does any element of any tensor hold NaN or ±inf.
     The cheapest check: no norms, and it stops reading once it has found one. For DTensors, true on
     every rank of their mesh when any shard holds one (one MAX all-reduce)."""
-    tensors = _as_list(tensors, "nanfast.any_nonfinite")
+    tensors = _as_tuple(tensors, "nanfast.any_nonfinite")
     if not tensors:
         return torch.zeros((), dtype=torch.bool)
     if distributed.has_dtensor(tensors):

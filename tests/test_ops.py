@@ -584,6 +584,18 @@ def test_non_tensor_entry(api, fn):
 
 
 @pytest.mark.parametrize("api,fn", API)
+def test_calls_leave_reference_counts_unchanged(api, fn):
+    """The eager bindings borrow their inputs (see NOTE: [Borrowed inputs]): after a call, and after
+    one refused for a bad entry, every tensor holds the references it held before."""
+    tensors = [torch.ones(3), torch.ones(2, dtype=torch.complex64), torch.ones(4, 4).t(), torch.ones(2).neg().detach()]
+    before = [(t._use_count(), sys.getrefcount(t)) for t in tensors]
+    fn(tensors)
+    with pytest.raises(TypeError):
+        fn(tensors + [3.0])
+    assert [(t._use_count(), sys.getrefcount(t)) for t in tensors] == before
+
+
+@pytest.mark.parametrize("api,fn", API)
 def test_sparse_entry(api, fn):
     with pytest.raises(ValueError) as e:
         fn([torch.ones(2), torch.ones(2).to_sparse()])

@@ -153,6 +153,9 @@ Partial stats_run(const T* data, int64_t n) {
   using S = Simd<T>;
   using vec = typename S::vec;
   constexpr int L = kLanes<T>;
+  if (n < L) {
+    return precise_stats(data, n, 1);  // a tail only: skip the registers' horizontal reductions
+  }
   Partial result = empty_partial();
   vdouble sumsq = {};
   vec absmax = {};
