@@ -1,5 +1,6 @@
 """Builds nanfast._C: the CPU kernels always, the CUDA kernels when torch is a CUDA build and a CUDA
-toolkit is found (no GPU is needed to build).
+toolkit of torch's major CUDA version is found (no GPU is needed to build); without one it warns and
+builds the CPU kernels only.
 
 Environment:
   CUDA_HOME              toolkit to use (else CUDA_PATH, else /usr/local/cuda)
@@ -10,6 +11,9 @@ Environment:
 
 import glob
 import os
+import re
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -27,14 +31,33 @@ def find_cuda_home():
     return None
 
 
-cuda_home = None if os.environ.get("NANFAST_CPU_ONLY") == "1" else find_cuda_home()
+cpu_only = os.environ.get("NANFAST_CPU_ONLY") == "1"
+cuda_home = None if cpu_only else find_cuda_home()
 if cuda_home:
     os.environ["CUDA_HOME"] = cuda_home  # read once, when torch.utils.cpp_extension is imported
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
-with_cuda = cuda_home is not None and torch.version.cuda is not None
+
+def cuda_skip_reason():
+    """Why the CUDA kernels cannot be built for this CUDA build of torch, or None."""
+    if cuda_home is None:
+        return "no CUDA toolkit found (set CUDA_HOME)"
+    nvcc = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True)
+    release = re.search(r"release (\d+\.\d+)", nvcc.stdout)
+    torch_major = torch.version.cuda.split(".")[0]
+    # torch.utils.cpp_extension refuses a toolkit whose major version is not torch's: fail over to CPU instead.
+    if release and release.group(1).split(".")[0] != torch_major:
+        return (f"the CUDA toolkit at {cuda_home} is CUDA {release.group(1)} but torch {torch.__version__} was built "
+                f"with CUDA {torch.version.cuda} (point CUDA_HOME at a CUDA {torch_major}.x toolkit)")
+    return None
+
+
+skip_reason = None if cpu_only or torch.version.cuda is None else cuda_skip_reason()
+if skip_reason:
+    print(f"WARNING: nanfast: building the CPU kernels only: {skip_reason}", file=sys.stderr)
+with_cuda = not cpu_only and torch.version.cuda is not None and skip_reason is None
 if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
     os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
 
