@@ -9,8 +9,9 @@
 //
 // NOTE: [Fast path and exact fallback]
 // A run is scanned in segments of kSegment elements. The fast path reads registers, keeps a
-// lane-wise absmax and sums squares: float-like inputs square in float eight registers at a time,
-// pairwise, and widen that sum to double (relative error below 2e-7); float64 squares in double.
+// lane-wise absmax and sums squares: float-like inputs square in float 32 registers at a time,
+// pairwise, and widen that sum to double (5 roundings: relative error below 3e-7); float64 squares
+// in double.
 // A non-finite value makes a sum of squares (or of x * 0) NaN or inf, so it is detected from the
 // segment's sums rather than tested register by register. The fast sums are exact enough only
 // while no square overflows or turns subnormal. A segment that holds a non-finite value, or whose
@@ -56,7 +57,8 @@ struct Simd<double> {
 
 struct FloatLike {
   using vec = vfloat;
-  // A block sums 8 squares per lane: 8 * kAbove^2 < FLT_MAX, and kBelow^2 is far from subnormal.
+  // Up to 32 squares are summed per lane in float: 32 * kAbove^2 = 2^125 < FLT_MAX, and kBelow^2 is
+  // far from subnormal.
   static constexpr float kAbove = 0x1p60f;
   static constexpr float kBelow = 0x1p-40f;
 };
@@ -85,10 +87,15 @@ struct Simd<c10::Half> : FloatLike {
 template <typename T>
 constexpr int kLanes = sizeof(typename Simd<T>::vec) / sizeof(typename Simd<T>::vec{}[0]);
 
+// The signed integer vector with V's lane width.
 template <typename V>
-inline V vabs(V x) {
-  using I = decltype(x < x);
-  return (V)((I)x & ~(I)(-V{}));  // -V{} is -0.0 in every lane: the sign bits
+using Bits = decltype(V{} < V{});
+
+// |x| as bits: for non-negative floats (NaN included, above inf) integer order is float order, so
+// magnitudes are compared with integer max, one instruction where a float compare-and-select is two.
+template <typename V>
+inline Bits<V> abs_bits(V x) {
+  return (Bits<V>)x & ~(Bits<V>)(-V{});  // -V{} is -0.0 in every lane: the sign bits
 }
 
 template <typename V>
@@ -148,6 +155,24 @@ inline void add_squares(vdouble& acc, vfloat s) {
   widen_add(acc, s, std::make_index_sequence<sizeof(vfloat) / sizeof(float) / 2>{});
 }
 
+// The squares of 8 registers from p, summed pairwise (short dependency chains, 3 roundings); their
+// magnitudes go into seg_max.
+template <typename T>
+inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::vec>& seg_max) {
+  using S = Simd<T>;
+  using vec = typename S::vec;
+  constexpr int L = kLanes<T>;
+  vec x[8];
+  for (int k = 0; k < 8; ++k) {
+    x[k] = S::load(p + k * L);
+  }
+  const Bits<vec> m01 = vmax(abs_bits(x[0]), abs_bits(x[1])), m23 = vmax(abs_bits(x[2]), abs_bits(x[3]));
+  const Bits<vec> m45 = vmax(abs_bits(x[4]), abs_bits(x[5])), m67 = vmax(abs_bits(x[6]), abs_bits(x[7]));
+  seg_max = vmax(seg_max, vmax(vmax(m01, m23), vmax(m45, m67)));
+  return ((x[0] * x[0] + x[1] * x[1]) + (x[2] * x[2] + x[3] * x[3])) +
+      ((x[4] * x[4] + x[5] * x[5]) + (x[6] * x[6] + x[7] * x[7]));
+}
+
 template <typename T>
 Partial stats_run(const T* data, int64_t n) {
   using S = Simd<T>;
@@ -158,32 +183,27 @@ Partial stats_run(const T* data, int64_t n) {
   }
   Partial result = empty_partial();
   vdouble sumsq = {};
-  vec absmax = {};
+  Bits<vec> absmax = {};
   for (int64_t start = 0; start < n; start += kSegment) {
     const T* p = data + start;
     const int64_t len = n - start < kSegment ? n - start : kSegment;
     const int64_t vec_len = len / L * L;
-    vec seg_max = {};
+    Bits<vec> seg_max = {};
     vdouble seg_sumsq = {};
     int64_t i = 0;
+    for (; i + 32 * L <= vec_len; i += 32 * L) {
+      add_squares(seg_sumsq, (block_squares(p + i, seg_max) + block_squares(p + i + 8 * L, seg_max)) +
+                                 (block_squares(p + i + 16 * L, seg_max) + block_squares(p + i + 24 * L, seg_max)));
+    }
     for (; i + 8 * L <= vec_len; i += 8 * L) {
-      vec x[8];
-      for (int k = 0; k < 8; ++k) {
-        x[k] = S::load(p + i + k * L);
-      }
-      // Pairwise max and sum: short dependency chains, and a block's sum within 3 roundings of exact.
-      const vec m01 = vmax(vabs(x[0]), vabs(x[1])), m23 = vmax(vabs(x[2]), vabs(x[3]));
-      const vec m45 = vmax(vabs(x[4]), vabs(x[5])), m67 = vmax(vabs(x[6]), vabs(x[7]));
-      seg_max = vmax(seg_max, vmax(vmax(m01, m23), vmax(m45, m67)));
-      add_squares(seg_sumsq, ((x[0] * x[0] + x[1] * x[1]) + (x[2] * x[2] + x[3] * x[3])) +
-                                 ((x[4] * x[4] + x[5] * x[5]) + (x[6] * x[6] + x[7] * x[7])));
+      add_squares(seg_sumsq, block_squares(p + i, seg_max));
     }
     for (; i < vec_len; i += L) {
       const vec x = S::load(p + i);
-      seg_max = vmax(seg_max, vabs(x));
+      seg_max = vmax(seg_max, abs_bits(x));
       add_squares(seg_sumsq, x * x);
     }
-    const double top = max_lane(seg_max);
+    const double top = max_lane((vec)seg_max);
     const bool tiny = top > 0 && top < S::kBelow;
     if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (tiny && std::is_same_v<vec, vdouble>)) {
       merge(result, precise_stats(p, vec_len, 1));
@@ -202,7 +222,7 @@ Partial stats_run(const T* data, int64_t n) {
   }
   Partial fast = empty_partial();
   fast.sumsq = sum_lanes(sumsq);
-  fast.absmax = max_lane(absmax);
+  fast.absmax = max_lane((vec)absmax);
   merge(result, fast);
   return result;
 }
