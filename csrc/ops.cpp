@@ -74,12 +74,20 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
       continue;
     }
     run.dense = false;
-    // Memory order (largest stride first), then merge dimensions that are contiguous with each other.
+    // Expanded dimensions out, memory order (largest stride first), then merge dimensions that are
+    // contiguous with each other.
     std::vector<int64_t> dims;
     for (int64_t d = 0; d < t.dim(); ++d) {
-      if (t.size(d) != 1) {
+      if (t.stride(d) == 0) {
+        run.repeats *= t.size(d);
+      } else if (t.size(d) != 1) {
         dims.push_back(d);
       }
+    }
+    run.numel /= run.repeats;
+    if (dims.empty()) {
+      run.dense = true;  // one element, repeated
+      continue;
     }
     std::stable_sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
     for (int64_t d : dims) {
@@ -109,6 +117,18 @@ void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts) {
   const at::Tensor rows = at::tensor(negated, at::kLong).to(counts.device(), /*non_blocking=*/true);
   const at::Tensor swapped = at::tensor({0, 2, 1}, at::kLong).to(counts.device(), /*non_blocking=*/true);
   counts.index_copy_(0, rows, counts.index_select(0, rows).index_select(1, swapped));
+}
+
+void apply_repeats(const std::vector<InputRun>& runs, at::Tensor& counts, at::Tensor& norm) {
+  if (std::all_of(runs.begin(), runs.end(), [](const InputRun& r) { return r.repeats == 1; })) {
+    return;
+  }
+  std::vector<int64_t> repeats(runs.size());
+  std::transform(runs.begin(), runs.end(), repeats.begin(), [](const InputRun& r) { return r.repeats; });
+  // Built on the host and copied without blocking: no sync on CUDA.
+  const at::Tensor factor = at::tensor(repeats, at::kLong).to(counts.device(), /*non_blocking=*/true);
+  counts.mul_(factor.unsqueeze(1));
+  norm.mul_(factor.to(at::kDouble).sqrt());
 }
 
 TORCH_LIBRARY(nanfast, m) {

@@ -15,11 +15,14 @@ namespace nanfast {
 // parts only, which the per-tensor counts cannot express. A tensor that is
 // non-overlapping and dense (contiguous, or a permutation such as a transposed weight) is read as
 // one run in memory order: counts and norms do not depend on element order. Any other view
-// (slices, expands) keeps coalesced sizes and strides and is read in place, one row at a time.
+// (slices, overlapping strides) keeps coalesced sizes and strides and is read in place, one row at a
+// time. Expanded dimensions (stride 0) repeat the same elements: they are left out of the read, and
+// the counts and squares of what is read are multiplied by their sizes (see apply_repeats()).
 struct InputRun {
   const void* data = nullptr;
   at::ScalarType dtype = at::kFloat;
-  int64_t numel = 0;  // elements read: twice the tensor's numel for complex
+  int64_t numel = 0;  // elements read: twice the tensor's numel for complex, over `repeats`
+  int64_t repeats = 1;  // how many of the tensor's elements each element read stands for
   bool negated = false;
   bool dense = true;
   // Only for views that are not dense, outermost first. Heap vectors keep a run small: thousands of
@@ -37,5 +40,9 @@ bool can_be_nonfinite(at::ScalarType dtype);
 
 // Swaps the +inf and -inf columns of `counts` ([N, 3]) for inputs read with their negative bit.
 void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts);
+
+// Scales the counts ([N, 3]) and norms ([N]) of expanded inputs by their repeats: each element read
+// stands for `repeats` elements, so counts and squares are that many times larger.
+void apply_repeats(const std::vector<InputRun>& runs, at::Tensor& counts, at::Tensor& norm);
 
 }  // namespace nanfast

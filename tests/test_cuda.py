@@ -250,19 +250,22 @@ def test_runs_on_the_current_stream():
 
 
 def test_more_than_2_31_elements():
-    """64-bit indexing: values past element 2^31, dense (float8) and as a view read in place (expanded)."""
+    """64-bit indexing: values past element 2^31, dense (float8) and as a strided view read in place
+    (overlapping rows: expanded dimensions would be read once)."""
     n = 2**31 + 4096
     positions = torch.tensor([3, 2**31 + 100, 2**31 + 5, 2**31 + 77, n - 1], device="cuda")
     values = torch.tensor([-3.0, 2.0, math.nan, math.inf, -math.inf]).to(torch.float8_e5m2)
     dense = torch.zeros(n, dtype=torch.uint8, device="cuda")  # set as bytes: no float8 kernels needed
     dense[positions] = values.view(torch.uint8).cuda()
     dense = dense.view(torch.float8_e5m2)
-    expanded = torch.tensor([1.0, math.nan, -2.0], device="cuda").expand(2**30, 3)  # 3 * 2^30 elements
-    counts, norm, absmax = torch.ops.nanfast.stats([dense, expanded])
-    assert counts.tolist() == [[1, 1, 1], [2**30, 0, 0]]
-    assert absmax.tolist() == [3.0, 2.0]
+    base = torch.ones(2**30 + 2, dtype=torch.float16, device="cuda")
+    base[2**30 - 1] = math.nan  # element (i, j) of the view is base[i + j]: the NaN is at 3 places near the end
+    overlapping = base.as_strided((2**30, 3), (1, 1))  # 3 * 2^30 elements
+    counts, norm, absmax = torch.ops.nanfast.stats([dense, overlapping])
+    assert counts.tolist() == [[1, 1, 1], [3, 0, 0]]
+    assert absmax.tolist() == [3.0, 1.0]
     assert math.isclose(norm[0].item(), math.sqrt(13), rel_tol=1e-12)
-    assert math.isclose(norm[1].item(), math.sqrt(5 * 2**30), rel_tol=1e-9)
+    assert math.isclose(norm[1].item(), math.sqrt(3 * 2**30 - 3), rel_tol=1e-9)
     assert torch.ops.nanfast.any_nonfinite([dense]).item() is True
     assert torch.ops.nanfast.any_nonfinite([dense[: 2**31]]).item() is False
 

@@ -311,6 +311,19 @@ def test_complex_counts_real_and_imaginary_parts():
     assert s.absmax.item() == 4.0
 
 
+def test_expanded_views_count_every_repeat():
+    """Expanded dimensions are read once and counted as often as they repeat (see NOTE: [Inputs as the
+    kernels see them]), alone and with complex, negative and sliced views."""
+    base = torch.tensor([1.5, math.nan, -math.inf, 3.0, math.inf, -2.0])
+    views = [base.expand(5, 6), base[:, None].expand(6, 7), base[1].expand(3, 2), base[::2].expand(2, 4, 3),
+             torch._neg_view(base).expand(2, 6), torch.view_as_complex(base.view(3, 2)).expand(4, 3),
+             base[None, 2:4, None].expand(3, 2, 5), base.expand(0, 6)]
+    check_against_reference(views)
+    huge = nanfast.stats([base[0].expand(2**40), base[2].expand(2**20, 2**20)])  # 2^40 elements each, one read
+    assert huge.counts.tolist() == [[0, 0, 0], [0, 0, 2**40]]
+    assert huge.norm.tolist() == [1.5 * 2**20, 0.0] and huge.absmax.tolist() == [1.5, 0.0]
+
+
 def test_integers_and_bools_are_finite_with_norms_of_their_values():
     ints = [torch.tensor([-3, 4], dtype=torch.int8), torch.tensor([True, False, True]),
             torch.tensor([-(2**63)], dtype=torch.int64), torch.tensor([255], dtype=torch.uint8)]

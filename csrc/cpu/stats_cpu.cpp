@@ -250,6 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cpu(at::TensorList tensors)
     absmax_out[t] = p.absmax;
   }
   fix_negated_counts(runs, counts);
+  apply_repeats(runs, counts, norm);
   return {counts, norm, absmax};
 }
 

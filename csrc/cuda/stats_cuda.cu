@@ -407,6 +407,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cuda(at::TensorList tensors
   }
   launch_finish(piece_base, pieces_data, counts, norm, absmax, stream);
   fix_negated_counts(runs, counts);
+  apply_repeats(runs, counts, norm);
   return {counts, norm, absmax};
 }
 
