@@ -60,7 +60,7 @@ C10_HOST_DEVICE inline void begin_rescaled_pass(Partial& p) {
   int exponent = 0;
   frexp(p.absmax, &exponent);
   // The scale and its reciprocal must be finite normal doubles (absmax may be near DBL_MAX or subnormal).
-  exponent = exponent > 1023 ? 1023 : (exponent < -1021 ? -1021 : exponent);
+  exponent = exponent > 1022 ? 1022 : (exponent < -1021 ? -1021 : exponent);
   p.scale = ldexp(1.0, exponent);
   p.sumsq = 0.0;
 }

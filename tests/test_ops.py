@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import assert_stats_match, reference_any_nonfinite, reference_stats
+from reference import assert_stats_match, reference_any_nonfinite, reference_stats, unsupported_dtype_tensor
 
 import nanfast
 
@@ -262,8 +262,9 @@ def test_norm_of_values_at_dtype_max_does_not_overflow(dtype, n):
     """The norm is exact to 1e-6 even where every square overflows the input dtype: max * sqrt(n)."""
     # float64: a 1024th of max, so that the exact norm itself is finite; its squares still overflow.
     big = torch.finfo(dtype).max / (1024 if dtype == torch.float64 else 1)
-    t = torch.full((n,), big, dtype=dtype)
+    t = torch.full((n,), big, dtype=torch.float64)
     t[::2] = -big
+    t = t.to(dtype)  # filled in float64: CPU fill_ has no float8 kernel before torch 2.5
     s = nanfast.stats([t, t[1:]])
     assert s.counts.sum().item() == 0
     assert s.absmax.tolist() == [big, big if n > 1 else 0.0]
@@ -301,6 +302,21 @@ def test_float64_extremes(values):
     """float64 values whose squares overflow or underflow a double, alone and in SIMD segments."""
     t = torch.tensor(values, dtype=torch.float64)
     check_against_reference([t, t.repeat(3), t.repeat(K_SEGMENT + 1), torch.zeros(7, dtype=torch.float64)])
+
+
+def test_float64_extremes_with_flush_to_zero():
+    """The rescaled pass multiplies by 1 / scale: it must stay a normal double, or flush-to-zero (set by
+    torch.set_flush_denormal or by fast-math code in the process) would make it 0."""
+    values = torch.tensor([1e308, -1.7e308, 3.0, 2.0**-1070], dtype=torch.float64)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        counts, norm, absmax = torch.ops.nanfast.stats([values[:1], values])
+    finally:
+        torch.set_flush_denormal(False)
+    assert counts.abs().sum().item() == 0
+    assert norm[0].item() == 1e308 and absmax.tolist() == [1e308, 1.7e308]
+    assert math.isclose(norm[1].item(), math.hypot(1e308, 1.7e308), rel_tol=1e-12)
 
 
 def test_complex_counts_real_and_imaginary_parts():
@@ -634,7 +650,7 @@ def test_entries_on_two_devices(api, fn):
 @pytest.mark.parametrize("api,fn", API)
 def test_unsupported_dtype(api, fn):
     with pytest.raises(RuntimeError) as e:
-        fn([torch.ones(2), torch.ones(2).to(torch.float8_e8m0fnu)])
+        fn([torch.ones(2), unsupported_dtype_tensor()])
     assert api in str(e.value) and names_entry(str(e.value), 1) and "dtype" in str(e.value)
 
 
@@ -667,18 +683,15 @@ def test_fake_tensors_give_fake_outputs():
 def huge_float8():
     """2^31 + 4096 float8_e5m2 elements (2 GiB): zeros, a few finite values, and NaN/±inf only past 2^31."""
     n = 2**31 + 4096
-    t = torch.zeros(n, dtype=torch.float8_e5m2)
-    t[3] = -3.0
-    t[2**31 + 100] = 2.0
-    t[2**31 + 5] = math.nan
-    t[2**31 + 77] = math.inf
-    t[n - 1] = -math.inf
+    t = torch.zeros(n, dtype=torch.uint8).view(torch.float8_e5m2)  # CPU fill_ has no float8 kernel before torch 2.5
+    for i, value in ((3, -3.0), (2**31 + 100, 2.0), (2**31 + 5, math.nan), (2**31 + 77, math.inf), (n - 1, -math.inf)):
+        t[i] = torch.tensor(value).to(t.dtype)
     return t
 
 
 def test_more_than_2_31_elements(huge_float8):
     t = huge_float8
-    s = nanfast.stats([torch.zeros(3, dtype=torch.float8_e5m2), t])
+    s = nanfast.stats([torch.zeros(3).to(torch.float8_e5m2), t])
     assert s.counts.tolist() == [[0, 0, 0], [1, 1, 1]]
     assert math.isclose(s.norm[1].item(), math.sqrt(9 + 4), rel_tol=1e-12) and s.absmax[1].item() == 3.0
     assert nanfast.any_nonfinite([t]).item() is True
