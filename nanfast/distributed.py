@@ -20,8 +20,22 @@ NORM = 3
 def dtensor_type() -> Optional[type]:
     """torch's DTensor class if it has been imported, else None. Importing torch.distributed.tensor
     costs a second; a program that has no DTensor has not imported it, and needs no check."""
-    module = sys.modules.get("torch.distributed.tensor._api")
-    return None if module is None else module.DTensor
+    # Before torch 2.5 DTensor lived in torch.distributed._tensor.api.
+    for name in ("torch.distributed.tensor._api", "torch.distributed._tensor.api"):
+        module = sys.modules.get(name)
+        if module is not None:
+            return module.DTensor
+    return None
+
+
+def dtensor_api() -> Any:
+    """The module of DTensor's public API (placements, distribute_tensor): torch.distributed.tensor, or
+    torch.distributed._tensor before torch 2.5."""
+    import torch.distributed.tensor as api
+
+    if not hasattr(api, "DTensor"):
+        import torch.distributed._tensor as api
+    return api
 
 
 def is_dtensor(t: Any) -> bool:
@@ -78,18 +92,16 @@ def gather_objects(obj: Any, group: Any) -> list:
 
 
 def _reduce_dims(t: Any) -> list[int]:
-    from torch.distributed.tensor import Shard
-
-    return [d for d, placement in enumerate(t.placements) if isinstance(placement, Shard)]
+    shard = dtensor_api().Shard
+    return [d for d, placement in enumerate(t.placements) if isinstance(placement, shard)]
 
 
 def _resolve_partial(t: Any) -> Any:
     """`t` with its Partial placements reduced (a collective of its own; sharded and replicated DTensors,
     FSDP2's parameters and gradients, need none)."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    if any(isinstance(p, Partial) for p in t.placements):
-        return t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    api = dtensor_api()
+    if any(isinstance(p, api.Partial) for p in t.placements):
+        return t.redistribute(placements=[api.Replicate() if isinstance(p, api.Partial) else p for p in t.placements])
     return t
 
 

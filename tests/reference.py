@@ -68,3 +68,19 @@ def assert_stats_match(counts: torch.Tensor, norm: torch.Tensor, absmax: torch.T
 
 def reference_any_nonfinite(tensors) -> bool:
     return any(sum(reference_stats(t).counts) > 0 for t in tensors)
+
+
+def torch_total_norm(tensors) -> torch.Tensor:
+    """torch's L2 norm of the tensors' L2 norms: torch.nn.utils.get_total_norm (torch >= 2.6), else the
+    same from torch.linalg.vector_norm."""
+    tensors = list(tensors)
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+
+
+def unsupported_dtype_tensor() -> torch.Tensor:
+    """Two elements of a dtype the ops reject: float8_e8m0fnu (torch >= 2.7), else bits16."""
+    if hasattr(torch, "float8_e8m0fnu"):
+        return torch.ones(2).to(torch.float8_e8m0fnu)
+    return torch.zeros(2, dtype=torch.int16).view(torch.bits16)

@@ -28,12 +28,18 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 WORLD = 2
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 SPAWN_DEADLINE_S = 120
+# Before torch 2.6 FSDP2 shards on CPU but runs forward and backward on CUDA streams only.
+FSDP2_TRAINS_ON_CPU = torch.__version__ >= "2.6"
+needs_fsdp2_training = pytest.mark.skipif(not FSDP2_TRAINS_ON_CPU, reason="FSDP2 trains on CPU from torch 2.6")
 
 
 # ---- scenarios: run on every rank; return what the tests check ----
 
 def _sharded_model(mesh):
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
@@ -48,7 +54,7 @@ def _finite_norm_and_absmax(t: torch.Tensor) -> tuple[float, float]:
 
 def fsdp2_check_all(rank, mesh):
     """fully_shard model; rank 1 plants a NaN and a +inf in its shard of 0.weight."""
-    from torch.distributed.tensor import DTensor
+    DTensor = nanfast.distributed.dtensor_api().DTensor
 
     model = _sharded_model(mesh)
     assert all(isinstance(p, DTensor) for p in model.parameters())
@@ -89,7 +95,8 @@ def fsdp2_grads(rank, mesh):
 def dtensor_placements(rank, mesh):
     """distribute_tensor directly: float64 near the top of its range (the squares would overflow),
     a replicated tensor (not counted twice), and stats / any_nonfinite on DTensors."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    api = nanfast.distributed.dtensor_api()
+    Replicate, Shard, distribute_tensor = api.Replicate, api.Shard, api.distribute_tensor
 
     big = torch.full((6, 3), 1e200, dtype=torch.float64)
     big[4, 2] = -float("inf")  # lands on rank 1's shard
@@ -210,6 +217,8 @@ def ddp_watch_lagged(rank, mesh):
 
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              fsdp2_watch_skip]
+if not FSDP2_TRAINS_ON_CPU:
+    SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip)]
 
 
 def _raises(fn):
@@ -288,6 +297,7 @@ def test_fsdp2_check_all_names_the_full_parameter_on_every_rank(ranks):
     assert results[0]["norms"] == results[1]["norms"]
 
 
+@needs_fsdp2_training
 def test_fsdp2_gradient_norms_are_global(ranks):
     results = _results(ranks, fsdp2_grads)
     for r in results:
@@ -354,6 +364,7 @@ def test_ddp_lagged_watch_ranks_raise_together_a_step_late(ranks):
         assert r["host_reads"][0] == 0  # a lagged step does not wait for the host
 
 
+@needs_fsdp2_training
 def test_fsdp2_watch_ranks_skip_together(ranks):
     results = _results(ranks, fsdp2_watch_skip)
     for r in results:
