@@ -21,7 +21,7 @@ import nanfast
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
 # Chunk sizes of the CPU path: where the kernels switch from one segment, item or register to the next.
-K_SEGMENT = 1024  # kSegment, csrc/cpu/simd_body.h
+K_SEGMENT = 4096  # kSegment, csrc/cpu/simd_body.h
 K_ITEM = 65536  # kItemElements, csrc/cpu/stats_cpu.cpp
 LANE_WIDTHS = (4, 8, 16, 32, 64, 128)  # elements per register (or block of 8 registers), 16 to 64 bytes
 

@@ -27,7 +27,7 @@
 namespace nanfast::cpu::NANFAST_ISA {
 namespace {
 
-constexpr int64_t kSegment = 1024;
+constexpr int64_t kSegment = 4096;
 
 typedef float vfloat __attribute__((vector_size(NANFAST_VEC_BYTES)));
 typedef double vdouble __attribute__((vector_size(NANFAST_VEC_BYTES)));
