@@ -4,7 +4,9 @@ Speed itself is not asserted here: it is measured by the benchmark, never in tes
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,14 @@ def test_core_benchmark_writes_every_method(tmp_path, capsys):
     methods = set(bench.make_methods([torch.ones(2)]))
     assert {r["method"] for r in rows} == methods and all(r["median_ms"] > 0 for r in rows)
     assert "| nanfast.stats |" in capsys.readouterr().out
+
+
+def test_benchmarks_script_is_the_cli(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    done = subprocess.run([sys.executable, str(script), "--workloads", "5000x1024-fp32", "--scale", "0.001",
+                           "--repeats", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "| nanfast.stats |" in done.stdout and (tmp_path / "results.json").exists()
 
 
 def test_timed_watch_counts_the_watch_and_restores_it():
