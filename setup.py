@@ -66,7 +66,7 @@ cxx_flags = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"] + (
 # No --use_fast_math: it flushes subnormals, which the kernels must classify and sum exactly.
 nvcc_flags = ["-O3", "-Xcompiler", "-Wall"] + (["-Werror", "all-warnings", "-Xcompiler", "-Werror"] if werror else [])
 
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/python/*.cpp"))
 extension = CppExtension
 extra_compile_args = {"cxx": cxx_flags}
 define_macros = []

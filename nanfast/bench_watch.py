@@ -161,17 +161,20 @@ def _measure(device: str, repeats: int) -> list[dict]:
     return rows
 
 
-# The watch's entry points: everything it runs in a step starts in one of these.
+# The watch's Python entry points: everything it runs in a step starts in one of these, or in the gradient
+# checks its recorder placed on the autograd graph (C++, which times them itself).
 _WATCH_ENTRY_POINTS = ("_before_model", "_after_model", "_before_module", "_after_module", "_before_optimizer_step")
 
 
 @contextlib.contextmanager
-def _timed_watch(clock: dict) -> Iterator[None]:
-    """Adds the seconds spent in the watch's hooks to clock["hooks"], and in its fused kernels to
-    clock["kernels"] (with the bytes they read in clock["bytes"]), by wrapping its entry points."""
+def _timed_watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Callable[[], dict]]:
+    """A watch on model and optimizer whose entry points are timed; yields a function that returns the
+    totals so far: seconds inside the watch ("hooks": its Python entry points and its gradient checks),
+    seconds in its fused kernels ("kernels") and the bytes they read ("bytes")."""
     module = sys.modules[watch.__module__]  # nanfast.watch, the module (the package exports the function)
-    targets = [(module.Watch, name) for name in _WATCH_ENTRY_POINTS] + [(module._GradCheck, "__call__")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in targets] + [(module, "_stats", module._stats)]
+    saved = [(module.Watch, name, getattr(module.Watch, name)) for name in _WATCH_ENTRY_POINTS]
+    saved.append((module, "_stats_on", module._stats_on))
+    clock = {"hooks": 0.0, "kernels": 0.0, "bytes": 0}
 
     def timed(fn: Callable, key: str) -> Callable:
         def wrapper(*args, **kwargs):
@@ -182,17 +185,22 @@ def _timed_watch(clock: dict) -> Iterator[None]:
                 clock[key] += time.perf_counter() - start
         return wrapper
 
-    stats = timed(module._stats, "kernels")
+    stats_on = timed(module._stats_on, "kernels")
 
-    def kernels(tensors):
+    def fused_pass(tensors, device):
         clock["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-        return stats(tensors)
+        return stats_on(tensors, device)
 
     for owner, name, fn in saved[:-1]:
         setattr(owner, name, timed(fn, "hooks"))
-    module._stats = kernels
+    module._stats_on = fused_pass
     try:
-        yield
+        with watch(model, optimizer) as w:  # made after the wrapping: its hooks bind the wrapped methods
+            def totals() -> dict:
+                kernel_s, grad_checks_s, recorded_bytes = w._recorder.costs()
+                return {"hooks": clock["hooks"] + grad_checks_s, "kernels": clock["kernels"] + kernel_s,
+                        "bytes": clock["bytes"] + recorded_bytes}
+            yield totals
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
@@ -208,14 +216,14 @@ def _measure_inside(device: str, steps: int = 6) -> list[dict]:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         _step(model, optimizer, *batch())
         plain = statistics.median(_timed_step(model, optimizer, batch, device) for _ in range(steps))
-        clock = {"hooks": 0.0, "kernels": 0.0, "bytes": 0}
-        with _timed_watch(clock), watch(model, optimizer):  # wrapped first: the hooks bind the methods
+        with _timed_watch(model, optimizer) as totals:
             _step(model, optimizer, *batch())
-            clock.update(hooks=0.0, kernels=0.0, bytes=0)
+            start = totals()
             watched = sum(_timed_step(model, optimizer, batch, device) for _ in range(steps)) / steps
+            spent = {key: (value - start[key]) / steps for key, value in totals().items()}
         rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": watched * 1e3,
-                     "inside_ms": clock["hooks"] / steps * 1e3, "kernels_ms": clock["kernels"] / steps * 1e3,
-                     "mb_read": clock["bytes"] / steps / 1e6})
+                     "inside_ms": spent["hooks"] * 1e3, "kernels_ms": spent["kernels"] * 1e3,
+                     "mb_read": spent["bytes"] / 1e6})
     return rows
 
 

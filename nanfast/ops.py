@@ -82,7 +82,7 @@ def _call(op, tensors: Sequence[torch.Tensor], api: str):
 def _ops():
     """(stats, any_nonfinite): the unboxed bindings in eager mode, the operators under torch.compile,
     which traces torch.ops but not pybind functions (see NOTE: [Unboxed entry points] in
-    csrc/python_module.cpp). Both make the same dispatcher call."""
+    csrc/python/module.cpp). Both make the same dispatcher call."""
     if torch.compiler.is_compiling():
         return torch.ops.nanfast.stats.default, torch.ops.nanfast.any_nonfinite.default
     return _C.stats, _C.any_nonfinite

@@ -20,10 +20,10 @@ from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
 from .report import NonFiniteError
 
-# The unboxed binding of torch.ops.nanfast.stats (see NOTE: [Unboxed entry points]): a hook calls it for
-# every module, so its ~1.5 us less per call count. The hooks are idle under torch.compile, which
-# could not trace it.
-_stats = _C.stats
+# torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
+# unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
+# trace it.
+_stats_on = _C.stats_on
 
 ACTIONS = ("raise", "warn", "skip")
 ON_EVENT = (None, "locate")
@@ -177,27 +177,6 @@ class _Site:
         self.forward_id = -1
 
 
-class _GradCheck:
-    """A pre-hook on the autograd node that produced a module's input: checks the gradient w.r.t. that
-    input (output `output_nr` of the node), i.e. what flows out of the module in backward. Retargeted
-    to the innermost module that takes the same tensor."""
-
-    __slots__ = ("watch", "phase", "site", "call", "microbatch", "output_nr")
-
-    def __init__(self, watch: Watch, phase: str, site: _Site, call: int, microbatch: int, output_nr: int):
-        self.watch = watch
-        self.phase = phase
-        self.site = site
-        self.call = call
-        self.microbatch = microbatch
-        self.output_nr = output_nr
-
-    def __call__(self, grad_outputs: tuple) -> None:
-        grad = grad_outputs[self.output_nr]
-        if grad is not None and self.watch._installed:
-            self.watch._record(self.phase, self.site, self.call, self.microbatch, [grad])
-
-
 @dataclasses.dataclass
 class _Read:
     """One step's checks, packed on the device, and where their host copy lands (lagged reads)."""
@@ -239,22 +218,6 @@ def _floating_tensors(obj: Any, out: list) -> list:
         for field in dataclasses.fields(obj):
             _floating_tensors(getattr(obj, field.name), out)
     return out
-
-
-def _stats_on(tensors: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.ops.nanfast.stats over tensors that may lie on several devices (one fused call per device),
-    rows in input order, results on `device`."""
-    first = tensors[0].device
-    if all(t.device == first for t in tensors):
-        results = _stats(tensors)
-    else:
-        by_device: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_device.setdefault(t.device, []).append(i)
-        parts = [[r.to(device, non_blocking=True) for r in _stats([tensors[i] for i in idx])] for idx in by_device.values()]
-        order = torch.tensor([i for idx in by_device.values() for i in idx]).argsort().to(device, non_blocking=True)
-        results = tuple(torch.cat([p[k] for p in parts]).index_select(0, order) for k in range(3))
-    return tuple(r if r.device == device else r.to(device, non_blocking=True) for r in results)
 
 
 class Watch:
@@ -352,6 +315,9 @@ class Watch:
         self._root = _Site("", type(model).__name__, self._ignored(""))
         self._input = _Site("input", "", self._ignored("input"))
         self._handles: list = []
+        # The step's counts, in execution order, and what each slot id stands for (see NOTE: [The watch's recorder]).
+        self._recorder = _C.WatchRecorder(self._device)
+        self._slot_info: list[tuple[str, _Site, int, int]] = []
         self._scaler_step_saved: Optional[tuple[bool, Any]] = None
         self._installed = True
         self._forward_id = 0
@@ -414,6 +380,7 @@ class Watch:
             return
         self._installed = False
         self._active = False
+        self._recorder.disable()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -441,8 +408,8 @@ class Watch:
 
     def _reset_step(self) -> None:
         self._active = self._installed and self.step_count % self.every == 0
-        self._counts: list[torch.Tensor] = []
-        self._slots: list[tuple] = []
+        self._recorder.clear()
+        self._slot_info = []
         self._forwards = 0
         self._microbatch = 0
         self._clipped: Optional[_Pass] = None
@@ -459,12 +426,14 @@ class Watch:
         # activation outlives its use.
         self._last_output: Optional[torch.Tensor] = None
         self._last_output_version = -1
-        self._grad_checks: dict[tuple[Any, int], _GradCheck] = {}
+        self._recorder.forget()
+
+    def _slot(self, phase: str, site: _Site, call: int, microbatch: int) -> int:
+        self._slot_info.append((phase, site, call, microbatch))
+        return len(self._slot_info) - 1
 
     def _record(self, phase: str, site: _Site, call: int, microbatch: int, tensors: list) -> None:
-        counts = _stats(tensors)[0] if len(tensors) == 1 else _stats_on(tensors, self._device)[0]
-        self._counts.append(counts if counts.device == self._device else counts.to(self._device, non_blocking=True))
-        self._slots.append((phase, site, call, microbatch, len(tensors)))
+        self._recorder.record(tensors, self._slot(phase, site, call, microbatch))
 
     def _hook_grads(self, args: Any, phase: str, site: _Site, call: int) -> None:
         # NOTE: [Where a gradient is checked]
@@ -474,18 +443,10 @@ class Watch:
         # the module received even when the module modifies it in place (ReLU(inplace=True)). Full
         # backward hooks would wrap every module in an autograd Function and forbid in-place ops on module
         # outputs. Leaves have no node (their gradients are the parameters', phase grad); the hooks go
-        # with the graph.
-        for t in _floating_tensors(args, []):
-            node = t.grad_fn
-            if node is None:
-                continue
-            key = (node, t.output_nr)
-            hook = self._grad_checks.get(key)
-            if hook is None:
-                hook = self._grad_checks[key] = _GradCheck(self, phase, site, call, self._microbatch, t.output_nr)
-                node.register_prehook(hook)
-            else:
-                hook.phase, hook.site, hook.call = phase, site, call
+        # with the graph. The recorder places them (C++ pre-hooks, see NOTE: [The watch's recorder]).
+        tensors = _floating_tensors(args, [])
+        if tensors:
+            self._recorder.hook_grads(tensors, self._slot(phase, site, call, self._microbatch))
 
     def _enter(self, site: _Site, args: Any) -> None:
         if site.forward_id != self._forward_id:
@@ -667,7 +628,9 @@ class Watch:
         """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
         and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]."""
         device = self._device
-        counts, slots = list(self._counts), list(self._slots)
+        recorded, recorded_slots = self._recorder.take()
+        counts = [recorded]
+        slots = [(*self._slot_info[slot], rows) for slot, rows in recorded_slots]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         grad_norm = grad_max = param_norm = zero
         with torch.no_grad():
@@ -687,7 +650,7 @@ class Watch:
                     if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
                         inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
                         grad_norm, grad_max = grad_norm * inv, grad_max * inv
-            packed = torch.cat(counts) if counts else torch.zeros((0, 3), dtype=torch.int64, device=device)
+            packed = torch.cat(counts) if len(counts) > 1 else recorded
             totals = packed.sum(0)
             flag = totals[:1] if self.nan_only else totals.sum(0, keepdim=True)
             found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)

@@ -35,16 +35,23 @@ def test_benchmarks_script_is_the_cli(tmp_path):
 def test_timed_watch_counts_the_watch_and_restores_it():
     watch_module = sys.modules[nanfast.watch.__module__]
     before = {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS}
-    stats_before = watch_module._stats
+    stats_on_before = watch_module._stats_on
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    clock = {"hooks": 0.0, "kernels": 0.0, "bytes": 0}
-    with bench_watch._timed_watch(clock), nanfast.watch(model, optimizer):
-        F.mse_loss(model(torch.randn(5, 8)), torch.zeros(5, 4)).backward()
+    x = torch.randn(5, 8)
+    with bench_watch._timed_watch(model, optimizer) as totals:
+        assert totals() == {"hooks": 0.0, "kernels": 0.0, "bytes": 0}
+        F.mse_loss(model(x), torch.zeros(5, 4)).backward()
+        after_backward = totals()
         optimizer.step()
+        clock = totals()
     params = sum(p.numel() for p in model.parameters())
-    # Parameters and gradients once each, plus the input, activations, output and backward gradients.
-    assert clock["bytes"] > 2 * 4 * params
+    activations = (5 * 8) + (5 * 16) * 2 + (5 * 4)  # input, Linear and Tanh outputs, output
+    input_grads = (5 * 4) + (5 * 16) * 2  # the loss gradient, what flows out of the second Linear and the Tanh
+    # Each exactly once: the recorder (activations, backward gradients) and the fused pass (parameters,
+    # their gradients).
+    assert after_backward["bytes"] == 4 * (activations + input_grads)
+    assert clock["bytes"] == 4 * (activations + input_grads + 2 * params)
     assert clock["hooks"] >= clock["kernels"] > 0
     assert {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS} == before
-    assert watch_module._stats is stats_before
+    assert watch_module._stats_on is stats_on_before

@@ -4,6 +4,7 @@ the ops (skipped without a GPU). The ops themselves are compiled alone in tests/
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -146,3 +147,44 @@ def test_watch_on_a_compiled_model_keeps_the_graph_whole():
     assert changed == [True, False, True]
     assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "grad", "inner.weight")]
     assert nanfast.check_all(model, raise_on_nonfinite=False).ok
+
+
+class _Root(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(h * h)  # |h|: finite, but its gradient at h = 0 is inf * 0 = NaN
+
+
+class _RootNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 8)
+        self.root = _Root()
+        self.outer = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(self.root(self.inner(x)))
+
+
+@pytest.mark.parametrize("compiled_autograd", [False, True])
+def test_watch_under_compiled_autograd_checks_the_gradients_at_the_step(compiled_autograd):
+    """The per-module gradient checks (C++ pre-hooks) stay out of a backward that compiled autograd
+    traces, as the hooks do in a compiled forward: the backward-only fault is then caught in the
+    parameters' gradients at the step instead of at the module that made it."""
+    torch.manual_seed(0)
+    model = _RootNet()
+    with torch.no_grad():
+        model.inner.weight[0] = 0.0
+        model.inner.bias[0] = 0.0  # h[:, 0] = 0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, optimizer, action="warn") as w:
+        loss = model(CLEAN).sum()
+        with (torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")) if compiled_autograd
+              else contextlib.nullcontext()):
+            loss.backward()
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            optimizer.step()
+    first = w.events[0].first
+    if compiled_autograd:
+        assert (first.phase, first.name) == ("grad", "inner.weight")
+    else:
+        assert (first.phase, first.name) == ("backward", "root")

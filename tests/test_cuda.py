@@ -324,3 +324,16 @@ def test_no_host_sync(op_recorder):
     assert ops.counts["nanfast.stats.default"] == 1 and ops.counts["nanfast.any_nonfinite.default"] == 1
     assert ops.host_syncs == 0
     assert found.item() is True and s.counts.sum().item() == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_stats_over_several_devices_keep_the_input_order(device):
+    """nanfast._C.stats_on (the watch's fused pass and its recorder): one call per device, each row back
+    at its input's position, every result on `device`."""
+    tensors = [torch.tensor([1.0, math.nan]), torch.tensor([-math.inf, 3.0], device="cuda"),
+               torch.tensor([math.inf, 4.0], dtype=torch.float64), torch.tensor([2.0, 0.5], device="cuda")]
+    counts, norm, absmax = nanfast._C.stats_on(tensors, torch.device(device))
+    assert counts.device.type == norm.device.type == absmax.device.type == device
+    expected = torch.ops.nanfast.stats([t.cpu() for t in tensors])
+    assert torch.equal(counts.cpu(), expected[0]) and torch.equal(absmax.cpu(), expected[2])
+    torch.testing.assert_close(norm.cpu(), expected[1], rtol=1e-12, atol=0)

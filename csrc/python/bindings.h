@@ -1,0 +1,56 @@
+#pragma once
+// What the Python bindings of nanfast._C share (csrc/python/): borrowed input lists and the unboxed
+// operator handles.
+
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace nanfast::python {
+
+namespace py = pybind11;
+
+// pybind11's types are hidden: so must be the classes that hold them.
+#if defined(__GNUC__)
+#define NANFAST_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define NANFAST_HIDDEN
+#endif
+
+// NOTE: [Borrowed inputs]
+// Copying a Tensor that has a Python object increfs that object too (PyObject preservation, a
+// GIL-guarded call), and releasing the copy decrefs it: with thousands of small tensors the copies
+// cost more than reading the data. The bindings hold the entries in a tuple for the whole call (no
+// other thread can drop them while the GIL is released) and give the kernels borrowed Tensors,
+// which touch no reference count.
+class NANFAST_HIDDEN BorrowedTensors {
+ public:
+  BorrowedTensors(const char* api, py::handle sequence);
+  BorrowedTensors(const BorrowedTensors&) = delete;
+  BorrowedTensors& operator=(const BorrowedTensors&) = delete;
+  ~BorrowedTensors();
+
+  at::TensorList list() const {
+    return tensors_;
+  }
+
+ private:
+  py::tuple owner_;
+  std::vector<at::Tensor> tensors_;
+};
+
+using StatsOp = c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList)>;
+
+// torch.ops.nanfast.stats, called unboxed (see NOTE: [Unboxed entry points]).
+const StatsOp& stats_op();
+
+// torch.ops.nanfast.stats over tensors on any number of devices: one call per device, rows in input
+// order, results on `device`. Needs at least one tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, at::Device device);
+
+// Defines nanfast._C.WatchRecorder (csrc/python/watch_recorder.cpp).
+void bind_watch_recorder(py::module_& m);
+
+}  // namespace nanfast::python

@@ -1,0 +1,141 @@
+// The Python extension module nanfast._C: importing it registers the operators (torch.ops.nanfast),
+// and it holds the unboxed entry points, the watch's recorder and the CPU instruction-set switch
+// used by tests and benchmarks.
+#include "bindings.h"
+
+#include <algorithm>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+
+#include "../cpu/run_kernels.h"
+
+namespace nanfast::python {
+
+// NOTE: [Unboxed entry points]
+// torch.ops.nanfast.* goes through the boxed call path: every list entry becomes an IValue, then a
+// Tensor again. These bindings make the same dispatcher call, unboxed (dispatch modes, fake tensors
+// and the fallthroughs all apply as usual); nanfast.stats and nanfast.any_nonfinite use them in eager
+// mode and torch.ops.nanfast.* under torch.compile.
+
+BorrowedTensors::BorrowedTensors(const char* api, py::handle sequence)
+    : owner_(py::reinterpret_steal<py::tuple>(PySequence_Tuple(sequence.ptr()))) {
+  if (!owner_) {
+    throw py::error_already_set();
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(owner_.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(owner_.ptr(), i);
+    if (!THPVariable_Check(item)) {
+      throw py::type_error(std::string(api) + ": entry " + std::to_string(i) + " is of type " + Py_TYPE(item)->tp_name +
+                           ", not a Tensor");
+    }
+  }
+  // Nothing below throws once the space is reserved: a borrow must never reach the vector's own
+  // destructor, which would release a reference it does not hold.
+  tensors_.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    tensors_.push_back(
+        c10::MaybeOwnedTraits<at::Tensor>::createBorrow(THPVariable_Unpack(PyTuple_GET_ITEM(owner_.ptr(), i))));
+  }
+}
+
+BorrowedTensors::~BorrowedTensors() {
+  for (at::Tensor& t : tensors_) {
+    c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
+  }
+}
+
+const StatsOp& stats_op() {
+  static const StatsOp op = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("nanfast::stats", "")
+                                .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::TensorList)>();
+  return op;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, at::Device device) {
+  TORCH_INTERNAL_ASSERT(!tensors.empty());
+  const at::Device first = tensors[0].device();
+  const bool one_device =
+      std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return t.device() == first; });
+  auto to_device = [&](const at::Tensor& t) { return t.device() == device ? t : t.to(device, /*non_blocking=*/true); };
+  if (one_device) {
+    auto [counts, norm, absmax] = stats_op().call(tensors);
+    return {to_device(counts), to_device(norm), to_device(absmax)};
+  }
+  // Group by device, one call each; then each result row goes back to its input's position.
+  std::vector<at::Device> devices;
+  std::vector<std::vector<at::Tensor>> groups;
+  std::vector<std::vector<int64_t>> group_positions;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t g = std::find(devices.begin(), devices.end(), tensors[i].device()) - devices.begin();
+    if (g == devices.size()) {
+      devices.push_back(tensors[i].device());
+      groups.emplace_back();
+      group_positions.emplace_back();
+    }
+    groups[g].push_back(tensors[i]);
+    group_positions[g].push_back(static_cast<int64_t>(i));
+  }
+  std::vector<int64_t> positions;
+  std::vector<at::Tensor> parts[3];
+  for (size_t g = 0; g < groups.size(); ++g) {
+    positions.insert(positions.end(), group_positions[g].begin(), group_positions[g].end());
+    auto [counts, norm, absmax] = stats_op().call(groups[g]);
+    parts[0].push_back(to_device(counts));
+    parts[1].push_back(to_device(norm));
+    parts[2].push_back(to_device(absmax));
+  }
+  // Built on the host and copied without blocking: no sync on CUDA.
+  const at::Tensor rows = at::tensor(positions, at::kLong).to(device, /*non_blocking=*/true);
+  auto in_input_order = [&](const std::vector<at::Tensor>& part) {
+    const at::Tensor packed = at::cat(part);
+    return at::empty_like(packed).index_copy_(0, rows, packed);
+  };
+  return {in_input_order(parts[0]), in_input_order(parts[1]), in_input_order(parts[2])};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats(py::handle tensors) {
+  const BorrowedTensors inputs("nanfast.stats", tensors);
+  py::gil_scoped_release no_gil;
+  return stats_op().call(inputs.list());
+}
+
+at::Tensor call_any_nonfinite(py::handle tensors) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("nanfast::any_nonfinite", "").typed<at::Tensor(at::TensorList)>();
+  const BorrowedTensors inputs("nanfast.any_nonfinite", tensors);
+  py::gil_scoped_release no_gil;
+  return op.call(inputs.list());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats_on(py::handle tensors, at::Device device) {
+  const BorrowedTensors inputs("nanfast._C.stats_on", tensors);
+  TORCH_CHECK(!inputs.list().empty(), "nanfast._C.stats_on: tensors is empty");
+  py::gil_scoped_release no_gil;
+  return stats_on(inputs.list(), device);
+}
+
+}  // namespace
+
+}  // namespace nanfast::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace nanfast::python;
+  m.def("stats", &call_stats, "torch.ops.nanfast.stats without the boxed call (see NOTE: [Unboxed entry points]).",
+        py::arg("tensors"));
+  m.def("any_nonfinite", &call_any_nonfinite, "torch.ops.nanfast.any_nonfinite without the boxed call.",
+        py::arg("tensors"));
+  m.def("stats_on", &call_stats_on,
+        "torch.ops.nanfast.stats over tensors on any number of devices (one call per device), rows in input "
+        "order, results on `device`.",
+        py::arg("tensors"), py::arg("device"));
+  bind_watch_recorder(m);
+  m.def("cpu_isa", [] { return std::string(nanfast::cpu::simd_kernels().isa); },
+        "The instruction set of the CPU kernels in use: avx512, avx2 or baseline.");
+  m.def("set_cpu_isa", [](const std::string& isa) { return std::string(nanfast::cpu::set_cpu_isa(isa.c_str())); },
+        "Caps the CPU kernels' instruction set (never above what the processor has); returns the one in use.",
+        py::arg("isa"));
+}
