@@ -178,8 +178,9 @@ def test_watch_under_compiled_autograd_checks_the_gradients_at_the_step(compiled
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanfast.watch(model, optimizer, action="warn") as w:
         loss = model(CLEAN).sum()
-        with (torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")) if compiled_autograd
-              else contextlib.nullcontext()):
+        ca = torch._dynamo.compiled_autograd
+        enable = getattr(ca, "_enable", None) or ca.enable  # named `enable` before torch 2.6
+        with enable(torch.compile(backend="eager")) if compiled_autograd else contextlib.nullcontext():
             loss.backward()
         with pytest.warns(RuntimeWarning, match="non-finite"):
             optimizer.step()
