@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from .watch import watch
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
-TIMED_STEPS = 2  # per method and repeat
 
 # The workloads: the transformer the issue names, and ResNet-18 at two input sizes: small images (a
 # ~0.2 s step on 2 cores, where reading the 11.7 M parameters and their gradients weighs most) and
@@ -146,16 +145,16 @@ def _measure(device: str, repeats: int) -> list[dict]:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         ratios: dict[str, list[float]] = {m: [] for m in METHODS}
+        _step(model, optimizer, *batch())
         for r in range(repeats):
             this_repeat = {}
             for k in range(len(METHODS)):
                 method = METHODS[(r + k) % len(METHODS)]
                 with _method(method, model, optimizer):
-                    _step(model, optimizer, *batch())
-                    this_repeat[method] = [_timed_step(model, optimizer, batch, device) for _ in range(TIMED_STEPS)]
+                    this_repeat[method] = _timed_step(model, optimizer, batch, device)
             for method, t in this_repeat.items():
-                times[method] += t
-                ratios[method].append(statistics.median(t) / statistics.median(this_repeat["none"]))
+                times[method].append(t)
+                ratios[method].append(t / this_repeat["none"])
         for method in METHODS:
             rows.append({"workload": workload, "method": method, "median_ms": statistics.median(times[method]) * 1e3,
                          "overhead_pct": (statistics.median(ratios[method]) - 1) * 100,
@@ -233,8 +232,8 @@ def _measure_inside(device: str, steps: int = 6) -> list[dict]:
 def run_suite(device: str = "cpu", repeats: int = 10) -> dict:
     """Step time of each method on each workload, and its overhead over no checks.
 
-    Each repeat runs every method once (one untimed step after switching, then TIMED_STEPS timed
-    steps), rotating the order from repeat to repeat. The overhead is the median over repeats of the
+    Each repeat times one step of every method, back to back, rotating the order from repeat to
+    repeat. The overhead is the median over repeats of the
     ratio to no checks within the same repeat: on a shared machine, load that comes and goes then
     cancels out instead of landing on whichever method ran during it."""
     torch.manual_seed(0)
@@ -255,7 +254,7 @@ def run_suite(device: str = "cpu", repeats: int = 10) -> dict:
         lines.append(f"| {row['workload']} | {row['step_ms']:.1f} | {row['inside_ms']:.1f} | {row['kernels_ms']:.1f} | "
                      f"{row['mb_read']:.0f} | {row['inside_ms'] / row['step_ms'] * 100:.1f}% |")
     return {"title": f"nanfast.watch: cost per training step ({device}, {torch.get_num_threads()} threads, "
-                     f"{repeats} repeats x {TIMED_STEPS} steps)",
+                     f"{repeats} repeats of one step each)",
             "markdown": "\n".join(lines), "rows": rows, "inside": inside}
 
 
