@@ -36,7 +36,8 @@ using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
 struct Records {
   explicit Records(at::Device device) : device(device) {}
 
-  void add(at::TensorList tensors, int64_t slot) {
+  // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
+  void add(at::TensorList tensors, int64_t slot, bool grad_check) {
     const auto start = Clock::now();
     at::Tensor counts = std::get<0>(stats_on(tensors, device));
     int64_t read = 0;
@@ -45,7 +46,11 @@ struct Records {
     }
     const std::lock_guard<std::mutex> lock(mutex);
     entries.emplace_back(std::move(counts), slot);
-    kernel_time += Clock::now() - start;
+    const auto spent = Clock::now() - start;
+    kernel_time += spent;
+    if (grad_check) {
+      check_time += spent;
+    }
     bytes += read;
   }
 
@@ -53,10 +58,10 @@ struct Records {
   std::atomic<bool> enabled{true};  // false once the watch is removed: hooks left on a graph do nothing
   std::mutex mutex;
   std::vector<std::pair<at::Tensor, int64_t>> entries;  // counts [rows, 3] on `device`, slot id
-  // What the checks cost, for benchmarks (under `mutex`): time in the kernel calls, time in the
-  // gradient checks (their kernel calls included), bytes read.
+  // What the checks cost, for benchmarks (under `mutex`): time in the kernel calls, the part of it
+  // spent by gradient checks (the time the Python hooks do not see), bytes read.
   Clock::duration kernel_time{0};
-  Clock::duration hook_time{0};
+  Clock::duration check_time{0};
   int64_t bytes = 0;
 };
 
@@ -77,10 +82,7 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
     if (records_->enabled && output_nr_ < grads.size()) {
       const at::Tensor& grad = grads[output_nr_];
       if (grad.defined() && grad.layout() == at::kStrided) {
-        const auto start = Clock::now();
-        records_->add(grad, slot_->id);
-        const std::lock_guard<std::mutex> lock(records_->mutex);
-        records_->hook_time += Clock::now() - start;
+        records_->add(grad, slot_->id, /*grad_check=*/true);
       }
     }
     return grads;
@@ -110,7 +112,7 @@ class WatchRecorder {
       return;
     }
     py::gil_scoped_release no_gil;
-    records_->add(inputs.list(), slot);
+    records_->add(inputs.list(), slot, /*grad_check=*/false);
   }
 
   // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
@@ -163,22 +165,23 @@ class WatchRecorder {
     return {at::cat(counts), std::move(slots)};
   }
 
-  // Drops the records and the hooks' targets; with disable(), hooks still on a graph do nothing.
+  // Drops the records.
   void clear() {
-    forget();
     const std::lock_guard<std::mutex> lock(records_->mutex);
     records_->entries.clear();
   }
 
-  // Seconds in kernel calls, seconds in gradient checks, bytes read: totals since the recorder began.
+  // Seconds in kernel calls, the part of them in gradient checks, bytes read: totals since the recorder began.
   std::tuple<double, double, int64_t> costs() {
     const std::lock_guard<std::mutex> lock(records_->mutex);
     return {std::chrono::duration<double>(records_->kernel_time).count(),
-            std::chrono::duration<double>(records_->hook_time).count(), records_->bytes};
+            std::chrono::duration<double>(records_->check_time).count(), records_->bytes};
   }
 
+  // Hooks still on a graph do nothing from now on.
   void disable() {
     records_->enabled = false;
+    forget();
     clear();
   }
 
