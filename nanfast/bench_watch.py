@@ -5,6 +5,7 @@ transformer and ResNet-18 at two input sizes. Methods are interleaved across rep
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -156,11 +157,26 @@ def _measure(device: str, repeats: int) -> list[dict]:
                 times[method].append(t)
                 ratios[method].append(t / this_repeat["none"])
         for method in METHODS:
+            low, high = median_interval(ratios[method])
             rows.append({"workload": workload, "method": method, "median_ms": statistics.median(times[method]) * 1e3,
                          "overhead_pct": (statistics.median(ratios[method]) - 1) * 100,
+                         "overhead_pct_ci95": [(low - 1) * 100, (high - 1) * 100],
                          "overhead_pct_range": [(min(ratios[method]) - 1) * 100, (max(ratios[method]) - 1) * 100],
                          "samples": len(times[method])})
     return rows
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A confidence interval for the median that assumes nothing about the distribution: the order
+    statistics x(j) and x(n+1-j) for the largest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2.
+    With too few values for that level, (min, max)."""
+    xs = sorted(values)
+    n = len(xs)
+    outside, j = 0.0, 0  # j values are left out below the interval (and j above)
+    while j < n // 2 and outside + math.comb(n, j) / 2**n <= (1 - level) / 2:
+        outside += math.comb(n, j) / 2**n
+        j += 1
+    return xs[max(j - 1, 0)], xs[n - max(j, 1)]
 
 
 # The watch's Python entry points: everything it runs in a step starts in one of these, or in the gradient
@@ -241,11 +257,14 @@ def run_suite(device: str = "cpu", repeats: int = 10) -> dict:
         warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # said on every use otherwise
         rows = _measure(device, repeats)
         inside = _measure_inside(device)
-    lines = ["| workload | method | median step (ms) | overhead vs no checks (median, min..max over repeats) |",
-             "|---|---|---:|---:|"]
+    lines = ["| workload | method | median step (ms) | overhead vs no checks: median | its 95% interval | "
+             "min..max over repeats |", "|---|---|---:|---:|---:|---:|"]
     for row in rows:
-        low, high = row["overhead_pct_range"]
-        overhead = "-" if row["method"] == "none" else f"{row['overhead_pct']:+.1f}% ({low:+.0f}..{high:+.0f}%)"
+        if row["method"] == "none":
+            overhead = "- | - | -"
+        else:
+            (ci_low, ci_high), (low, high) = row["overhead_pct_ci95"], row["overhead_pct_range"]
+            overhead = f"{row['overhead_pct']:+.1f}% | {ci_low:+.1f}..{ci_high:+.1f}% | {low:+.0f}..{high:+.0f}%"
         lines.append(f"| {row['workload']} | {row['method']} | {row['median_ms']:.1f} | {overhead} |")
     lines += ["", "Inside the watch (timed within the watched steps themselves):", "",
               "| workload | step without the watch (ms) | in the watch per step (ms) | of which fused kernels (ms) | "

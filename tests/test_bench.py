@@ -55,3 +55,14 @@ def test_timed_watch_counts_the_watch_and_restores_it():
     assert clock["hooks"] >= clock["kernels"] > 0
     assert {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS} == before
     assert watch_module._stats_on is stats_on_before
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    # n = 24: P(Binomial(24, 1/2) <= 6) = 0.011 <= 0.025 < P(<= 7) = 0.032, so x(7) and x(18).
+    values = [float(v) for v in torch.randperm(24).tolist()]
+    assert bench_watch.median_interval(values) == (6.0, 17.0)
+    # n = 5: even (min, max) covers the median with probability 1 - 2/32 < 0.95; that is what it gives.
+    assert bench_watch.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert bench_watch.median_interval([2.0]) == (2.0, 2.0)
+    # 99%: P(<= 5) = 0.0033 <= 0.005 < P(<= 6), so x(6) and x(19).
+    assert bench_watch.median_interval(values, level=0.99) == (5.0, 18.0)
