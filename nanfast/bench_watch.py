@@ -249,9 +249,9 @@ def run_suite(device: str = "cpu", repeats: int = 10) -> dict:
     """Step time of each method on each workload, and its overhead over no checks.
 
     Each repeat times one step of every method, back to back, rotating the order from repeat to
-    repeat. The overhead is the median over repeats of the
-    ratio to no checks within the same repeat: on a shared machine, load that comes and goes then
-    cancels out instead of landing on whichever method ran during it."""
+    repeat. The overhead is the median over repeats of the ratio to no checks within the same repeat
+    (with a 95% interval for that median): on a shared machine, load that comes and goes then cancels
+    out instead of landing on whichever method ran during it."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # said on every use otherwise
