@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             suite = importlib.import_module(module).run_suite(device=args.device, repeats=args.repeats)
             print(f"## {suite['title']}\n\n{suite['markdown']}\n")
             results[name] = suite["rows"]
+            results.update({f"{name}_{key}": value for key, value in suite.items() if key not in ("title", "markdown", "rows")})
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"Results: {os.path.join(args.out, 'results.json')}")

@@ -24,6 +24,23 @@ def test_core_benchmark_writes_every_method(tmp_path, capsys):
     assert "| nanfast.stats |" in capsys.readouterr().out
 
 
+def test_extra_suite_results_keep_every_table(tmp_path, monkeypatch):
+    # A suite's rows go to results.json under its name, and its other tables (the watch's "inside")
+    # under name_table.
+    seen = {}
+
+    def run_suite(device, repeats):
+        seen.update(device=device, repeats=repeats)
+        return {"title": "t", "markdown": "| m |", "rows": [{"a": 1}], "inside": [{"b": 2}]}
+
+    monkeypatch.setattr(bench_watch, "run_suite", run_suite)
+    assert cli.main(["bench", "--suite", "watch", "--repeats", "3", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert seen == {"device": "cpu", "repeats": 3}
+    assert results["watch"] == [{"a": 1}] and results["watch_inside"] == [{"b": 2}]
+    assert "title" not in str(results.keys()) and "watch_markdown" not in results
+
+
 def test_benchmarks_script_is_the_cli(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
     done = subprocess.run([sys.executable, str(script), "--workloads", "5000x1024-fp32", "--scale", "0.001",
@@ -40,7 +57,7 @@ def test_timed_watch_counts_the_watch_and_restores_it():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(5, 8)
     with bench_watch._timed_watch(model, optimizer) as totals:
-        assert totals() == {"hooks": 0.0, "kernels": 0.0, "bytes": 0}
+        assert totals() == {"hooks": 0.0, "kernels": 0.0, "bytes": 0, "pass": 0.0, "pass_bytes": 0}
         F.mse_loss(model(x), torch.zeros(5, 4)).backward()
         after_backward = totals()
         optimizer.step()
@@ -52,7 +69,8 @@ def test_timed_watch_counts_the_watch_and_restores_it():
     # their gradients).
     assert after_backward["bytes"] == 4 * (activations + input_grads)
     assert clock["bytes"] == 4 * (activations + input_grads + 2 * params)
-    assert clock["hooks"] >= clock["kernels"] > 0
+    assert after_backward["pass_bytes"] == 0 and clock["pass_bytes"] == 4 * 2 * params
+    assert clock["hooks"] >= clock["kernels"] > clock["pass"] > 0
     assert {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS} == before
     assert watch_module._stats_on is stats_on_before
 
