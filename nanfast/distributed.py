@@ -5,6 +5,7 @@ over their mesh, so that counts and norms are those of the full tensor."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -74,10 +75,21 @@ def all_reduce_flag_async(flag: torch.Tensor, group: Any) -> Any:
 
 def gather_objects(obj: Any, group: Any) -> list:
     """Every rank's `obj`, in group-rank order. A host collective: only for a bad step, which every
-    rank knows to be bad from the reduced flag, so all of them call it."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    rank knows to be bad from the reduced flag, so all of them call it.
+
+    Pickled bytes travel in uint8 tensors (sizes first, then the padded payloads): torch's
+    all_gather_object converts them back through numpy, which a user of nanfast may not have."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [int(size.item()) for size in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(gathered, lengths)]
 
 
 # NOTE: [Global statistics of a DTensor]
