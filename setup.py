@@ -66,6 +66,26 @@ cxx_flags = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"] + (
 # No --use_fast_math: it flushes subnormals, which the kernels must classify and sum exactly.
 nvcc_flags = ["-O3", "-Xcompiler", "-Wall"] + (["-Werror", "all-warnings", "-Xcompiler", "-Werror"] if werror else [])
 
+
+
+def write_build_record(path: str) -> None:
+    """nanfast/_build.py: what this build was made from and for, for `nanfast --version`."""
+    if with_cuda:
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or ";".join(sorted(
+            {"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}))
+    record = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if with_cuda else None,
+        "cuda_archs": archs if with_cuda else None,
+        "cuda_skipped": "NANFAST_CPU_ONLY=1" if cpu_only else skip_reason or (None if with_cuda else "a CPU build of torch"),
+    }
+    with open(path, "w") as f:
+        f.write("# Written by setup.py when the extension was built; read by `nanfast --version`.\n")
+        f.write(f"BUILD = {record!r}\n")
+
+
+write_build_record(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanfast", "_build.py"))
+
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/python/*.cpp"))
 extension = CppExtension
 extra_compile_args = {"cxx": cxx_flags}

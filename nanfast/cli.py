@@ -15,8 +15,23 @@ COMMANDS = {
 }
 
 
+class _VersionAction(argparse.Action):
+    """--version: the build description, imported only when asked for."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .build_info import describe
+
+        print(describe())
+        parser.exit()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanfast", description=__doc__)
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print nanfast's and torch's versions, the CPU ISA and the CUDA architectures built")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(f"nanfast.{module}")
