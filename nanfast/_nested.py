@@ -15,12 +15,13 @@ def any_nested(tensors: Sequence[torch.Tensor]) -> bool:
 
 def parts(t: torch.Tensor) -> list[torch.Tensor]:
     """Strided tensors whose elements are exactly those of `t` (views, no copy): a plain tensor itself,
-    a contiguous jagged tensor's values() buffer, else the components (a jagged tensor made by
-    narrow() has a buffer wider than its components)."""
+    a contiguous jagged tensor's values() buffer, else the components. A jagged tensor made by
+    narrow() has a buffer wider than its components, which torch splits by reading its offsets and
+    lengths to the host: the one case that syncs."""
     if not t.is_nested:
         return [t]
     t = t.detach()
-    if t.layout == torch.jagged and t._lengths is None:
+    if t.layout == torch.jagged and t.lengths() is None:
         return [t.values()]
     return list(t.unbind())
 

@@ -166,7 +166,8 @@ def stats(tensors: TensorOrTensors) -> Stats:
     """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device). DTensors (FSDP2,
     tensor parallel) are read on their local shards and their results reduced over their mesh: the
     counts and norms of the full tensors, the same on every rank (collectives, but no host sync).
-    A nested tensor (torch.nested, strided or jagged) is one entry, read through its components.
+    A nested tensor (torch.nested, strided or jagged) is one entry, read through its components
+    (a jagged one made by torch.nested.narrow is split by torch on the host: one sync).
 
     Raises:
         TypeError: `tensors` is not a Tensor or a sequence of Tensors (for a dict of tensors, use

@@ -659,6 +659,15 @@ def test_nested_tensors_are_read_through_their_components():
     assert nanfast.any_nonfinite([torch.ones(1), finite]).item() is False
 
 
+def test_nested_tensors_make_no_host_sync(op_recorder):
+    strided, jagged, _ = (nested for nested, _ in nested_tensors())  # not the narrowed one: torch syncs there
+    with op_recorder() as ops:
+        s = nanfast.stats([torch.ones(2), strided, jagged])
+        flag = nanfast.any_nonfinite([strided, jagged])
+    assert ops.host_syncs == 0
+    assert s.nan.tolist() == [0, 1, 1] and flag.item() is True
+
+
 @pytest.mark.parametrize("api,fn", API)
 def test_calls_leave_reference_counts_unchanged(api, fn):
     """The eager bindings borrow their inputs (see NOTE: [Borrowed inputs]): after a call, and after
