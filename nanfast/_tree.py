@@ -1,13 +1,13 @@
 """Walking nested containers: `named_leaves` (every leaf of dicts, lists, tuples, named tuples and
-dataclasses, with its path) and `group_by_device`. One walker, so that every API finds the same
-tensors in the same input."""
+dataclasses, with its path), `leaves` (the same without paths) and `group_by_device`. One walker, so
+that every API finds the same tensors in the same input."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ def is_container(obj: Any) -> bool:
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
-    """(key, value) pairs of a container; a key is a str (a mapping key or field name) or an int (a position)."""
+    """(key, value) pairs of a container: mapping keys, field names, or positions."""
     if isinstance(obj, Mapping):
         return iter(obj.items())
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # named tuple
@@ -56,13 +56,25 @@ def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False,
     Args:
         obj: the root; a leaf root is yielded as (prefix, obj).
         prefix: the root's path.
-        brackets: positions written "[i]" ("pair[0].x"), else joined with "." like keys ("pair.0.x").
+        brackets: positions in sequences written "[i]" ("pair[0].x"), else joined with "." like keys
+            ("pair.0.x"); a mapping's int keys are keys ("state.0").
         name_pairs: the root is an iterable (a list, a generator of `named_parameters()`...) whose
             plain 2-tuples (name: str, value) name their value; other items are named by position.
 
     Returns:
         An iterator of (path, leaf); paths join keys and field names with ".".
     """
+    return _walk(obj, prefix, brackets, name_pairs)
+
+
+def leaves(obj: Any) -> Iterator[Any]:
+    """The leaves `named_leaves(obj)` yields, in the same order, without building their paths (for
+    hooks that run at every step and need only the tensors)."""
+    return (leaf for _, leaf in _walk(obj, None, False, False))
+
+
+def _walk(obj: Any, prefix: Optional[str], brackets: bool, name_pairs: bool) -> Iterator[tuple[Optional[str], Any]]:
+    """named_leaves; with prefix None, no paths are built (None instead)."""
     if name_pairs:
         root = _pairs(obj)
     elif is_container(obj):
@@ -71,11 +83,14 @@ def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False,
         yield prefix, obj
         return
     on_path = {id(obj)}
-    stack = [(id(obj), prefix, root)]
+    # Frames: (container id, path, iterator of (key, value), whether int keys are positions, not mapping keys).
+    stack = [(id(obj), prefix, root, name_pairs or isinstance(obj, _SEQUENCES))]
     while stack:
-        container_id, path, children = stack[-1]
+        container_id, path, children, positional = stack[-1]
         for key, value in children:
-            if brackets and isinstance(key, int):
+            if path is None:
+                name = None
+            elif brackets and positional and isinstance(key, int):
                 name = f"{path}[{key}]"
             else:
                 name = f"{path}.{key}" if path else str(key)
@@ -83,7 +98,7 @@ def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False,
                 yield name, value
             elif id(value) not in on_path:
                 on_path.add(id(value))
-                stack.append((id(value), name, _children(value)))
+                stack.append((id(value), name, _children(value), isinstance(value, _SEQUENCES)))
                 break
         else:
             stack.pop()

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from nanfast._tree import group_by_device, is_container, named_leaves
+from nanfast._tree import group_by_device, is_container, leaves, named_leaves
 
 
 @dataclasses.dataclass
@@ -25,12 +25,14 @@ def test_paths_of_every_kind_of_container():
     assert [name for name, _ in named_leaves(obj, brackets=True)] == [
         "a[0]", "a[1][0]", "a[1][1]", "pair.left", "pair.right.image", "pair.right.label", "queue[0]"]
     assert [leaf for _, leaf in named_leaves(obj)][5] == 3  # every leaf comes back, not only tensors
+    assert [id(leaf) for leaf in leaves(obj)] == [id(leaf) for _, leaf in named_leaves(obj)]
 
 
 def test_leaf_root_and_prefix():
     t = torch.ones(3)
     assert list(named_leaves(t, "x")) == [("x", t)] and not is_container(t) and not is_container(Sample)
     assert [name for name, _ in named_leaves([t], "inputs", brackets=True)] == ["inputs[0]"]
+    assert [name for name, _ in named_leaves({0: [t]}, "state", brackets=True)] == ["state.0[0]"]
 
 
 def test_name_pairs_only_at_the_root_and_only_with_a_str_name():
@@ -44,7 +46,7 @@ def test_name_pairs_only_at_the_root_and_only_with_a_str_name():
 def test_cycles_are_entered_once_and_depth_is_unbounded():
     loop: list = [1]
     loop.append({"back": loop, "x": 2})
-    assert list(named_leaves(loop)) == [("0", 1), ("1.x", 2)]
+    assert list(named_leaves(loop)) == [("0", 1), ("1.x", 2)] and list(leaves(loop)) == [1, 2]
     deep: list = [7]
     for _ in range(10_000):
         deep = [deep]
