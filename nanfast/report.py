@@ -11,7 +11,8 @@ MAX_NAMED_IN_MESSAGE = 20
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One checked tensor, with its counts read back to the host."""
+    """One checked tensor, with its counts read back to the host (a nested tensor's ragged
+    dimensions are -1 in `shape`)."""
 
     name: str
     shape: tuple[int, ...]
