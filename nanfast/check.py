@@ -3,49 +3,98 @@ any collection of tensors."""
 
 from __future__ import annotations
 
+import enum
 import sys
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 
-from . import distributed
+from . import _nested, distributed
+from ._tree import group_by_device, is_container, named_leaves
 from .ops import stats
 from .report import Entry, NonFiniteError, Report
 
 
 def named_tensors(obj: Any, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs `check_all` checks in `obj` (see check_all for what each kind gives)."""
+    """The (name, tensor) pairs `check_all` checks in `obj` (see check_all for what each kind gives);
+    Python floats and numpy arrays come as CPU tensors."""
+    return iter(_collect(obj, grads)[0])
+
+
+def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """(the (name, tensor) pairs to check, the names of leaves that may hold values but cannot be read)."""
     if isinstance(obj, torch.nn.Module):
         obj = uncompiled(obj)
         if grads:
-            yield from ((name, p.grad) for name, p in obj.named_parameters() if p.grad is not None)
-        else:
-            yield from obj.named_parameters()
-            yield from ((name, b) for name, b in obj.named_buffers() if b.is_floating_point() or b.is_complex())
-    elif isinstance(obj, torch.optim.Optimizer):
-        if grads:
-            raise ValueError("nanfast.check_all: grads=True takes an nn.Module, not an optimizer")
-        yield from _flatten(obj.state_dict()["state"], "state")
-    elif isinstance(obj, torch.Tensor):
+            return [(name, p.grad) for name, p in obj.named_parameters() if p.grad is not None], []
+        buffers = [(name, b) for name, b in obj.named_buffers() if b.is_floating_point() or b.is_complex()]
+        return list(obj.named_parameters()) + buffers, []
+    if grads and not isinstance(obj, torch.Tensor):
+        raise ValueError(f"nanfast.check_all: grads=True takes an nn.Module or a Tensor (got {type(obj).__name__})")
+    if isinstance(obj, torch.Tensor):
         if not grads:
-            yield ("tensor", obj)
-        elif obj.grad is not None:
-            yield ("tensor", obj.grad)
-    elif isinstance(obj, Mapping):
-        yield from _flatten(obj, "")
+            return [("tensor", obj)], []
+        return ([("tensor", obj.grad)] if obj.grad is not None else []), []
+    if isinstance(obj, torch.optim.Optimizer):
+        leaves = named_leaves(obj.state_dict()["state"], "state")
+    elif is_container(obj) and type(obj) not in (list, tuple):  # mappings, dataclasses, named tuples
+        leaves = named_leaves(obj)
+    elif _value(obj) is not None:  # a number or a numpy array on its own
+        leaves = iter([("value", obj)])
     elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        for i, item in enumerate(obj):
-            if isinstance(item, torch.Tensor):
-                yield (str(i), item)
-            elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-                yield (str(item[0]), item[1])
-            else:
-                raise TypeError(f"nanfast.check_all: entry {i} is of type {type(item).__name__}; "
-                                "expected a Tensor or a (name, Tensor) pair")
+        leaves = named_leaves(obj, name_pairs=True)
     else:
         raise TypeError(f"nanfast.check_all: cannot check a {type(obj).__name__}; pass an nn.Module, an optimizer, "
-                        "a mapping of tensors (state_dict) or an iterable of tensors or (name, tensor) pairs")
+                        "a Tensor, or a container of tensors (mapping, list, tuple, dataclass) such as a "
+                        "state_dict or a batch")
+    pairs, unchecked = [], []
+    for name, leaf in leaves:
+        t = _value(leaf)
+        if t is not None:
+            pairs.append((name, t))
+        elif _may_hold_values(leaf):
+            unchecked.append(name)
+    return pairs, unchecked
+
+
+# Leaves that hold no floating-point values (counters, flags, names, settings): nothing to check.
+_NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format,
+               enum.Enum)
+
+
+def _may_hold_values(leaf: Any) -> bool:
+    """Whether a leaf that `_value` cannot read may hold floating-point values (then it is reported
+    as not checked): not for numbers without NaN, strings, dates, None and the like."""
+    if isinstance(leaf, _NOT_VALUES):
+        return False
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(leaf, (np.ndarray, np.generic)):
+        return np.asarray(leaf).dtype.kind not in "USMm"  # strings, bytes, datetimes, timedeltas
+    return True
+
+
+def _value(leaf: Any) -> Optional[torch.Tensor]:
+    """The tensor holding a leaf's values: the leaf itself, or a CPU tensor for a Python float or
+    complex number and for a numpy array or scalar (sharing its memory); None for other leaves and
+    for numpy arrays torch cannot read (object or longdouble dtypes)."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, (float, complex)):  # a loss or a hyper-parameter; numpy's float64 is a float
+        return torch.tensor(leaf, dtype=torch.complex128 if isinstance(leaf, complex) else torch.float64)
+    np = sys.modules.get("numpy")  # no array exists unless numpy was imported: never import it here
+    if np is None or not isinstance(leaf, (np.ndarray, np.generic)):
+        return None
+    array = np.asarray(leaf)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    with warnings.catch_warnings():  # "not writable": it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return torch.as_tensor(array)
+        except TypeError:
+            return None
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
@@ -57,21 +106,8 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _flatten(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors in nested dicts, lists and tuples (as in optimizer.state_dict()), names joined with '.'.
-    Other leaves (hyper-parameters, step counts as ints) are not values to check and are skipped."""
-    if isinstance(obj, torch.Tensor):
-        yield (prefix, obj)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _flatten(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _flatten(value, f"{prefix}.{i}" if prefix else str(i))
-
-
 def _validate(name: str, t: torch.Tensor) -> None:
-    if t.layout != torch.strided:
+    if t.layout != torch.strided and not t.is_nested:
         raise ValueError(f"nanfast.check_all: {name!r} has layout {t.layout}; only strided tensors are supported "
                          "(check a sparse tensor's .values(), or .to_dense() it)")
     if t.is_meta:
@@ -81,25 +117,39 @@ def _validate(name: str, t: torch.Tensor) -> None:
 def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True) -> Report:
     """Checks every tensor in `obj` for NaN/+inf/-inf and computes their norms.
 
-    `obj` may be an nn.Module (its named parameters and floating buffers; with grads=True the
-    parameters' .grad instead, skipping parameters without one), a torch.optim.Optimizer (its state
-    tensors, named state.<param index>.<key>), a Mapping name -> Tensor (a state_dict; nested
-    dicts/lists named with '.'), or an iterable of Tensors or of (name, Tensor) pairs. Tensors on
-    several devices are grouped: one fused pass and one host sync per device. A DTensor (FSDP2,
-    tensor parallel) is checked on its local shard, then its row is reduced over its mesh (two small
-    all-reduces per process group, not per tensor): its entry names and counts the full tensor, with
-    the global norm, on every rank. With DTensors, every rank of their meshes must call check_all.
+    Tensors on several devices are grouped: one fused pass and one host sync per device. A DTensor
+    (FSDP2, tensor parallel) is checked on its local shard, then its row is reduced over its mesh (two
+    small all-reduces per process group, not per tensor): its entry names and counts the full tensor,
+    with the global norm, on every rank. With DTensors, every rank of their meshes must call check_all.
+    A nested tensor (torch.nested) is one entry; its ragged dimensions have size -1 in the entry's shape.
 
-    Raises NonFiniteError (carrying the Report) if anything is non-finite and raise_on_nonfinite."""
-    pairs = list(named_tensors(obj, grads=grads))
+    Args:
+        obj: an nn.Module (its named parameters and floating buffers; with grads=True the parameters'
+            .grad instead, skipping parameters without one); a torch.optim.Optimizer (its state,
+            named state.<param index>.<key>); a Tensor; or any nesting of Mappings (a state_dict,
+            named by key), lists and tuples (by position), named tuples and dataclasses (by field
+            name), names joined with '.'. At the top level, a list or iterable may hold
+            (name: str, value) pairs, as `named_parameters()` gives. Python floats and numpy arrays
+            are checked as CPU tensors; ints, bools, strings and None hold no values to check; other
+            objects are listed in `Report.unchecked`. A container inside itself is walked once.
+        grads: check the .grad of a Module's parameters (or of a Tensor).
+        raise_on_nonfinite: raise NonFiniteError if anything is non-finite.
+
+    Returns:
+        A Report, its entries in the order of `obj`.
+
+    Raises:
+        NonFiniteError: something is non-finite (and raise_on_nonfinite); `.report` is the Report.
+        TypeError, ValueError, RuntimeError: an entry the kernels cannot read (sparse, meta, quantized,
+            an unsupported dtype), named; `obj` of a kind listed nowhere above; grads=True with
+            anything but a Module or a Tensor."""
+    pairs, unchecked = _collect(obj, grads)
     local = [distributed.local_tensor(t) for _, t in pairs]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, ((name, _), t) in enumerate(zip(pairs, local)):
+    for (name, _), t in zip(pairs, local):
         _validate(name, t)
-        by_device.setdefault(t.device, []).append(i)
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
-    for device, indices in by_device.items():
+    for device, indices in group_by_device(local).items():
         try:
             s = stats([local[i] for i in indices])
         except (RuntimeError, TypeError, ValueError):
@@ -114,9 +164,9 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
         rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):
             name, t = pairs[i]
-            entries[i] = Entry(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(device),
+            entries[i] = Entry(name, _nested.shape(t), str(t.dtype).removeprefix("torch."), str(device),
                                t.numel(), int(nan), int(posinf), int(neginf), norm, absmax)
-    report = Report(tuple(entries))
+    report = Report(tuple(entries), tuple(unchecked))
     if raise_on_nonfinite and not report.ok:
         raise NonFiniteError(report)
     return report

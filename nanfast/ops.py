@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Union
 
 import torch
 
 from . import _C  # loading it registers torch.ops.nanfast.*; it also has their unboxed bindings
-from . import distributed
+from . import _nested, distributed
 
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -49,10 +49,16 @@ def _as_tuple(tensors: TensorOrTensors, api: str) -> tuple[torch.Tensor, ...]:
     """The entries as one tuple: the bindings hold it for the call, and Stats keeps it."""
     if isinstance(tensors, torch.Tensor):
         return (tensors,)
+    expected = f"{api}: expected a Tensor or a sequence of Tensors, got {type(tensors).__name__}"
+    if isinstance(tensors, Mapping):  # iterating would give its keys
+        raise TypeError(f"{expected}; for a state dict or other container of tensors use nanfast.check_all, "
+                        "or pass list(d.values())")
+    if isinstance(tensors, (str, bytes)):
+        raise TypeError(expected)
     try:
         return tuple(tensors)
     except TypeError:
-        raise TypeError(f"{api}: expected a Tensor or a sequence of Tensors, got {type(tensors).__name__}") from None
+        raise TypeError(expected) from None
 
 
 def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
@@ -61,7 +67,7 @@ def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{api}: entry {i} is of type {type(t).__name__}, not a Tensor")
-        if t.layout != torch.strided:
+        if t.layout != torch.strided and not t.is_nested:
             raise ValueError(f"{api}: entry {i} has layout {t.layout}; only strided tensors are supported "
                              "(check a sparse tensor's .values(), or .to_dense() it)")
         _check_device(api, i, t, tensors[0])
@@ -69,14 +75,19 @@ def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
             raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
 
 
-def _call(op, tensors: Sequence[torch.Tensor], api: str):
-    if tensors[0].is_meta and not _in_fake_mode():
+def _call(op, tensors: Sequence[torch.Tensor], api: str, on_nested):
+    """op(tensors); once the op has refused them, a clear error naming the bad entry, or, where
+    some are nested tensors (which the kernels do not take), on_nested(op, tensors)."""
+    first = tensors[0]
+    if isinstance(first, torch.Tensor) and first.is_meta and not _in_fake_mode():
         raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
     try:
         return op(tensors)
     except (RuntimeError, TypeError):
         _diagnose(tensors, api)
-        raise
+        if not _nested.any_nested(tensors):
+            raise
+    return on_nested(op, tensors)
 
 
 def _ops():
@@ -154,19 +165,28 @@ class Stats:
 def stats(tensors: TensorOrTensors) -> Stats:
     """One fused pass over `tensors` (a Tensor or a sequence of Tensors on one device). DTensors (FSDP2,
     tensor parallel) are read on their local shards and their results reduced over their mesh: the
-    counts and norms of the full tensors, the same on every rank (collectives, but no host sync)."""
+    counts and norms of the full tensors, the same on every rank (collectives, but no host sync).
+    A nested tensor (torch.nested, strided or jagged) is one entry, read through its components
+    (a jagged one made by torch.nested.narrow is split by torch on the host: one sync).
+
+    Raises:
+        TypeError: `tensors` is not a Tensor or a sequence of Tensors (for a dict of tensors, use
+            check_all), or an entry is not a Tensor (the message names it, as for the errors below).
+        ValueError: entries on several devices, a sparse or meta entry.
+        RuntimeError: an entry of a dtype the kernels do not read."""
     tensors = _as_tuple(tensors, "nanfast.stats")
     if not tensors:
         return Stats(*_stats_fake(tensors), ())
     if distributed.has_dtensor(tensors):
         return _dtensor_stats(tensors)
-    return Stats(*_call(_ops()[0], tensors, "nanfast.stats"), tensors)
+    return Stats(*_call(_ops()[0], tensors, "nanfast.stats", _nested.stats_rows), tensors)
 
 
 def _dtensor_stats(tensors: tuple) -> Stats:
     """Stats of the full tensors when some are DTensors: the fused pass over the local shards, then
     small all-reduces over their meshes (see NOTE: [Global statistics of a DTensor])."""
-    counts, norm, absmax = _call(_ops()[0], [distributed.local_tensor(t) for t in tensors], "nanfast.stats")
+    counts, norm, absmax = _call(_ops()[0], [distributed.local_tensor(t) for t in tensors], "nanfast.stats",
+                                 _nested.stats_rows)
     rows = distributed.globalize_rows(tensors, torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1))
     return Stats(rows[:, :3].to(torch.int64), rows[:, 3].contiguous(), rows[:, 4].contiguous(), tensors)
 
@@ -174,11 +194,13 @@ def _dtensor_stats(tensors: tuple) -> Stats:
 def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
     """0-dim bool tensor on the tensors' device: does any element of any tensor hold NaN or ±inf.
     The cheapest check: no norms, and it stops reading once it has found one. For DTensors, true on
-    every rank of their mesh when any shard holds one (one MAX all-reduce)."""
+    every rank of their mesh when any shard holds one (one MAX all-reduce). Takes what `stats` takes,
+    and raises the same errors."""
     tensors = _as_tuple(tensors, "nanfast.any_nonfinite")
     if not tensors:
         return torch.zeros((), dtype=torch.bool)
     if distributed.has_dtensor(tensors):
         local = [distributed.local_tensor(t) for t in tensors]
-        return distributed.globalize_flag(tensors, _call(_ops()[1], local, "nanfast.any_nonfinite"))
-    return _call(_ops()[1], tensors, "nanfast.any_nonfinite")
+        flag = _call(_ops()[1], local, "nanfast.any_nonfinite", _nested.any_nonfinite)
+        return distributed.globalize_flag(tensors, flag)
+    return _call(_ops()[1], tensors, "nanfast.any_nonfinite", _nested.any_nonfinite)

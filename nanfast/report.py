@@ -11,7 +11,8 @@ MAX_NAMED_IN_MESSAGE = 20
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One checked tensor, with its counts read back to the host."""
+    """One checked tensor, with its counts read back to the host (a nested tensor's ragged
+    dimensions are -1 in `shape`)."""
 
     name: str
     shape: tuple[int, ...]
@@ -39,9 +40,12 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """The result of `nanfast.check_all`: every checked tensor as an `Entry`, in input order."""
+    """The result of `nanfast.check_all`: every checked tensor as an `Entry`, in input order, and the
+    names of the objects found that may hold values but could not be read (`unchecked`: objects of
+    types nanfast does not know, numpy arrays torch cannot take): `ok` speaks only for the entries."""
 
     entries: tuple[Entry, ...]
+    unchecked: tuple[str, ...] = ()
 
     @property
     def bad(self) -> list[Entry]:
@@ -74,14 +78,23 @@ class Report:
         """One line: how many tensors are bad, and which (the first MAX_NAMED_IN_MESSAGE)."""
         bad = self.bad
         if not bad:
-            return f"all {self.num_tensors} tensors are finite ({self.num_elements:,} elements)"
+            return f"all {self.num_tensors} tensors are finite ({self.num_elements:,} elements){self._unchecked_text()}"
         named = "; ".join(f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad[:MAX_NAMED_IN_MESSAGE])
         more = f"; and {len(bad) - MAX_NAMED_IN_MESSAGE} more" if len(bad) > MAX_NAMED_IN_MESSAGE else ""
-        return f"non-finite values in {len(bad)} of {self.num_tensors} tensors: {named}{more}"
+        return f"non-finite values in {len(bad)} of {self.num_tensors} tensors: {named}{more}{self._unchecked_text()}"
+
+    def _unchecked_text(self) -> str:
+        if not self.unchecked:
+            return ""
+        extra = len(self.unchecked) - MAX_NAMED_IN_MESSAGE
+        named = ", ".join(self.unchecked[:MAX_NAMED_IN_MESSAGE])
+        more = f" and {extra} more" if extra > 0 else ""
+        return f"; not checked (objects nanfast cannot read): {named}{more}"
 
     def __str__(self) -> str:
         bad = self.bad
-        head = self.summary() if not bad else f"{len(bad)} of {self.num_tensors} tensors hold non-finite values"
+        head = (self.summary() if not bad else
+                f"{len(bad)} of {self.num_tensors} tensors hold non-finite values{self._unchecked_text()}")
         lines = [f"nanfast: {head} | total norm {self.total_norm:.6g}"]
         if bad:
             rows = [(e.name, str(tuple(e.shape)), e.dtype, e.device, str(e.nan), str(e.posinf), str(e.neginf))
@@ -101,6 +114,7 @@ class Report:
             "total_norm": self.total_norm,
             "bad": [e.to_dict() for e in self.bad],
             "norms": self.norms,
+            "unchecked": list(self.unchecked),
         }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import math
 import warnings
@@ -135,10 +137,12 @@ def test_optimizer_state_after_one_adam_step():
 
 def test_nested_containers():
     a, b, c = torch.randn(2), torch.randn(3, 3), torch.tensor([math.nan])
-    obj = {"model": {"w": a, "layers": [b, (c, 7)]}, "lr": 0.1, "step": 3}
+    obj = {"model": {"w": a, "layers": [b, (c, 7)]}, "lr": 0.1, "step": 3, "name": "run-1", "sched": None}
     report = check_all(obj, raise_on_nonfinite=False)
-    assert [e.name for e in report.entries] == ["model.w", "model.layers.0", "model.layers.1.0"]
+    # A float is a value (checked, as float64); ints, strings and None hold none.
+    assert [e.name for e in report.entries] == ["model.w", "model.layers.0", "model.layers.1.0", "lr"]
     assert [e.name for e in report.bad] == ["model.layers.1.0"]
+    assert report.entries[-1].dtype == "float64" and report.entries[-1].norm == 0.1 and report.unchecked == ()
 
 
 def test_iterables_of_tensors_and_of_pairs():
@@ -146,6 +150,136 @@ def test_iterables_of_tensors_and_of_pairs():
     assert [e.name for e in check_all([a, b]).entries] == ["0", "1"]
     assert [e.name for e in check_all(iter([("first", a), ("second", b)])).entries] == ["first", "second"]
     assert [e.name for e in check_all((t for t in (a, b))).entries] == ["0", "1"]
+
+
+# --- what containers hold: nothing lost, nothing falsely clean (issue 13) ---------------------------
+
+
+def test_dataloader_style_list_of_input_target_pairs():
+    """A (x, y) tuple used to be read as a (name, tensor) pair: x became a name, its NaN unchecked."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    batches[1][0][2, 1] = math.nan
+    with pytest.raises(NonFiniteError) as e:
+        check_all(batches)
+    report = e.value.report
+    assert [x.name for x in report.entries] == ["0.0", "0.1", "1.0", "1.1", "2.0", "2.1"]
+    assert [(b.name, b.nan) for b in report.bad] == [("1.0", 1)]
+    # A pair names its value only when the name is a str.
+    x, y = batches[0]
+    assert [x.name for x in check_all([("image", x), ("label", y)]).entries] == ["image", "label"]
+
+
+def test_list_of_namedtuple_batches():
+    Batch = collections.namedtuple("Batch", ["image", "mask"])
+    batches = [Batch(torch.ones(2, 2), torch.ones(2)), Batch(torch.tensor([[1.0, math.inf]]), torch.ones(1))]
+    with pytest.raises(NonFiniteError) as e:
+        check_all(batches)
+    assert [x.name for x in e.value.report.entries] == ["0.image", "0.mask", "1.image", "1.mask"]
+    assert [(b.name, b.posinf) for b in e.value.report.bad] == [("1.image", 1)]
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def test_dataclass_inside_a_mapping():
+    """A dataclass inside a dict used to be dropped silently (and the report said ok)."""
+    batch = Batch(torch.ones(3), torch.tensor([0.5, math.nan]), {"weights": torch.ones(2), "source": "a.txt"})
+    with pytest.raises(NonFiniteError) as e:
+        check_all({"batch": batch, "step": 4})
+    assert [x.name for x in e.value.report.entries] == ["batch.tokens", "batch.targets", "batch.meta.weights"]
+    assert [b.name for b in e.value.report.bad] == ["batch.targets"]
+    assert [x.name for x in check_all(Batch(torch.ones(1), torch.ones(1))).entries] == ["tokens", "targets"]
+
+
+def test_optimizer_state_dict_with_float_hyperparameters_and_a_nan_loss():
+    """A checkpoint's Python floats (the learning rate, a stored loss) are values: a NaN one is found."""
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.randn(8, 3)).square().mean().backward()
+    optimizer.step()
+    checkpoint = {"optimizer": optimizer.state_dict(), "epoch": 3, "loss": float("nan")}
+    with pytest.raises(NonFiniteError) as e:
+        check_all(checkpoint)
+    report = e.value.report
+    names = [x.name for x in report.entries]
+    assert "optimizer.state.0.momentum_buffer" in names and "optimizer.param_groups.0.lr" in names
+    assert report.entries[names.index("optimizer.param_groups.0.lr")].absmax == 0.01
+    assert "optimizer.param_groups.0.params.0" not in names  # parameter indices are ints
+    assert [(b.name, b.shape, b.dtype, b.nan) for b in report.bad] == [("loss", (), "float64", 1)]
+    checkpoint["optimizer"]["param_groups"][0]["lr"] = math.inf
+    checkpoint["loss"] = 0.25
+    with pytest.raises(NonFiniteError, match=r"optimizer\.param_groups\.0\.lr"):
+        check_all(checkpoint)
+
+
+def test_numpy_arrays_in_a_dict():
+    """numpy arrays used to be skipped silently; they are read (without a copy) like CPU tensors.
+    One torch cannot read (dtype object) is listed as not checked."""
+    np = pytest.importorskip("numpy")
+    stats = np.array([1.0, np.nan, 3.0], dtype=np.float32)
+    frozen = np.array([np.inf, 2.0])
+    frozen.setflags(write=False)
+    state = {"weight": torch.ones(2), "running": stats, "frozen": frozen, "counts": np.arange(3),
+             "scale": np.float64(-np.inf), "swapped": np.array([np.nan], dtype=">f8"),
+             "table": np.array([None, 1.0], dtype=object), "names": np.array(["a", "b"])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "non-writable array" warning
+        report = check_all(state, raise_on_nonfinite=False)
+    assert [(x.name, x.dtype) for x in report.entries] == [
+        ("weight", "float32"), ("running", "float32"), ("frozen", "float64"), ("counts", "int64"),
+        ("scale", "float64"), ("swapped", "float64")]
+    assert [(b.name, b.nan, b.posinf, b.neginf) for b in report.bad] == [
+        ("running", 1, 0, 0), ("frozen", 0, 1, 0), ("scale", 0, 0, 1), ("swapped", 1, 0, 0)]
+    assert math.isclose(report.entries[1].norm, math.sqrt(10))
+    assert report.unchecked == ("table",)
+
+
+def test_objects_that_cannot_be_read_are_listed_not_called_clean():
+    class Opaque:
+        def __init__(self):
+            self.hidden = torch.tensor([math.nan])
+
+    report = check_all({"w": torch.ones(2), "extra": Opaque(), "more": [Opaque()]})
+    assert report.ok and [x.name for x in report.entries] == ["w"]
+    assert report.unchecked == ("extra", "more.0")
+    assert "not checked" in report.summary() and "extra, more.0" in report.summary()
+    assert "more.0" in str(report) and report.to_dict()["unchecked"] == ["extra", "more.0"]
+
+
+def test_containers_that_hold_themselves():
+    """A list in itself, a dict referencing itself: RecursionError before; each is walked once."""
+    looped = [torch.ones(2), torch.tensor([math.nan])]
+    looped.append(looped)
+    state = {"w": torch.ones(3)}
+    state["self"] = state
+    state["inner"] = {"parent": state, "b": torch.tensor([-math.inf])}
+    report = check_all({"list": looped, "state": state}, raise_on_nonfinite=False)
+    assert [x.name for x in report.entries] == ["list.0", "list.1", "state.w", "state.inner.b"]
+    assert [b.name for b in report.bad] == ["list.1", "state.inner.b"]
+    shared = [torch.ones(1)]
+    assert [x.name for x in check_all({"a": shared, "b": shared}).entries] == ["a.0", "b.0"]  # not a cycle
+
+
+def test_deeply_nested_containers():
+    deep = torch.tensor([math.nan])
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(NonFiniteError) as e:
+        check_all({"deep": deep})
+    assert e.value.report.bad[0].name == "deep" + ".0" * 5000
+
+
+def test_nested_tensor_entry():
+    a, b = torch.tensor([[1.0, math.nan]]), torch.tensor([[2.0, 3.0], [4.0, 5.0]])
+    report = check_all({"jagged": torch.nested.nested_tensor([a, b], layout=torch.jagged)}, raise_on_nonfinite=False)
+    (entry,) = report.entries
+    assert (entry.name, entry.shape, entry.numel, entry.nan) == ("jagged", (2, -1, 2), 6, 1)
+    assert math.isclose(entry.norm, math.sqrt(1 + 4 + 9 + 16 + 25))
 
 
 def test_empty_inputs():
@@ -198,10 +332,20 @@ def test_total_norm_of_float64_tensors_near_max():
 
 
 def test_non_tensor_entry():
-    with pytest.raises(TypeError, match="entry 1 is of type str"):
-        check_all([torch.ones(2), "weights"])
+    # A string in a list holds no values (as in a collated batch of file names): nothing to check.
+    assert [e.name for e in check_all([torch.ones(2), "weights"]).entries] == ["0"]
     with pytest.raises(TypeError, match="cannot check a int"):
         check_all(3)
+    with pytest.raises(TypeError, match="cannot check a object"):
+        check_all(object())
+
+
+def test_grads_of_a_container_is_an_error():
+    """grads=True used to be ignored for a dict or a list: the values were checked, not gradients."""
+    t = torch.ones(2, requires_grad=True)
+    for obj in ({"w": t}, [t]):
+        with pytest.raises(ValueError, match="grads=True"):
+            check_all(obj, grads=True)
 
 
 def test_sparse_entry_is_named():

@@ -613,6 +613,62 @@ def test_non_tensor_entry(api, fn):
 
 
 @pytest.mark.parametrize("api,fn", API)
+def test_container_or_string_instead_of_tensors(api, fn):
+    """A dict used to be iterated for its keys, and a str for its characters: both ended in an
+    AttributeError ('str' object has no attribute 'is_meta')."""
+    with pytest.raises(TypeError) as e:
+        fn({"w": torch.ones(2)})
+    assert api in str(e.value) and "dict" in str(e.value) and "check_all" in str(e.value)
+    with pytest.raises(TypeError) as e:
+        fn("abc")
+    assert api in str(e.value) and "str" in str(e.value) and "sequence of Tensors" in str(e.value)
+
+
+@pytest.mark.parametrize("api,fn", API)
+def test_first_entry_not_a_tensor(api, fn):
+    with pytest.raises(TypeError) as e:
+        fn([0.5, torch.ones(2)])
+    assert api in str(e.value) and names_entry(str(e.value), 0) and "float" in str(e.value)
+
+
+def nested_tensors():
+    """(nested tensor, plain tensor of the same elements): strided and jagged layouts, and a jagged
+    tensor made by narrow() whose buffer holds elements outside it (an inf, which must not count)."""
+    a, b = torch.tensor([[math.nan, 1.0], [-3.0, 2.0]]), torch.tensor([[4.0, -math.inf]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided layout is a prototype
+        strided = torch.nested.nested_tensor([a, b])
+    jagged = torch.nested.nested_tensor([a, b], layout=torch.jagged)
+    buffer = torch.tensor([[1.0, math.inf, 3.0, 4.0], [5.0, 6.0, 7.0, math.nan]])
+    narrowed = torch.nested.narrow(buffer, 1, torch.tensor([0, 1]), torch.tensor([1, 2]), layout=torch.jagged)
+    both = torch.cat([a.flatten(), b.flatten()])
+    return [(strided, both), (jagged, both), (narrowed, torch.tensor([1.0, 6.0, 7.0]))]
+
+
+def test_nested_tensors_are_read_through_their_components():
+    """Nested tensors used to end in a raw NotImplementedError from the dispatcher (strided layout) or
+    a refusal (jagged): each is one entry, counted over its components' elements."""
+    pairs = nested_tensors()
+    plain = torch.tensor([2.0, math.inf])
+    s = nanfast.stats([plain] + [nested for nested, _ in pairs])
+    assert_stats_match(s.counts, s.norm, s.absmax, [plain] + [flat for _, flat in pairs])
+    assert s.numel.tolist() == [2, 6, 6, 3]
+    for nested, flat in pairs:
+        assert nanfast.any_nonfinite([nested]).item() is reference_any_nonfinite([flat])
+    finite = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    assert nanfast.any_nonfinite([torch.ones(1), finite]).item() is False
+
+
+def test_nested_tensors_make_no_host_sync(op_recorder):
+    strided, jagged, _ = (nested for nested, _ in nested_tensors())  # not the narrowed one: torch syncs there
+    with op_recorder() as ops:
+        s = nanfast.stats([torch.ones(2), strided, jagged])
+        flag = nanfast.any_nonfinite([strided, jagged])
+    assert ops.host_syncs == 0
+    assert s.nan.tolist() == [0, 1, 1] and flag.item() is True
+
+
+@pytest.mark.parametrize("api,fn", API)
 def test_calls_leave_reference_counts_unchanged(api, fn):
     """The eager bindings borrow their inputs (see NOTE: [Borrowed inputs]): after a call, and after
     one refused for a bad entry, every tensor holds the references it held before."""
