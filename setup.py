@@ -84,7 +84,14 @@ def write_build_record(path: str) -> None:
         f.write(f"BUILD = {record!r}\n")
 
 
-write_build_record(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanfast", "_build.py"))
+class BuildExtensionWithRecord(BuildExtension):
+    """torch's BuildExtension, then the build record beside the extension it built (only a build writes
+    it: `sdist` or `egg_info` build nothing)."""
+
+    def run(self) -> None:
+        super().run()
+        package_dir = "nanfast" if self.inplace else os.path.join(self.build_lib, "nanfast")
+        write_build_record(os.path.join(package_dir, "_build.py"))
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp") + glob.glob("csrc/python/*.cpp"))
 extension = CppExtension
@@ -107,5 +114,5 @@ setup(
             extra_link_args=["-fopenmp"],
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionWithRecord},
 )
