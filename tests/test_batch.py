@@ -155,3 +155,12 @@ def test_sample_attribution_does_not_scale_with_the_batch_size():
 
     for dtype in (torch.float32, torch.float8_e4m3fn):  # isfinite has no float8_e4m3fn kernel
         assert tensors_touched(100_000, dtype) == tensors_touched(1_000, dtype) < 50
+
+
+def test_self_referencing_batch():
+    x = torch.zeros(3)
+    x[1] = NAN
+    batch = {"x": x}
+    batch["again"] = batch
+    report = nanfast.check_batch(batch, raise_on_nonfinite=False)
+    assert report.num_tensors == 1 and [(f.path, f.samples) for f in report.bad] == [("x", (1,))]

@@ -160,3 +160,31 @@ def test_safetensors(capsys, tmp_path):
     truncated.write_bytes(poisoned.read_bytes()[:-8])
     code, out = run_scan(capsys, truncated)
     assert code == 2 and "unreadable" in out
+
+
+def test_scan_deep_nesting(capsys, tmp_path):
+    deep = node = {}
+    for _ in range(5000):
+        node["a"] = node = {}
+    node["w"] = torch.tensor([1.0, NAN])
+    path = tmp_path / "deep.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # for torch.save, which recurses; loading it does not
+    try:
+        torch.save(deep, path)
+    finally:
+        sys.setrecursionlimit(limit)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[2].split()[0] == ".".join(["a"] * 5000 + ["w"])
+
+
+def test_scan_self_referencing_containers(capsys, tmp_path):
+    weights = [torch.ones(2), torch.tensor([INF])]
+    weights.append(weights)  # a list holding itself
+    state = {"weights": weights}
+    state["self"] = state
+    path = tmp_path / "cycle.pt"
+    torch.save(state, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 2 tensors, 3 elements: 1 of them hold non-finite values"
+    assert out.splitlines()[2].split()[0] == "weights[1]"
