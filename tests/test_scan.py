@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import builtins
 import json
+import os
+import pickle
+import subprocess
 import sys
+import threading
+import zipfile
 
 import pytest
 import torch
@@ -188,3 +193,123 @@ def test_scan_self_referencing_containers(capsys, tmp_path):
     code, out = run_scan(capsys, path)
     assert code == 1 and out.splitlines()[0] == f"{path}: 2 tensors, 3 elements: 1 of them hold non-finite values"
     assert out.splitlines()[2].split()[0] == "weights[1]"
+
+
+def rezip_deflated(src, dst):
+    """The same records, compressed: torch.load reads it, but mmap=True would map the compressed bytes."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+
+
+def test_scan_compressed_zip_records(capsys, tmp_path):
+    weight = torch.zeros(111)
+    weight[10] = NAN  # mapped raw, its compressed bytes read as 111 finite floats: "clean"
+    for name, state, code, last in [("poisoned", {"w": weight}, 1, ["w", "(111,)", "float32", "1", "0", "0"]),
+                                    ("clean", {"w": torch.arange(1000.0)}, 0, ["clean"])]:
+        stored, deflated = tmp_path / f"{name}.pt", tmp_path / f"{name}-deflated.pt"
+        torch.save(state, stored)
+        rezip_deflated(stored, deflated)
+        assert {i.compress_type for i in zipfile.ZipFile(deflated).infolist()} == {zipfile.ZIP_DEFLATED}
+        assert run_scan(capsys, deflated)[0] == code
+        scanned = scan.scan_file(str(deflated))
+        assert scanned.report == scan.scan_file(str(stored)).report
+        assert format_last_row(scanned) == last
+
+
+def format_last_row(scanned):
+    return scan.format_scan(scanned).splitlines()[-1].split()[-6 if scanned.status == "nonfinite" else -1:]
+
+
+def test_scan_checks_the_values_of_sparse_tensors(capsys, tmp_path):
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, NAN, 2.0]), (4,))  # uncoalesced
+    csr = torch.eye(3).to_sparse_csr()
+    csr.values()[1] = INF
+    path = tmp_path / "sparse.pt"
+    torch.save({"coo": coo, "csr": csr, "bsc": torch.eye(4).to_sparse_bsc((2, 2))}, path)
+    code, out = run_scan(capsys, path)
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == f"{path}: 3 tensors, 14 elements: 2 of them hold non-finite values"
+    assert [line.split()[0] for line in lines[2:]] == ["coo.values()", "csr.values()"]
+
+
+def test_scan_never_calls_a_file_clean_without_reading_every_tensor(capsys, tmp_path):
+    path = tmp_path / "meta.pt"
+    torch.save({"w": torch.ones(3), "m": torch.empty(2, device="meta")}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 2
+    assert out.strip() == f"{path}: 1 tensors, 3 elements checked: no NaN/inf; 1 not checked: 'm' (a meta tensor: it holds no values)"
+    scanned = json.loads(run_scan(capsys, "--json", path)[1])["files"][0]
+    assert scanned["status"] == "incomplete" and scanned["not_checked"] == [
+        {"name": "m", "reason": "a meta tensor: it holds no values"}]
+
+
+def test_a_tensor_the_kernels_refuse_is_named_not_checked(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(scan, "_kernel_reads", lambda dtype: True)  # so float8_e8m0fnu reaches the kernels
+    path = tmp_path / "e8m0.pt"
+    torch.save({"a": torch.tensor([NAN]), "scale": torch.ones(4).to(torch.float8_e8m0fnu), "b": torch.ones(2)}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and out.startswith(f"{path}: 2 tensors, 3 elements: 1 of them hold non-finite values; "
+                                        "1 not checked: 'scale' (nanfast.check_all: 'scale': nanfast.stats: ")
+    assert "unsupported dtype Float8_e8m0fnu" in out.splitlines()[0] and out.splitlines()[2].split()[0] == "a"
+
+
+def test_scan_refuses_fifos_and_devices_at_once(capsys, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    paths = [fifo] + [p for p in ("/dev/zero", "/dev/urandom") if os.path.exists(p)]
+    result = []
+    # Reading a FIFO with no writer blocks forever: run in a thread, so a regression fails instead of hanging.
+    worker = threading.Thread(target=lambda: result.append(run_scan(capsys, *paths)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert result, "scan blocked on a FIFO"
+    code, out = result[0]
+    assert code == 2
+    kinds = ["a FIFO"] + ["a character device"] * (len(paths) - 1)
+    assert out.splitlines() == [f"{p}: refused: {kind}, not a regular file: nanfast scans files only (reading it "
+                                "could block or never end)" for p, kind in zip(paths, kinds)]
+
+
+def test_scan_reads_quantized_nested_and_e8m0_tensors(capsys, tmp_path):
+    scale = torch.tensor([1.0, 2.0, 4.0, 1.0]).to(torch.float8_e8m0fnu)
+    scale.view(torch.uint8)[3] = 0xFF  # float8_e8m0fnu's NaN: it has no inf
+    channel_scales = torch.tensor([0.1, INF])
+    quantized = torch.quantize_per_channel(torch.ones(2, 3), channel_scales, torch.zeros(2, dtype=torch.long), 0,
+                                           torch.qint8)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.tensor([1.0, NAN, 3.0])])
+    path = tmp_path / "kinds.pt"
+    torch.save({"scale": scale, "q": quantized, "nested": nested, "q_ok": torch.quantize_per_tensor(
+        torch.ones(3), 0.5, 0, torch.quint8)}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 4 tensors, 18 elements: 3 of them hold non-finite values"
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["scale.float()", "q.dequantize()", "nested.values()"]
+
+
+def test_scan_nested_jagged_tensor_in_a_fresh_process(tmp_path):
+    # Loading one needs torch._dynamo imported (torch allows its names only then); a fresh process has not.
+    njt = torch.nested.nested_tensor([torch.ones(2, 3), torch.tensor([[1.0, 2.0, -INF]])], layout=torch.jagged)
+    path = tmp_path / "njt.pt"
+    torch.save({"njt": njt}, path)
+    done = subprocess.run([sys.executable, "-m", "nanfast", "scan", str(path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines()[2].split() == ["njt.values()", "(3,", "3)", "float32", "0", "0", "1"]
+
+
+def test_scan_names_what_a_non_checkpoint_is_without_calling_it_malicious(capsys, tmp_path):
+    plain, garbage, protocol4 = tmp_path / "plain.pkl", tmp_path / "garbage.bin", tmp_path / "protocol4.pt"
+    with open(plain, "wb") as f:
+        pickle.dump({"a": 1}, f)
+    garbage.write_bytes(bytes(range(256)) * 8)
+    torch.save({"w": torch.ones(2)}, protocol4, pickle_protocol=4)
+    code, out = run_scan(capsys, plain, garbage, protocol4)
+    assert code == 2 and "run" not in out
+    assert out.splitlines() == [
+        f"{plain}: unreadable: not a checkpoint: a plain pickle (as pickle.dump writes), not a torch.save file; "
+        "nanfast loads only torch.save and .safetensors files (nothing was checked)",
+        f"{garbage}: unreadable: not a checkpoint: neither a torch.save file (zip or legacy) nor a pickle (nothing "
+        "was checked)",
+        f"{protocol4}: unreadable: its pickle uses an instruction weights-only loading does not read (Unsupported "
+        "operand 149; torch.save with pickle_protocol above 2?), so nothing was checked"]
+
