@@ -257,8 +257,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _progress_bar(total_bytes: int) -> Optional[Any]:
+    """A tqdm bar on stderr when it is a terminal and tqdm is installed; None otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="nanfast scan", leave=False)
+
+
+def _scan_all(paths: list[str]) -> list[FileScan]:
+    sizes = [os.stat(p).st_size if os.path.isfile(p) else 0 for p in paths]
+    bar = _progress_bar(sum(sizes))
+    if bar is None:
+        return [scan_file(path) for path in paths]
+    scans = []
+    with bar:
+        for path, size in zip(paths, sizes):
+            left = size
+
+            def advance(nbytes: int) -> None:  # tensor bytes stand for file bytes, up to the file's size
+                nonlocal left
+                step = min(nbytes, left)
+                left -= step
+                bar.update(step)
+
+            scans.append(scan_file(path, advance))
+            advance(left)
+    return scans
+
+
 def run(args: argparse.Namespace) -> int:
-    scans = [scan_file(path) for path in args.files]
+    scans = _scan_all(args.files)
     code = exit_code(scans)
     if args.json:
         print(json.dumps({"files": [s.to_dict() for s in scans], "exit_code": code}, indent=2))

@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import types
 import zipfile
 
 import pytest
@@ -313,3 +314,36 @@ def test_scan_names_what_a_non_checkpoint_is_without_calling_it_malicious(capsys
         f"{protocol4}: unreadable: its pickle uses an instruction weights-only loading does not read (Unsupported "
         "operand 149; torch.save with pickle_protocol above 2?), so nothing was checked"]
 
+
+class FakeTqdm:
+    """Records what the scan tells its progress bar."""
+
+    made: list["FakeTqdm"] = []
+
+    def __init__(self, total, **kwargs):
+        self.total, self.steps = total, []
+        FakeTqdm.made.append(self)
+
+    def update(self, n):
+        self.steps.append(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_progress_bar_on_a_terminal_only(capsys, monkeypatch, tmp_path, clean_file, poisoned_file):
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeTqdm))
+    monkeypatch.setattr(scan, "CHUNK_BYTES", 1)  # a progress step per tensor
+    FakeTqdm.made = []
+    run_scan(capsys, clean_file, poisoned_file)
+    assert FakeTqdm.made == []  # not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _ = run_scan(capsys, clean_file, poisoned_file, tmp_path / "missing.pt")
+    total = clean_file.stat().st_size + poisoned_file.stat().st_size
+    assert code == 2 and [(bar.total, sum(bar.steps)) for bar in FakeTqdm.made] == [(total, total)]
+    assert len([step for step in FakeTqdm.made[0].steps if step > 0]) >= 5  # a step per tensor (chunk), not per file
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: no bar, same result
+    assert run_scan(capsys, clean_file, poisoned_file)[0] == 1
