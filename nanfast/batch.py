@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .leaves import named_leaves
+from .ops import reads_dtype
 from .report import NonFiniteError
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
@@ -78,12 +79,26 @@ class BatchReport:
                 "samples": self.samples, "bad": [f.to_dict() for f in self.bad]}
 
 
+def _unreadable(t: torch.Tensor) -> Optional[str]:
+    """What keeps the kernels from reading a field's samples, or None."""
+    if t.is_meta:
+        return "a meta tensor (it holds no values)"
+    if t.is_nested:
+        return "a nested tensor"
+    if t.is_quantized:
+        return "a quantized tensor (check its .dequantize())"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
+
+
 def _by_device(pairs: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
     groups: dict[torch.device, list[int]] = {}
     for i, (name, t) in enumerate(pairs):
-        if t.layout != torch.strided or t.is_meta:
-            raise ValueError(f"nanfast.check_batch: field {name!r} is a {t.layout} {'meta ' if t.is_meta else ''}"
-                             "tensor; only strided tensors with values can be checked")
+        what = _unreadable(t)
+        if what:
+            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only strided tensors with values "
+                             "of the dtypes nanfast reads can be checked")
         groups.setdefault(t.device, []).append(i)
     return groups
 

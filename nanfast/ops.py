@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Union
 
@@ -77,6 +78,16 @@ def _call(op, tensors: Sequence[torch.Tensor], api: str):
     except (RuntimeError, TypeError):
         _diagnose(tensors, api)
         raise
+
+
+@functools.cache
+def reads_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernels read tensors of `dtype` (they refuse the others)."""
+    try:
+        torch.ops.nanfast.stats([torch.empty(0, dtype=dtype)])
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _ops():

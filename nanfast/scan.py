@@ -23,6 +23,7 @@ import torch
 
 from .check import check_all
 from .leaves import named_leaves
+from .ops import reads_dtype
 from .report import Entry, Report
 
 __all__ = ["FileScan", "scan_file"]
@@ -137,15 +138,6 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, f.get_tensor(name)
 
 
-@functools.cache
-def _kernel_reads(dtype: torch.dtype) -> bool:
-    try:
-        torch.ops.nanfast.stats([torch.empty(0, dtype=dtype)])
-    except (RuntimeError, TypeError):
-        return False
-    return True
-
-
 def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str]:
     """What of `t` is checked: (the expression that gives it, a tensor the kernels read), or why nothing is."""
     try:
@@ -159,7 +151,7 @@ def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str
             return "a meta tensor: it holds no values"
         if t.layout != torch.strided:
             return f"layout {t.layout}: nanfast cannot read it"
-        if not _kernel_reads(t.dtype):
+        if not reads_dtype(t.dtype):
             if not t.is_floating_point():
                 return f"dtype {t.dtype}: nanfast cannot read it"
             name, t = f"{name}.float()", t.float()  # float8_e8m0fnu: every value, NaN included, is exact in float32

@@ -154,6 +154,7 @@ def test_sample_attribution_does_not_scale_with_the_batch_size():
         return counter.tensors
 
     for dtype in (torch.float32, torch.float8_e4m3fn):  # isfinite has no float8_e4m3fn kernel
+        tensors_touched(10, dtype)  # the first call with a dtype also asks the kernels whether they read it
         assert tensors_touched(100_000, dtype) == tensors_touched(1_000, dtype) < 50
 
 
@@ -164,3 +165,14 @@ def test_self_referencing_batch():
     batch["again"] = batch
     report = nanfast.check_batch(batch, raise_on_nonfinite=False)
     assert report.num_tensors == 1 and [(f.path, f.samples) for f in report.bad] == [("x", (1,))]
+
+
+@pytest.mark.parametrize("field, what", [
+    (torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.quint8), "a quantized tensor"),
+    (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+    (torch.ones(3).to(torch.float8_e8m0fnu), "of dtype torch.float8_e8m0fnu"),
+    (torch.empty(3, device="meta"), "a meta tensor"),
+])
+def test_fields_the_kernels_cannot_read_are_named(field, what):
+    with pytest.raises(ValueError, match=f"nanfast.check_batch: field 'x' is {what}"):
+        nanfast.check_batch({"ok": torch.ones(3), "x": field})

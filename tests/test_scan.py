@@ -246,7 +246,7 @@ def test_scan_never_calls_a_file_clean_without_reading_every_tensor(capsys, tmp_
 
 
 def test_a_tensor_the_kernels_refuse_is_named_not_checked(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(scan, "_kernel_reads", lambda dtype: True)  # so float8_e8m0fnu reaches the kernels
+    monkeypatch.setattr(scan, "reads_dtype", lambda dtype: True)  # so float8_e8m0fnu reaches the kernels
     path = tmp_path / "e8m0.pt"
     torch.save({"a": torch.tensor([NAN]), "scale": torch.ones(4).to(torch.float8_e8m0fnu), "b": torch.ones(2)}, path)
     code, out = run_scan(capsys, path)
