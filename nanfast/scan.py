@@ -104,6 +104,8 @@ def _torch_load(path: str) -> Any:
     with open(path, "rb") as f:
         head = f.read(32)
     is_zip = head.startswith(b"PK\x03\x04")
+    if not head:
+        raise _Unreadable("an empty file: nothing to check")
     if not is_zip and LEGACY_MAGIC not in head:
         raise _Unreadable(_not_a_checkpoint(path))
     # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy

@@ -304,7 +304,9 @@ def test_scan_names_what_a_non_checkpoint_is_without_calling_it_malicious(capsys
         pickle.dump({"a": 1}, f)
     garbage.write_bytes(bytes(range(256)) * 8)
     torch.save({"w": torch.ones(2)}, protocol4, pickle_protocol=4)
-    code, out = run_scan(capsys, plain, garbage, protocol4)
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    code, out = run_scan(capsys, plain, garbage, protocol4, empty)
     assert code == 2 and "run" not in out
     assert out.splitlines() == [
         f"{plain}: unreadable: not a checkpoint: a plain pickle (as pickle.dump writes), not a torch.save file; "
@@ -312,7 +314,8 @@ def test_scan_names_what_a_non_checkpoint_is_without_calling_it_malicious(capsys
         f"{garbage}: unreadable: not a checkpoint: neither a torch.save file (zip or legacy) nor a pickle (nothing "
         "was checked)",
         f"{protocol4}: unreadable: its pickle uses an instruction weights-only loading does not read (Unsupported "
-        "operand 149; torch.save with pickle_protocol above 2?), so nothing was checked"]
+        "operand 149; torch.save with pickle_protocol above 2?), so nothing was checked",
+        f"{empty}: unreadable: an empty file: nothing to check"]
 
 
 class FakeTqdm:
