@@ -13,6 +13,9 @@ import torch
 _Node = Optional[tuple[Any, str, bool]]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _children(obj: Any) -> Optional[list[tuple[str, bool, Any]]]:
     """(segment, is_key, value) for each item of a container; None for a leaf."""
     if isinstance(obj, Mapping):
@@ -23,6 +26,8 @@ def _children(obj: Any) -> Optional[list[tuple[str, bool, Any]]]:
         return [(name, True, value) for name, value in zip(obj._fields, obj)]
     if isinstance(obj, (list, tuple)):
         return [(f"[{i}]", False, value) for i, value in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return [(f"{{{i}}}", False, value) for i, value in enumerate(obj)]
     return None
 
 
@@ -35,10 +40,10 @@ def _path(node: _Node) -> str:
     return "".join(f".{s}" if is_key and i else s for i, (s, is_key) in enumerate(segments))
 
 
-def named_leaves(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors in nested mappings, dataclasses, named tuples, lists and tuples, with their paths:
-    keys and fields joined with '.', sequence positions as [i] ("inputs.image", "[1]", "pair[0].x").
-    Other leaves (strings, numbers, None) hold no values to check and are skipped.
+def named_leaves(obj: Any, *, tensor_attributes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in nested mappings, dataclasses, named tuples, lists, tuples and sets, with their
+    paths: keys and fields joined with '.', sequence positions as [i], set items as {i} ("inputs.image",
+    "[1]", "pair[0].x"). Other leaves (strings, numbers, None) hold no values to check and are skipped.
 
     The walk is iterative, so any depth is fine, and enters each container once: a container that holds
     itself (a cycle) or is held twice is walked once, so a crafted object is walked in time linear in
@@ -46,6 +51,8 @@ def named_leaves(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
     Args:
         obj: a tensor, or a nesting of the containers above.
+        tensor_attributes: also walk the attributes set on a plain tensor or parameter ("w.scale"), which
+            torch.save keeps (a subclass's attributes are its own internals).
 
     Returns:
         An iterator of (path, tensor); a bare tensor has the path "".
@@ -56,7 +63,9 @@ def named_leaves(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
         value, node = stack.pop()
         if isinstance(value, torch.Tensor):
             yield _path(node), value
-            continue
+            if not (tensor_attributes and type(value) in _PLAIN_TENSORS and value.__dict__):
+                continue
+            value = value.__dict__
         children = _children(value)
         if children is None or id(value) in entered:
             continue

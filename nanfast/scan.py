@@ -191,7 +191,10 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     chunk_bytes = 0
     try:
         _require_regular_file(path)
-        tensors = _safetensors_tensors(path) if path.endswith(".safetensors") else named_leaves(_torch_load(path))
+        if path.endswith(".safetensors"):
+            tensors = _safetensors_tensors(path)
+        else:
+            tensors = named_leaves(_torch_load(path), tensor_attributes=True)
         for name, t in tensors:
             readable = _readable(name, t)
             if isinstance(readable, str):

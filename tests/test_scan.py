@@ -350,3 +350,13 @@ def test_progress_bar_on_a_terminal_only(capsys, monkeypatch, tmp_path, clean_fi
     assert len([step for step in FakeTqdm.made[0].steps if step > 0]) >= 5  # a step per tensor (chunk), not per file
     monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: no bar, same result
     assert run_scan(capsys, clean_file, poisoned_file)[0] == 1
+
+
+def test_scan_finds_tensors_in_sets_and_tensor_attributes(capsys, tmp_path):
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.scale = torch.tensor([INF])  # torch.save keeps a tensor's attributes
+    path = tmp_path / "hidden.pt"
+    torch.save({"w": weight, "s": {torch.tensor([NAN])}}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 3 tensors, 4 elements: 2 of them hold non-finite values"
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["w.scale", "s{0}"]
