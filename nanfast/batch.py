@@ -121,7 +121,9 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     NaN or inf. A clean batch costs one fused check and one host sync per device; only a bad one is
     counted per field and per sample.
 
-    Raises NonFiniteError (carrying the BatchReport) if anything is non-finite and raise_on_nonfinite."""
+    Raises NonFiniteError (carrying the BatchReport) if anything is non-finite and raise_on_nonfinite;
+    ValueError naming the field if one cannot be read by sample (sparse, nested, quantized, meta, or of
+    a dtype the kernels do not read)."""
     pairs = list(named_leaves(batch))
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     for indices in _by_device(pairs).values():
