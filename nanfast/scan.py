@@ -1,5 +1,5 @@
 """`python -m nanfast scan FILE...` checks checkpoints (.pt/.pth/.bin, .safetensors) for NaN/inf
-without running pickled code: exit code 0 clean (every floating value read), 1 non-finite values found,
+without running pickled code: exit code 0 clean (every tensor read), 1 non-finite values found,
 2 an input could not be read whole (refused, unreadable, or some of its tensors not checked)."""
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_chec
 
 
 def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> FileScan:
-    """Checks every floating value of a checkpoint without running pickled code, CHUNK_BYTES at a time.
+    """Checks the values of every tensor in a checkpoint, CHUNK_BYTES at a time, running no pickled code.
 
     Args:
         path: a torch.save file (zip or legacy; read with weights-only loading), or a .safetensors file.
