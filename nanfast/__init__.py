@@ -8,7 +8,7 @@ from .clip import clip_grad_norm_
 from .locate import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
-from .scan import check_batch, checked
+from .batch import check_batch, checked
 from .watch import Event, Place, Watch, watch
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Union
 
@@ -88,6 +89,16 @@ def _call(op, tensors: Sequence[torch.Tensor], api: str, on_nested):
         if not _nested.any_nested(tensors):
             raise
     return on_nested(op, tensors)
+
+
+@functools.cache
+def reads_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernels read tensors of `dtype` (they refuse the others)."""
+    try:
+        torch.ops.nanfast.stats([torch.empty(0, dtype=dtype)])
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _ops():

@@ -1,135 +1,25 @@
-"""Scans: check_batch / checked name the batch, sample and field; `python -m nanfast scan` on clean,
-poisoned, truncated and malicious files, with its exit codes and --json."""
+"""`python -m nanfast scan` on clean, poisoned, truncated and malicious files, with its exit codes and --json."""
 
 from __future__ import annotations
 
 import builtins
-import collections
-import dataclasses
 import json
+import os
+import pickle
+import subprocess
 import sys
+import threading
+import types
+import zipfile
 
 import pytest
 import torch
 
-import nanfast
 from nanfast import scan
 from nanfast.cli import main
 
 NAN = float("nan")
 INF = float("inf")
-
-
-# --------------------------------------------------------------------------------------------------
-# check_batch
-# --------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Inputs:
-    image: torch.Tensor
-    mask: torch.Tensor
-
-
-Pair = collections.namedtuple("Pair", ["left", "right"])
-
-
-def test_clean_batch():
-    report = nanfast.check_batch({"x": torch.randn(4, 3), "y": torch.arange(4), "name": "ignored"})
-    assert report.ok and report.num_tensors == 2 and report.bad == () and report.samples == []
-
-
-def test_names_field_paths_and_sample_indices():
-    image = torch.randn(5, 2, 3)
-    image[3, 1, 2] = NAN
-    image[1, 0, 0] = -INF
-    weights = torch.ones(5)
-    weights[4] = INF
-    batch = {"inputs": Inputs(image, torch.ones(5, 3, dtype=torch.bool)),
-             "pair": Pair(torch.zeros(5), weights), "targets": [torch.zeros(5), torch.tensor(NAN)]}
-    report = nanfast.check_batch(batch, raise_on_nonfinite=False)
-    assert [(f.path, f.samples, (f.nan, f.posinf, f.neginf)) for f in report.bad] == [
-        ("inputs.image", (1, 3), (1, 0, 1)),
-        ("pair.right", (4,), (0, 1, 0)),
-        ("targets[1]", (), (1, 0, 0)),
-    ]
-    assert report.samples == [1, 3, 4]
-    assert report.bad[0].shape == (5, 2, 3) and report.bad[0].dtype == "float32"
-
-
-def test_raises_naming_sample_and_field():
-    x = torch.zeros(3, 4)
-    x[2, 0] = NAN
-    with pytest.raises(nanfast.NonFiniteError, match=r"sample 2 of field '\[0\]' \(nan=1, \+inf=0, -inf=0\)") as e:
-        nanfast.check_batch((x, torch.zeros(3)))
-    assert isinstance(e.value.report, scan.BatchReport) and e.value.report.samples == [2]
-
-
-def test_many_bad_samples_are_cut_in_the_message():
-    x = torch.full((20, 2), NAN)
-    report = nanfast.check_batch({"x": x}, raise_on_nonfinite=False)
-    assert report.bad[0].samples == tuple(range(20))
-    assert f"and {20 - scan.MAX_SAMPLES_IN_MESSAGE} more" in report.summary()
-
-
-def test_half_and_complex_fields():
-    h = torch.zeros(2, 3, dtype=torch.bfloat16)
-    h[1, 1] = INF
-    c = torch.zeros(2, dtype=torch.complex64)
-    c[0] = complex(0, NAN)
-    report = nanfast.check_batch({"h": h, "c": c}, raise_on_nonfinite=False)
-    assert [(f.path, f.samples) for f in report.bad] == [("h", (1,)), ("c", (0,))]
-
-
-def test_sparse_field_is_a_clear_error():
-    with pytest.raises(ValueError, match="field 'sp'"):
-        nanfast.check_batch({"sp": torch.eye(3).to_sparse()})
-
-
-def test_report_to_dict_is_json():
-    x = torch.zeros(2)
-    x[1] = NAN
-    d = json.loads(json.dumps(nanfast.check_batch({"x": x}, raise_on_nonfinite=False).to_dict()))
-    assert d["ok"] is False and d["bad"][0]["path"] == "x" and d["bad"][0]["samples"] == [1]
-
-
-# --------------------------------------------------------------------------------------------------
-# checked(loader)
-# --------------------------------------------------------------------------------------------------
-
-def poisoned_loader():
-    features = torch.randn(10, 3)
-    features[7, 2] = NAN  # batch 1 (batch size 4), sample 3 within it
-    dataset = torch.utils.data.TensorDataset(features, torch.arange(10))
-    return torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False)
-
-
-def test_checked_raises_with_batch_sample_and_field():
-    loader = nanfast.checked(poisoned_loader())
-    assert len(loader) == 3
-    seen = []
-    with pytest.raises(nanfast.NonFiniteError, match=r"batch 1: non-finite values in sample 3 of field '\[0\]'") as e:
-        for batch in loader:
-            seen.append(batch)
-    assert len(seen) == 1 and e.value.report.batch_index == 1
-
-
-def test_checked_warn_yields_every_batch():
-    loader = nanfast.checked(poisoned_loader(), action="warn")
-    with pytest.warns(RuntimeWarning, match=r"batch 1: .*sample 3 of field '\[0\]'"):
-        batches = list(loader)
-    assert len(batches) == 3 and [r.batch_index for r in loader.bad_batches] == [1]
-
-
-def test_checked_skip_drops_bad_batches():
-    loader = nanfast.checked(poisoned_loader(), action="skip")
-    labels = torch.cat([labels for _, labels in loader])
-    assert labels.tolist() == [0, 1, 2, 3, 8, 9]
-    assert loader.bad_batches[0].samples == [3]
-
-
-def test_checked_rejects_unknown_action():
-    with pytest.raises(ValueError, match="action"):
-        nanfast.checked([], action="ignore")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,3 +166,197 @@ def test_safetensors(capsys, tmp_path):
     truncated.write_bytes(poisoned.read_bytes()[:-8])
     code, out = run_scan(capsys, truncated)
     assert code == 2 and "unreadable" in out
+
+
+def test_scan_deep_nesting(capsys, tmp_path):
+    deep = node = {}
+    for _ in range(5000):
+        node["a"] = node = {}
+    node["w"] = torch.tensor([1.0, NAN])
+    path = tmp_path / "deep.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # for torch.save, which recurses; loading it does not
+    try:
+        torch.save(deep, path)
+    finally:
+        sys.setrecursionlimit(limit)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[2].split()[0] == ".".join(["a"] * 5000 + ["w"])
+
+
+def test_scan_self_referencing_containers(capsys, tmp_path):
+    weights = [torch.ones(2), torch.tensor([INF])]
+    weights.append(weights)  # a list holding itself
+    state = {"weights": weights}
+    state["self"] = state
+    path = tmp_path / "cycle.pt"
+    torch.save(state, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 2 tensors, 3 elements: 1 of them hold non-finite values"
+    assert out.splitlines()[2].split()[0] == "weights[1]"
+
+
+def rezip_deflated(src, dst):
+    """The same records, compressed: torch.load reads it, but mmap=True would map the compressed bytes."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+
+
+def test_scan_compressed_zip_records(capsys, tmp_path):
+    weight = torch.zeros(111)
+    weight[10] = NAN  # mapped raw, its compressed bytes read as 111 finite floats: "clean"
+    for name, state, code, last in [("poisoned", {"w": weight}, 1, ["w", "(111,)", "float32", "1", "0", "0"]),
+                                    ("clean", {"w": torch.arange(1000.0)}, 0, ["clean"])]:
+        stored, deflated = tmp_path / f"{name}.pt", tmp_path / f"{name}-deflated.pt"
+        torch.save(state, stored)
+        rezip_deflated(stored, deflated)
+        assert {i.compress_type for i in zipfile.ZipFile(deflated).infolist()} == {zipfile.ZIP_DEFLATED}
+        assert run_scan(capsys, deflated)[0] == code
+        scanned = scan.scan_file(str(deflated))
+        assert scanned.report == scan.scan_file(str(stored)).report
+        assert format_last_row(scanned) == last
+
+
+def format_last_row(scanned):
+    return scan.format_scan(scanned).splitlines()[-1].split()[-6 if scanned.status == "nonfinite" else -1:]
+
+
+def test_scan_checks_the_values_of_sparse_tensors(capsys, tmp_path):
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, NAN, 2.0]), (4,))  # uncoalesced
+    csr = torch.eye(3).to_sparse_csr()
+    csr.values()[1] = INF
+    path = tmp_path / "sparse.pt"
+    torch.save({"coo": coo, "csr": csr, "bsc": torch.eye(4).to_sparse_bsc((2, 2))}, path)
+    code, out = run_scan(capsys, path)
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == f"{path}: 3 tensors, 14 elements: 2 of them hold non-finite values"
+    assert [line.split()[0] for line in lines[2:]] == ["coo.values()", "csr.values()"]
+
+
+def test_scan_never_calls_a_file_clean_without_reading_every_tensor(capsys, tmp_path):
+    path = tmp_path / "meta.pt"
+    torch.save({"w": torch.ones(3), "m": torch.empty(2, device="meta")}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 2
+    assert out.strip() == f"{path}: 1 tensors, 3 elements checked: no NaN/inf; 1 not checked: 'm' (a meta tensor: it holds no values)"
+    scanned = json.loads(run_scan(capsys, "--json", path)[1])["files"][0]
+    assert scanned["status"] == "incomplete" and scanned["not_checked"] == [
+        {"name": "m", "reason": "a meta tensor: it holds no values"}]
+
+
+def test_a_tensor_the_kernels_refuse_is_named_not_checked(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(scan, "reads_dtype", lambda dtype: True)  # so float8_e8m0fnu reaches the kernels
+    path = tmp_path / "e8m0.pt"
+    torch.save({"a": torch.tensor([NAN]), "scale": torch.ones(4).to(torch.float8_e8m0fnu), "b": torch.ones(2)}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and out.startswith(f"{path}: 2 tensors, 3 elements: 1 of them hold non-finite values; "
+                                        "1 not checked: 'scale' (nanfast.check_all: 'scale': nanfast.stats: ")
+    assert "unsupported dtype Float8_e8m0fnu" in out.splitlines()[0] and out.splitlines()[2].split()[0] == "a"
+
+
+def test_scan_refuses_fifos_and_devices_at_once(capsys, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    paths = [fifo] + [p for p in ("/dev/zero", "/dev/urandom") if os.path.exists(p)]
+    result = []
+    # Reading a FIFO with no writer blocks forever: run in a thread, so a regression fails instead of hanging.
+    worker = threading.Thread(target=lambda: result.append(run_scan(capsys, *paths)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert result, "scan blocked on a FIFO"
+    code, out = result[0]
+    assert code == 2
+    kinds = ["a FIFO"] + ["a character device"] * (len(paths) - 1)
+    assert out.splitlines() == [f"{p}: refused: {kind}, not a regular file: nanfast scans files only (reading it "
+                                "could block or never end)" for p, kind in zip(paths, kinds)]
+
+
+def test_scan_reads_quantized_nested_and_e8m0_tensors(capsys, tmp_path):
+    scale = torch.tensor([1.0, 2.0, 4.0, 1.0]).to(torch.float8_e8m0fnu)
+    scale.view(torch.uint8)[3] = 0xFF  # float8_e8m0fnu's NaN: it has no inf
+    channel_scales = torch.tensor([0.1, INF])
+    quantized = torch.quantize_per_channel(torch.ones(2, 3), channel_scales, torch.zeros(2, dtype=torch.long), 0,
+                                           torch.qint8)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.tensor([1.0, NAN, 3.0])])
+    path = tmp_path / "kinds.pt"
+    torch.save({"scale": scale, "q": quantized, "nested": nested, "q_ok": torch.quantize_per_tensor(
+        torch.ones(3), 0.5, 0, torch.quint8)}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 4 tensors, 18 elements: 3 of them hold non-finite values"
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["scale.float()", "q.dequantize()", "nested.values()"]
+
+
+def test_scan_nested_jagged_tensor_in_a_fresh_process(tmp_path):
+    # Loading one needs torch._dynamo imported (torch allows its names only then); a fresh process has not.
+    njt = torch.nested.nested_tensor([torch.ones(2, 3), torch.tensor([[1.0, 2.0, -INF]])], layout=torch.jagged)
+    path = tmp_path / "njt.pt"
+    torch.save({"njt": njt}, path)
+    done = subprocess.run([sys.executable, "-m", "nanfast", "scan", str(path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines()[2].split() == ["njt.values()", "(3,", "3)", "float32", "0", "0", "1"]
+
+
+def test_scan_names_what_a_non_checkpoint_is_without_calling_it_malicious(capsys, tmp_path):
+    plain, garbage, protocol4 = tmp_path / "plain.pkl", tmp_path / "garbage.bin", tmp_path / "protocol4.pt"
+    with open(plain, "wb") as f:
+        pickle.dump({"a": 1}, f)
+    garbage.write_bytes(bytes(range(256)) * 8)
+    torch.save({"w": torch.ones(2)}, protocol4, pickle_protocol=4)
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    code, out = run_scan(capsys, plain, garbage, protocol4, empty)
+    assert code == 2 and "run" not in out
+    assert out.splitlines() == [
+        f"{plain}: unreadable: not a checkpoint: a plain pickle (as pickle.dump writes), not a torch.save file; "
+        "nanfast loads only torch.save and .safetensors files (nothing was checked)",
+        f"{garbage}: unreadable: not a checkpoint: neither a torch.save file (zip or legacy) nor a pickle (nothing "
+        "was checked)",
+        f"{protocol4}: unreadable: its pickle uses an instruction weights-only loading does not read (Unsupported "
+        "operand 149; torch.save with pickle_protocol above 2?), so nothing was checked",
+        f"{empty}: unreadable: an empty file: nothing to check"]
+
+
+class FakeTqdm:
+    """Records what the scan tells its progress bar."""
+
+    made: list["FakeTqdm"] = []
+
+    def __init__(self, total, **kwargs):
+        self.total, self.steps = total, []
+        FakeTqdm.made.append(self)
+
+    def update(self, n):
+        self.steps.append(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_progress_bar_on_a_terminal_only(capsys, monkeypatch, tmp_path, clean_file, poisoned_file):
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeTqdm))
+    monkeypatch.setattr(scan, "CHUNK_BYTES", 1)  # a progress step per tensor
+    FakeTqdm.made = []
+    run_scan(capsys, clean_file, poisoned_file)
+    assert FakeTqdm.made == []  # not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _ = run_scan(capsys, clean_file, poisoned_file, tmp_path / "missing.pt")
+    total = clean_file.stat().st_size + poisoned_file.stat().st_size
+    assert code == 2 and [(bar.total, sum(bar.steps)) for bar in FakeTqdm.made] == [(total, total)]
+    assert len([step for step in FakeTqdm.made[0].steps if step > 0]) >= 5  # a step per tensor (chunk), not per file
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: no bar, same result
+    assert run_scan(capsys, clean_file, poisoned_file)[0] == 1
+
+
+def test_scan_finds_tensors_in_sets_and_tensor_attributes(capsys, tmp_path):
+    weight = torch.nn.Parameter(torch.ones(2))
+    weight.scale = torch.tensor([INF])  # torch.save keeps a tensor's attributes
+    path = tmp_path / "hidden.pt"
+    torch.save({"w": weight, "s": {torch.tensor([NAN])}}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.splitlines()[0] == f"{path}: 3 tensors, 4 elements: 2 of them hold non-finite values"
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["w.scale", "s{0}"]

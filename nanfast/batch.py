@@ -1,0 +1,179 @@
+"""Checks of batches: `check_batch(batch)` names the sample index and field of a batch holding
+non-finite values; `checked(loader)` checks every batch a loader yields."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+
+from .leaves import named_leaves
+from .ops import reads_dtype
+from .report import NonFiniteError
+
+__all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
+
+MAX_SAMPLES_IN_MESSAGE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class BadField:
+    """A tensor of a batch that holds non-finite values, and the samples (indices along its first
+    dimension) that hold them; `samples` is empty for a 0-dim tensor."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nan: int
+    posinf: int
+    neginf: int
+    samples: tuple[int, ...]
+
+    def counts_text(self) -> str:
+        return f"nan={self.nan}, +inf={self.posinf}, -inf={self.neginf}"
+
+    def describe(self) -> str:
+        if not self.samples:
+            return f"field {self.path!r} ({self.counts_text()})"
+        shown = ", ".join(map(str, self.samples[:MAX_SAMPLES_IN_MESSAGE]))
+        more = f" and {len(self.samples) - MAX_SAMPLES_IN_MESSAGE} more" if len(self.samples) > MAX_SAMPLES_IN_MESSAGE else ""
+        noun = "sample" if len(self.samples) == 1 else "samples"
+        return f"{noun} {shown}{more} of field {self.path!r} ({self.counts_text()})"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"], d["samples"] = list(self.shape), list(self.samples)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReport:
+    """What check_batch found: the fields holding non-finite values (empty when the batch is clean)."""
+
+    bad: tuple[BadField, ...]
+    num_tensors: int
+    batch_index: Optional[int] = None  # set by `checked`
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    @property
+    def samples(self) -> list[int]:
+        """The indices of the samples holding non-finite values, in any field."""
+        return sorted({s for f in self.bad for s in f.samples})
+
+    def summary(self) -> str:
+        where = f"batch {self.batch_index}: " if self.batch_index is not None else ""
+        if self.ok:
+            return f"nanfast: {where}all {self.num_tensors} tensors of the batch are finite"
+        return f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
+
+    __str__ = summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "batch_index": self.batch_index, "num_tensors": self.num_tensors,
+                "samples": self.samples, "bad": [f.to_dict() for f in self.bad]}
+
+
+def _unreadable(t: torch.Tensor) -> Optional[str]:
+    """What keeps the kernels from reading a field's samples, or None."""
+    if t.is_meta:
+        return "a meta tensor (it holds no values)"
+    if t.is_nested:
+        return "a nested tensor"
+    if t.is_quantized:
+        return "a quantized tensor (check its .dequantize())"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor"
+    return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
+
+
+def _by_device(pairs: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i, (name, t) in enumerate(pairs):
+        what = _unreadable(t)
+        if what:
+            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only strided tensors with values "
+                             "of the dtypes nanfast reads can be checked")
+        groups.setdefault(t.device, []).append(i)
+    return groups
+
+
+def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
+    if t.dim() == 0 or t.shape[0] == 0:
+        return ()
+    # One reduction over the non-batch dims of this (bad) field: linear in its size, and a fixed number
+    # of ops whatever the batch size (one view per sample made millions of tensors for a long 1-D field).
+    try:
+        finite = torch.isfinite(t)
+    except (RuntimeError, NotImplementedError):  # float8 kinds isfinite lacks: exact in float32
+        finite = torch.isfinite(t.float())
+    return tuple((~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().tolist())
+
+
+def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
+    """Checks every tensor in `batch` (a tensor, or mappings, dataclasses, named tuples, lists and
+    tuples of them) and names the fields and samples (indices along the first dimension) that hold
+    NaN or inf. A clean batch costs one fused check and one host sync per device; only a bad one is
+    counted per field and per sample.
+
+    Raises NonFiniteError (carrying the BatchReport) if anything is non-finite and raise_on_nonfinite;
+    ValueError naming the field if one cannot be read by sample (sparse, nested, quantized, meta, or of
+    a dtype the kernels do not read)."""
+    pairs = list(named_leaves(batch))
+    bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
+    for indices in _by_device(pairs).values():
+        tensors = [pairs[i][1] for i in indices]
+        if not bool(torch.ops.nanfast.any_nonfinite(tensors)):
+            continue
+        for i, (nan, posinf, neginf) in zip(indices, torch.ops.nanfast.stats(tensors)[0].tolist()):
+            if nan or posinf or neginf:
+                path, t = pairs[i]
+                bad.append((i, BadField(path, tuple(t.shape), str(t.dtype).removeprefix("torch."), nan, posinf,
+                                        neginf, _bad_samples(t))))
+    report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs))
+    if raise_on_nonfinite and not report.ok:
+        raise NonFiniteError(report)
+    return report
+
+
+CHECKED_ACTIONS = ("raise", "warn", "skip")
+
+
+class Checked:
+    """An iterable over `loader`'s batches that checks each one (see `checked`)."""
+
+    def __init__(self, loader: Iterable, action: str):
+        if action not in CHECKED_ACTIONS:
+            raise ValueError(f"nanfast.checked: action must be one of {CHECKED_ACTIONS}, got {action!r}")
+        self.loader = loader
+        self.action = action
+        self.bad_batches: list[BatchReport] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        for index, batch in enumerate(self.loader):
+            report = dataclasses.replace(check_batch(batch, raise_on_nonfinite=False), batch_index=index)
+            if report.ok:
+                yield batch
+                continue
+            self.bad_batches.append(report)
+            if self.action == "raise":
+                raise NonFiniteError(report)
+            if self.action == "warn":
+                warnings.warn(report.summary(), RuntimeWarning, stacklevel=2)
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+def checked(loader: Iterable, *, action: str = "raise") -> Checked:
+    """Wraps a DataLoader (or any iterable of batches) so that every batch is checked with
+    check_batch before it is used. On a batch holding NaN/inf: action="raise" raises NonFiniteError
+    naming the batch index, sample index and field; "warn" warns and yields it; "skip" drops it.
+    Batches found bad are kept in `.bad_batches`. Costs one host sync per batch and device."""
+    return Checked(loader, action)
