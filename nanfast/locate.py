@@ -461,7 +461,7 @@ class _LocateMode(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if node is None:
             producer = Producer(info.name, "forward", None, user_frame())
-        elif recomputation_in(node) is not None:  # activation checkpointing re-runs a forward op: its line is the user's
+        elif recomputation_in(node) is not None:  # checkpointing re-runs a forward op: its line is the user's
             producer = Producer(info.name, "recompute", None, user_frame())
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))

@@ -10,8 +10,10 @@ import torch
 __all__ = ["REENTRANT", "UNPACK", "recomputation", "recomputation_in"]
 
 # The two ways torch.utils.checkpoint recomputes.
-REENTRANT = "reentrant"  # use_reentrant=True: in CheckpointFunction's backward; backward then flows through the graph it builds
-UNPACK = "unpack"  # use_reentrant=False: in a saved-tensor unpack hook; only the tensors it makes are used
+# use_reentrant=True: in CheckpointFunction's backward; backward then flows through the graph it builds.
+REENTRANT = "reentrant"
+# use_reentrant=False: in a saved-tensor unpack hook; only the tensors it makes are used.
+UNPACK = "unpack"
 
 # NOTE: [recognizing a recomputation]
 # Backward ops run with grad mode off (unless backward(create_graph=True)); a recomputation turns it on.

@@ -46,7 +46,8 @@ def test_locate_entered_for_backward_only_finds_the_fault_in_the_recomputation()
         with nanfast.locate():
             loss.backward()
     finding = raised.value.report
-    assert (finding.op, finding.phase, finding.where.lineno) == ("aten.log.default", "recompute", line("checkpointed-log"))
+    assert (finding.op, finding.phase) == ("aten.log.default", "recompute")
+    assert finding.where.lineno == line("checkpointed-log")
 
 
 class Checkpointed(torch.nn.Module):

@@ -539,7 +539,8 @@ def test_nan_in_a_nested_input_is_dirty_data(make):
     assert (finding.kind, finding.op) == ("input", "aten.mul.Tensor")
     assert_line(finding.source, "nested-dirty")
     [data] = finding.inputs
-    assert (data.name, counts(data), data.shape, data.producer) == ("self.values()", (1, 0, 0), (6,) if make is strided_nested else (3, 2), None)
+    values_shape = (6,) if make is strided_nested else (3, 2)  # a strided one's buffer is flat
+    assert (data.name, counts(data), data.shape, data.producer) == ("self.values()", (1, 0, 0), values_shape, None)
 
 
 @pytest.mark.parametrize("make", [jagged, strided_nested])
@@ -550,7 +551,8 @@ def test_nested_producer_is_reported_with_its_input_values(make):
         return torch.sqrt(nt + 0)  # <nested-sqrt>
 
     finding = first_finding(step)
-    assert (finding.kind, finding.op, finding.reason) == ("producer", "aten.sqrt.default", "made NaN from inputs without NaN")
+    assert (finding.kind, finding.op) == ("producer", "aten.sqrt.default")
+    assert finding.reason == "made NaN from inputs without NaN"
     assert_line(finding.source, "nested-sqrt")
     assert counts(finding.outputs[0]) == (1, 0, 0) and finding.outputs[0].name == "out.values()"
     [data] = finding.inputs
