@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
+from .recompute import recomputation_in
 from .report import NonFiniteError
 
 __all__ = ["Locate", "LocateFinding", "Producer", "SourceLine", "StepState", "TensorInfo", "locate", "locate_step",
@@ -80,12 +81,17 @@ def user_frame() -> Optional[SourceLine]:
 # What a finding holds
 # --------------------------------------------------------------------------------------------------
 
+RECOMPUTED = "recomputed in backward (activation checkpointing)"
+
+
 class Producer(NamedTuple):
     """The op that last wrote a tensor's storage under `locate`. For a backward op, `source` is where
-    the forward op of its autograd node ran (the line the user wrote). One is made per op."""
+    the forward op of its autograd node ran (the line the user wrote); for a forward op that activation
+    checkpointing re-ran in backward (phase "recompute"), the line of the checkpointed code. One is made
+    per op."""
 
     op: str
-    phase: str  # "forward" | "backward"
+    phase: str  # "forward" | "backward" | "recompute"
     node: Optional[str]
     source: Optional[SourceLine]
 
@@ -93,14 +99,18 @@ class Producer(NamedTuple):
         where = f" at {self.source}" if self.source else ""
         if self.phase == "backward":
             return f"{self.op} (backward of {self.node or 'an unknown node'}, forward{where or ' line unknown'})"
+        if self.phase == "recompute":
+            return f"{self.op} ({RECOMPUTED}){where}"
         return f"{self.op}{where}"
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One input or output of the reported op. min/max are over its finite elements (None when it has
-    none or is complex); `producer` (inputs only) is None for a tensor no op under locate wrote:
-    data, parameters, buffers, or values made before locate was entered."""
+    """One input or output of the reported op (of a nested tensor: its values(), so named). min/max are
+    over its finite elements (None when it has none or is complex); `producer` (inputs only) is None for
+    a tensor no op under locate wrote: data, parameters, buffers, or values made before locate was
+    entered. `partial`: `producer` wrote only part of the tensor's storage in place, over values made
+    before locate (`x[:, 0] = 0` on a batch), and the rest still counts as from outside."""
 
     name: str
     shape: tuple[int, ...]
@@ -112,6 +122,7 @@ class TensorInfo:
     min: Optional[float]
     max: Optional[float]
     producer: Optional[Producer] = None
+    partial: bool = False
 
     @property
     def nonfinite(self) -> int:
@@ -122,7 +133,13 @@ class TensorInfo:
         if self.min is not None:
             text += f" min={self.min:.6g} max={self.max:.6g}"
         if with_producer:
-            text += f" <- {self.producer}" if self.producer else " <- not made under locate (data, parameter or buffer)"
+            outside = "not made under locate (data, parameter or buffer)"
+            if self.producer is None:
+                text += f" <- {outside}"
+            elif self.partial:
+                text += f" <- partly written by {self.producer}; the rest {outside}"
+            else:
+                text += f" <- {self.producer}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,11 +152,15 @@ class TensorInfo:
 @dataclasses.dataclass(frozen=True)
 class LocateFinding:
     """What `locate` found. kind "producer": `op` made non-finite values its inputs did not hold (inf
-    from finite inputs, or NaN from inputs without NaN). kind "input": `op` is the first op to consume
-    NaN that no op under locate produced (dirty data, a NaN parameter).
+    from finite inputs, or NaN from inputs without NaN). kind "scalar": `op` made non-finite values from
+    a non-finite number argument (`x * nan`, `torch.full(..., nan)`, `x + inf`) and is not one of the
+    masking ops allowed an infinite one (MASKING_OPS). kind "input": `op` is the first op to consume NaN
+    that no op under locate produced (dirty data, a NaN parameter).
 
-    `source` is where the op ran (in backward: the line that called backward, when the engine ran on a
-    thread with Python frames); `forward_source` (backward only) is where the forward op of `node` ran."""
+    `phase` is "forward", "backward", or "recompute" (a forward op that activation checkpointing ran
+    again in backward). `source` is where the op ran (in backward: the line that called backward, when
+    the engine ran on a thread with Python frames); `forward_source` (backward only) is where the
+    forward op of `node` ran."""
 
     kind: str
     op: str
@@ -159,7 +180,7 @@ class LocateFinding:
         return self.forward_source if self.phase == "backward" else self.source
 
     def summary(self) -> str:
-        phase = f"backward of {self.node}" if self.phase == "backward" else "forward"
+        phase = {"backward": f"backward of {self.node}", "recompute": RECOMPUTED}.get(self.phase, "forward")
         at = f" at {self.where}" if self.where else ""
         return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}"
 
@@ -200,6 +221,16 @@ _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empt
 # In-place ops that overwrite self without reading it: its old values are not an input.
 _OVERWRITE_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "exponential_", "geometric_",
                    "log_normal_", "cauchy_", "random_"}
+# NOTE: [masking ops]
+# The ops whose infinite number argument is a value to place (a mask, a pad, a bound), not an operand:
+# an inf they write is intended. Anywhere else a non-finite number that makes a non-finite output is
+# the source (kind "scalar"), and a NaN number always is, masking op or not: NaN masks nothing.
+MASKING_OPS = frozenset((
+    "full", "full_like", "new_full", "fill", "fill_", "scalar_tensor",  # torch.full(..., -inf), torch.where(m, x, -inf)
+    "masked_fill", "masked_fill_", "index_fill", "index_fill_", "scatter", "scatter_", "where",
+    "constant_pad_nd",  # F.pad(x, value=-inf) before a max-pool
+    "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "nan_to_num", "nan_to_num_",
+))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +242,7 @@ class _OpInfo:
     arg_names: tuple[str, ...]
     out_args: frozenset[str]  # written, not read (out=, or self of an overwriting op)
     read_write_args: frozenset[str]  # written and read: their pre-op values are inputs
+    masking: bool  # in MASKING_OPS
 
 
 _op_info_cache: dict[Any, _OpInfo] = {}
@@ -228,7 +260,7 @@ def _op_info(func) -> _OpInfo:
         if packet in _OVERWRITE_SELF:
             out_args |= written
         info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
-                       frozenset(written - out_args))
+                       frozenset(written - out_args), packet in MASKING_OPS)
         _op_info_cache[func] = info
     return info
 
@@ -239,8 +271,18 @@ _FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat
                        torch.complex128))
 
 
-def _checkable(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype in _FLOATING and t.layout == torch.strided and not t.is_meta
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The strided tensor holding t's values: a nested tensor's values() (jagged: its values; strided:
+    its buffer), or t."""
+    return t.values() if t.is_nested else t
+
+
+def _values(t: Any) -> Optional[torch.Tensor]:
+    """What locate checks of `t`: its dense values when they can hold NaN/inf, else None (not a tensor,
+    an integer dtype, a sparse or meta tensor)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATING or t.is_meta:
+        return None
+    return _dense(t) if t.is_nested or t.layout == torch.strided else None
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -336,13 +378,15 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
 # NOTE: [what locate reports]
 # Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
 # ops the autograd engine runs for backward nodes) is checked with one fused any_nonfinite over its
-# floating outputs; views, in-place view ops and uninitialized outputs (empty) are skipped, since their
-# values are checked where they were made. Only when an output holds NaN/inf are the inputs counted:
-#   - producer: an output holds inf and every input (tensors and scalar arguments) is finite, or an
-#     output holds NaN and no input holds NaN (inf - inf, 0 * inf, softmax of a fully masked row).
-#     A non-finite scalar argument (masked_fill(mask, -inf), full(..., inf)) is an input, so masking
-#     is not a producer.
-#   - input: an op consumes NaN that no op under locate wrote: dirty data, a NaN parameter. Infinities
+# floating outputs (a nested tensor's values); views, in-place view ops and uninitialized outputs
+# (empty) are skipped, since their values are checked where they were made. Only when an output holds
+# NaN/inf are the inputs counted, and the first rule that fits says what the op is:
+#   - producer: an output holds inf and every input (tensors and numbers) is finite, or an output holds
+#     NaN and no input holds NaN (inf - inf, 0 * inf, softmax of a fully masked row).
+#   - scalar: a number argument made it: a NaN number and an output NaN where no tensor input held
+#     NaN (x * nan, full(..., nan)); or an infinite one, outside the masking ops (NOTE: [masking ops]),
+#     and an output inf where no tensor input held inf, or NaN where none held NaN (x + inf, x * inf).
+#   - input: an op consumes NaN that came from outside locate: dirty data, a NaN parameter. Infinities
 #     from outside are not reported: additive -inf attention masks are built before training.
 #   - otherwise the op propagates values already reported (or allowed), and says nothing.
 # The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
@@ -356,7 +400,17 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
 # so the attribute, as long as the storage lives): views and saved tensors share it, nothing is kept
 # alive by it, and no weak-reference callback runs when a storage dies (a dictionary of weak references
 # cost more than the rest of the per-op work). Each locate region has its own token, so records of an
-# earlier region are not taken for this one's.
+# earlier region are not taken for this one's. A record is (token, producer, partial).
+#
+# NOTE: [partial writes]
+# An in-place (or out=) write to a view that covers only part of a storage made outside the region
+# (`x[:, 0] = 0`, `x[:, :2] /= 255` on a batch) leaves the rest of it from outside: the record says
+# `partial`, and NaN its consumers read still counts as from outside. A write that covers the whole
+# storage (x.copy_(y), x.zero_()) makes it the region's. Covering is decided by size alone, O(1): a
+# tensor written in place has no overlapping elements, so numel * element_size == nbytes means every
+# byte. When a partial write itself leaves NaN in its view (the slow path: the op was examined), the
+# rest of the storage is counted once: if it holds no NaN, every NaN in the storage is the region's.
+
 _PRODUCER_ATTR = "_nanfast_producer"
 _region_tokens = itertools.count()
 
@@ -367,12 +421,24 @@ class _LocateMode(TorchDispatchMode):
         self.owner = owner
         self.token = next(_region_tokens)
 
-    def producer_of(self, t: torch.Tensor) -> Optional[Producer]:
+    def _record(self, t: torch.Tensor) -> Optional[tuple]:
         record = getattr(t.untyped_storage(), _PRODUCER_ATTR, None)
-        return record[1] if record is not None and record[0] == self.token else None
+        return record if record is not None and record[0] == self.token else None
+
+    def from_outside(self, t: torch.Tensor) -> bool:
+        """Whether t's storage holds values from outside the region (see NOTE: [partial writes])."""
+        record = self._record(t)
+        return record is None or record[2]
 
     def set_producer(self, t: torch.Tensor, producer: Producer) -> None:
-        setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer))
+        setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer, False))
+
+    def _record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool) -> None:
+        storage = t.untyped_storage()
+        partial = t.numel() * t.element_size() < storage.nbytes() and self.from_outside(t)
+        if partial and nonfinite and not _nan_beside(t, storage):
+            partial = False  # every NaN in the storage is in the view this op wrote
+        setattr(storage, _PRODUCER_ATTR, (self.token, producer, partial))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -385,39 +451,40 @@ class _LocateMode(TorchDispatchMode):
             for name, value in _named_args(info, args, kwargs):
                 if name in info.read_write_args:
                     for t in _tensors_in(value):
-                        if _checkable(t):
+                        if _values(t) is not None:
                             before[id(t)] = t.clone()
         out = func(*args, **kwargs)
 
-        if isinstance(out, torch.Tensor):
-            outputs = [out] if _checkable(out) else []
-        else:
-            outputs = [t for t in _tensors_in(out) if _checkable(t)]
-            if not outputs and (info.read_write_args or info.out_args):
-                # In-place ops that return nothing (_foreach_*_) changed their written arguments.
-                outputs = [t for name, value in _named_args(info, args, kwargs)
-                           if name in info.read_write_args or name in info.out_args
-                           for t in _tensors_in(value) if _checkable(t)]
+        raw, outputs = _outputs(info, out, args, kwargs)
         if not outputs:
             return out
         node = torch._C._current_autograd_node()
         if node is None:
             producer = Producer(info.name, "forward", None, user_frame())
+        elif recomputation_in(node) is not None:  # checkpointing re-runs a forward op: its line is the user's
+            producer = Producer(info.name, "recompute", None, user_frame())
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
-        if _any_nonfinite(outputs):
-            source = producer.source if node is None else user_frame()
-            self._examine(info, _named_args(info, args, kwargs), before, outputs, producer, source)
-        record = (self.token, producer)
-        for t in outputs:
-            setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
+        nonfinite = _any_nonfinite(outputs)
+        if nonfinite:
+            source = user_frame() if producer.phase == "backward" else producer.source
+            self._examine(info, _named_args(info, args, kwargs), before, raw, outputs, producer, source)
+        if info.read_write_args or info.out_args:
+            for t in outputs:
+                self._record_write(t, producer, nonfinite)
+        else:
+            record = (self.token, producer, False)
+            for t in outputs:
+                setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
         return out
 
     def _examine(self, info: _OpInfo, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
-                 outputs: list[torch.Tensor], producer: Producer, source: Optional[SourceLine]) -> None:
-        inputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, tensor as read, the live tensor)
+                 raw: list[torch.Tensor], outputs: list[torch.Tensor], producer: Producer,
+                 source: Optional[SourceLine]) -> None:
+        # (name, values as read or None, live values or None, the tensor as passed)
+        inputs: list[tuple[str, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]] = []
         scalars: list[str] = []
-        scalar_nan = scalar_inf = False
+        numbers: list[tuple[str, str, bool, bool]] = []  # the non-finite ones: (name, text, nan, inf)
         for name, value in named:
             if name in info.out_args:
                 continue
@@ -425,49 +492,59 @@ class _LocateMode(TorchDispatchMode):
                     isinstance(v, torch.Tensor) for v in value)):
                 many = not isinstance(value, torch.Tensor)
                 for k, t in enumerate(_tensors_in(value)):
-                    inputs.append((f"{name}[{k}]" if many else name, before.get(id(t), t), t))
+                    label = (f"{name}[{k}]" if many else name) + (".values()" if t.is_nested else "")
+                    inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
                 continue
-            nan, inf = _scalar_nonfinite(value)
-            scalar_nan |= nan
-            scalar_inf |= inf
             text = _scalar_text(value)
             if text is not None:
                 scalars.append(f"{name}={text}")
+            nan, inf = _scalar_nonfinite(value)
+            if nan or inf:
+                numbers.append((name, text, nan, inf))
 
-        checked = [i for i, (_, t, _) in enumerate(inputs) if _checkable(t)]
+        checked = [i for i, (_, t, _, _) in enumerate(inputs) if t is not None]
         in_counts = dict(zip(checked, _counts([inputs[i][1] for i in checked]))) if checked else {}
         out_counts = _counts(outputs)
         out_nan = any(c[0] for c in out_counts)
         out_inf = any(c[1] or c[2] for c in out_counts)
-        in_nan = scalar_nan or any(c[0] for c in in_counts.values())
-        in_inf = scalar_inf or any(c[1] or c[2] for c in in_counts.values())
+        tensor_nan = any(c[0] for c in in_counts.values())
+        tensor_inf = any(c[1] or c[2] for c in in_counts.values())
+        blamed = [n for n in numbers
+                  if n[2] and out_nan and not tensor_nan
+                  or n[3] and not info.masking and (out_inf and not tensor_inf or out_nan and not tensor_nan)]
 
-        if out_inf and not (in_nan or in_inf):
+        if out_inf and not (tensor_nan or tensor_inf or numbers):
             kind, reason = "producer", "made non-finite values from finite inputs"
-        elif out_nan and not in_nan:
+        elif blamed:
+            kind = "scalar"
+            reason = "; ".join(f"its scalar argument `{name}` is {text}" for name, text, _, _ in blamed)
+        elif out_nan and not tensor_nan:  # (a NaN number with NaN out is blamed above)
             kind, reason = "producer", "made NaN from inputs without NaN"
         else:
-            dirty = [i for i, c in in_counts.items()
-                     if c[0] and self.producer_of(inputs[i][2]) is None]
+            dirty = [i for i, c in in_counts.items() if c[0] and self.from_outside(inputs[i][2])]
             if not dirty:
                 return  # propagates values that were already reported, or allowed
             kind = "input"
             names = ", ".join(inputs[i][0] for i in dirty)
             reason = f"first op to consume NaN that no op under locate produced (input {names})"
-            for i in dirty:  # report a dirty tensor once, at its first consumer
-                self.set_producer(inputs[i][2], _OUTSIDE)
 
-        def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], prod: Optional[Producer]) -> TensorInfo:
+        def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], record: Optional[tuple]) -> TensorInfo:
             lo, hi = _finite_min_max(t)
+            prod = record[1] if record is not None and record[1] is not _OUTSIDE else None
             return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), *counts,
-                              lo, hi, prod)
+                              lo, hi, prod, record is not None and record[2])
 
         input_infos = []
-        for i, (name, t, live) in enumerate(inputs):
-            prod = self.producer_of(live) if live.layout == torch.strided else None
-            input_infos.append(info_of(name, t, in_counts.get(i, (0, 0, 0)), None if prod is _OUTSIDE else prod))
+        for i, (name, t, live, passed) in enumerate(inputs):
+            dense = t if t is not None else _dense(passed)
+            record = self._record(live) if live is not None else None
+            input_infos.append(info_of(name, dense, in_counts.get(i, (0, 0, 0)), record))
+        if kind == "input":
+            for i in dirty:  # report a dirty tensor once, at its first consumer
+                self.set_producer(inputs[i][2], _OUTSIDE)
         names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
-        output_infos = [info_of(n, t, c, None) for n, t, c in zip(names, outputs, out_counts)]
+        output_infos = [info_of(n + (".values()" if r.is_nested else ""), t, c, None)
+                        for n, r, t, c in zip(names, raw, outputs, out_counts)]
         dump = self.owner._dump_path_for_next()
         if dump is not None:
             _save_repro(dump, info.name, named, before, info.out_args)
@@ -478,6 +555,27 @@ class _LocateMode(TorchDispatchMode):
         self.owner.findings.append(finding)
         if self.owner.action == "raise":
             raise NonFiniteError(finding, str(finding))
+
+
+def _outputs(info: _OpInfo, out: Any, args: tuple, kwargs: dict) -> tuple[list, list[torch.Tensor]]:
+    """The op's outputs that locate checks: as returned (nested tensors whole), and their values."""
+    if isinstance(out, torch.Tensor):
+        values = _values(out)
+        return ([out], [values]) if values is not None else ([], [])
+    pairs = [(t, v) for t in _tensors_in(out) for v in (_values(t),) if v is not None]
+    if not pairs and (info.read_write_args or info.out_args):
+        # In-place ops that return nothing (_foreach_*_) changed their written arguments.
+        pairs = [(t, v) for name, value in _named_args(info, args, kwargs)
+                 if name in info.read_write_args or name in info.out_args
+                 for t in _tensors_in(value) for v in (_values(t),) if v is not None]
+    return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+def _nan_beside(t: torch.Tensor, storage: torch.UntypedStorage) -> bool:
+    """Whether the storage holds NaN outside the view t (which overlaps no element of itself)."""
+    whole = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+    (whole_nan, _, _), (view_nan, _, _) = _counts([whole, t])
+    return whole_nan > view_nan
 
 
 _OUTSIDE = Producer("(outside locate)", "forward", None, None)

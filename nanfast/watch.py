@@ -18,6 +18,7 @@ from . import _C, distributed
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
+from .recompute import REENTRANT, UNPACK, recomputation
 from .report import NonFiniteError
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
@@ -448,11 +449,12 @@ class Watch:
         if tensors:
             self._recorder.hook_grads(tensors, self._slot(phase, site, call, self._microbatch))
 
-    def _enter(self, site: _Site, args: Any) -> None:
-        if site.forward_id != self._forward_id:
-            site.forward_id = self._forward_id
-            site.calls = 0
-        site.calls += 1
+    def _enter(self, site: _Site, args: Any, recomputed: bool = False) -> None:
+        if not recomputed:
+            if site.forward_id != self._forward_id:
+                site.forward_id = self._forward_id
+                site.calls = 0
+            site.calls += 1
         if self._check_grads and not site.ignored and torch.is_grad_enabled():
             self._hook_grads(args, "backward", site, site.calls)
 
@@ -474,17 +476,22 @@ class Watch:
     # graph at every module. What runs compiled is therefore not checked module by module; the fused
     # pass over parameters and gradients at optimizer.step(), outside the compiled region, still sees
     # every non-finite value the step leaves in them, and anything run eagerly is hooked as usual.
+    # Activation checkpointing re-runs modules inside backward (nanfast/recompute.py): that is neither
+    # another call nor another forward, and its values were checked when the forward ran. Only with
+    # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.
 
     def _before_module(self, site: _Site, module: torch.nn.Module, args: tuple) -> None:
         if self._active and not torch.compiler.is_compiling():
-            self._enter(site, args)
+            recomputed = recomputation()
+            if recomputed != UNPACK:
+                self._enter(site, args, recomputed == REENTRANT)
 
     def _after_module(self, site: _Site, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self._active and not torch.compiler.is_compiling():
+        if self._active and not torch.compiler.is_compiling() and recomputation() is None:
             self._check_output("forward", site, output)
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active or torch.compiler.is_compiling():
+        if not self._active or torch.compiler.is_compiling() or recomputation() is not None:
             return
         self._forward_id += 1
         self._microbatch = self._forwards
@@ -500,7 +507,7 @@ class Watch:
         self._enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or recomputation() is not None:
             return
         if self._active:
             if self._check_loss:

@@ -7,6 +7,7 @@ comment (`# <name>` at the end of the line)."""
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -308,6 +309,69 @@ def test_a_nan_parameter_is_dirty_input():
     assert "input mat2" in finding.reason  # the transposed weight
 
 
+def zero_first_column(x):
+    x[:, 0] = 0
+
+
+def scale_first_two_columns(x):
+    x[:, :2] /= 255
+
+
+@pytest.mark.parametrize("write", [zero_first_column, scale_first_two_columns])
+def test_dirty_batch_partly_written_in_place_is_still_dirty(write):
+    """An in-place write to part of a batch made outside leaves the rest of it from outside: its NaN
+    is dirty data at its first consumer, not NaN that an op under locate made."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    batch = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]])
+
+    def step():
+        write(batch)
+        layer(batch).sum().backward()  # <partly-written-linear>
+
+    finding = first_finding(step)
+    assert (finding.kind, finding.op) == ("input", "aten.addmm.default")
+    assert_line(finding.source, "partly-written-linear")
+    assert "input mat1" in finding.reason
+    data = {i.name: i for i in finding.inputs}["mat1"]
+    assert counts(data) == (1, 0, 0)
+    assert data.partial and data.producer.source.function == write.__name__  # the last partial write
+    assert "partly written by" in str(finding)
+
+
+@pytest.mark.parametrize("overwrite", [lambda x: x.zero_(), lambda x: x.copy_(torch.ones(2, 3)),
+                                       lambda x: x.fill_(1.0)])
+def test_a_dirty_batch_overwritten_whole_is_clean(overwrite):
+    batch = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]])
+    assert findings_of(lambda: torch.log(overwrite(batch) + 1)) == []
+
+
+def test_nan_written_into_part_of_a_clean_batch_is_not_taken_for_dirty_data():
+    """The NaN an op under locate wrote into part of an outside tensor is that op's; the rest of the
+    tensor holds none, so its consumers are not reported as dirty."""
+    batch = torch.ones(2, 3)
+
+    def step():
+        batch[:, 0] = torch.log(torch.tensor([-1.0, 1.0]))  # <log-into-column>
+        return batch.sum()
+
+    [finding] = findings_of(step)
+    assert (finding.kind, finding.op) == ("producer", "aten.log.default")
+    assert_line(finding.source, "log-into-column")
+
+
+def test_dirty_batch_with_nan_in_the_written_part_is_reported_at_the_write():
+    batch = torch.tensor([[1.0, 2.0, 3.0], [NAN, 5.0, 6.0]])
+
+    def step():
+        batch[:, 0] *= 2  # <write-dirty-column>
+        return batch.sum()
+
+    [finding] = findings_of(step)
+    assert (finding.kind, finding.op) == ("input", "aten.mul_.Tensor")
+    assert_line(finding.source, "write-dirty-column")
+
+
 def test_inf_in_data_is_allowed_until_it_makes_nan():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
@@ -366,9 +430,133 @@ def test_softmax_of_a_fully_masked_row_is_reported():
     assert finding.inputs[0].producer.op == "aten.masked_fill.Scalar"
 
 
-def test_non_finite_scalar_arguments_are_inputs_not_producers():
-    x = torch.zeros(3)
-    assert findings_of(lambda: (torch.full((2,), NAN), x.masked_fill(x == 0, INF), x + INF)) == []
+def test_masking_ops_with_infinite_scalars_are_not_reported():
+    x = torch.randn(3, 4)
+    mask = x > 0
+
+    def masking():
+        x.masked_fill(mask, -INF)
+        x.clone().masked_fill_(mask, INF)
+        torch.where(mask, x, -INF)
+        torch.where(mask, -INF, x)
+        torch.full((2, 2), -INF).triu(1)
+        torch.full_like(x, -INF)
+        x.new_full((2,), INF)
+        x.clone().fill_(-INF)
+        torch.clamp(x, min=-INF, max=INF)
+        F.pad(x, (1, 1), value=-INF)
+        x.clone().index_fill_(1, torch.tensor([0]), -INF)
+        torch.nan_to_num(torch.tensor([INF, 1.0]), posinf=INF)
+        torch.linalg.vector_norm(x, ord=INF)
+
+    assert findings_of(masking) == []
+
+
+SCALE = NAN  # a scale read earlier (a config, a loss.item()) that is NaN
+
+
+def scaled(x):
+    return x * SCALE  # <nan-scale>
+
+
+def filled(x):
+    return torch.full((3,), NAN)  # <nan-full>
+
+
+def shifted(x):
+    return x + INF  # <inf-shift>
+
+
+def powered(x):
+    return x * INF  # <inf-times-zero>
+
+
+@pytest.mark.parametrize("fn, op, reason, marker", [
+    (scaled, "aten.mul.Tensor", "its scalar argument `other` is nan", "nan-scale"),
+    (filled, "aten.full.default", "its scalar argument `fill_value` is nan", "nan-full"),
+    (shifted, "aten.add.Tensor", "its scalar argument `other` is inf", "inf-shift"),
+    (powered, "aten.mul.Tensor", "its scalar argument `other` is inf", "inf-times-zero"),
+])
+def test_non_finite_scalar_argument_is_the_source(fn, op, reason, marker):
+    finding = first_finding(fn, torch.tensor([0.0, 1.0, 2.0]))
+    assert (finding.kind, finding.op, finding.reason) == ("scalar", op, reason)
+    assert_line(finding.source, marker)
+    assert any(s.startswith(reason.split("`")[1] + "=") for s in finding.scalars)
+
+
+def test_non_finite_scalar_on_non_finite_tensors_is_propagation():
+    """The scalar is not blamed for what its tensor inputs already held."""
+    x = torch.tensor([INF, 1.0])
+    assert findings_of(lambda: (x + INF, torch.linalg.vector_norm(x, ord=INF))) == []
+
+
+def test_healthy_transformer_with_causal_masks_is_silent():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 5, 16)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    q = torch.randn(2, 2, 5, 8, requires_grad=True)
+
+    def step():
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+        hidden = encoder(x, mask=causal, is_causal=True,
+                         src_key_padding_mask=torch.zeros(2, 5).masked_fill(padding, float("-inf")))
+        attended = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        scores = (q @ q.transpose(-1, -2)).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        manual = F.softmax(scores, dim=-1) @ q
+        logits = hidden[:, -1] @ torch.randn(16, 10)
+        kth = torch.topk(logits, 3).values[:, -1:]
+        top_k = F.softmax(torch.where(logits < kth, float("-inf"), logits), dim=-1)
+        (hidden.sum() + attended.sum() + manual.sum() + top_k.sum()).backward()
+
+    assert findings_of(step) == []
+    assert torch.isfinite(q.grad).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Nested tensors: their values are checked
+# --------------------------------------------------------------------------------------------------
+
+def jagged(*rows):
+    return torch.nested.nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+
+
+def strided_nested(*rows):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided layout is a prototype
+        return torch.nested.nested_tensor([torch.tensor(r) for r in rows])
+
+
+@pytest.mark.parametrize("make", [jagged, strided_nested])
+def test_nan_in_a_nested_input_is_dirty_data(make):
+    nt = make([[1.0, 2.0], [3.0, 4.0]], [[NAN, 6.0]])
+
+    def step():
+        return torch.sin(nt * 2)  # <nested-dirty>
+
+    finding = first_finding(step)
+    assert (finding.kind, finding.op) == ("input", "aten.mul.Tensor")
+    assert_line(finding.source, "nested-dirty")
+    [data] = finding.inputs
+    values_shape = (6,) if make is strided_nested else (3, 2)  # a strided one's buffer is flat
+    assert (data.name, counts(data), data.shape, data.producer) == ("self.values()", (1, 0, 0), values_shape, None)
+
+
+@pytest.mark.parametrize("make", [jagged, strided_nested])
+def test_nested_producer_is_reported_with_its_input_values(make):
+    nt = make([[1.0, -2.0]], [[3.0, 4.0], [5.0, 6.0]])
+
+    def step():
+        return torch.sqrt(nt + 0)  # <nested-sqrt>
+
+    finding = first_finding(step)
+    assert (finding.kind, finding.op) == ("producer", "aten.sqrt.default")
+    assert finding.reason == "made NaN from inputs without NaN"
+    assert_line(finding.source, "nested-sqrt")
+    assert counts(finding.outputs[0]) == (1, 0, 0) and finding.outputs[0].name == "out.values()"
+    [data] = finding.inputs
+    assert (data.min, data.max) == (-2.0, 6.0) and data.producer.op == "aten.add.Tensor"
 
 
 # --------------------------------------------------------------------------------------------------

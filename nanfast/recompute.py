@@ -1,0 +1,47 @@
+"""Whether the op or module running now is activation checkpointing (torch.utils.checkpoint) running a
+forward again inside backward, to rebuild the activations it did not keep."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["REENTRANT", "UNPACK", "recomputation", "recomputation_in"]
+
+# The two ways torch.utils.checkpoint recomputes.
+# use_reentrant=True: in CheckpointFunction's backward; backward then flows through the graph it builds.
+REENTRANT = "reentrant"
+# use_reentrant=False: in a saved-tensor unpack hook; only the tensors it makes are used.
+UNPACK = "unpack"
+
+# NOTE: [recognizing a recomputation]
+# Backward ops run with grad mode off (unless backward(create_graph=True)); a recomputation turns it on.
+# With use_reentrant=False the recomputation runs inside a saved-tensor unpack hook of
+# torch.utils.checkpoint, which pushes its own saved-tensor hooks (and a checkpoint nested in the
+# recomputed region pushes its forward ones): the innermost hooks are that module's. With
+# use_reentrant=True it runs in the backward of CheckpointFunction. Neither is a public API: on a torch
+# that changes them, a recomputation is taken for backward (locate) or a second call (watch).
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+_REENTRANT_NODE = "CheckpointFunctionBackward"
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def recomputation_in(node: Any) -> Optional[str]:
+    """For an op that runs for autograd node `node` (torch._C._current_autograd_node(), not None):
+    REENTRANT or UNPACK when it is part of a checkpointed forward being recomputed, else None."""
+    if not torch.is_grad_enabled():
+        return None
+    if type(node).__name__ == _REENTRANT_NODE:
+        return REENTRANT
+    hooks = _top_hooks(False) if _top_hooks is not None else None
+    if hooks is not None and getattr(hooks[1], "__module__", None) == _CHECKPOINT_MODULE:
+        return UNPACK
+    return None
+
+
+def recomputation() -> Optional[str]:
+    """REENTRANT or UNPACK when the calling code runs inside activation checkpointing's recomputation,
+    else None (one C call when not in backward)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else recomputation_in(node)
