@@ -7,6 +7,8 @@
 
 #include <c10/macros/Macros.h>
 
+#include "dtypes.h"
+
 namespace nanfast {
 
 // NOTE: [Partial statistics]
@@ -31,7 +33,42 @@ C10_HOST_DEVICE inline Partial empty_partial() {
   return Partial{0, 0, 0, 0.0, 1.0, 0.0};
 }
 
-// First pass over a piece (scale is 1). x is the element widened to double (exact for every supported dtype but int64 > 2^53).
+// NOTE: [Values of an element]
+// The kernels read a tensor as torch counts it, in elements of its dtype, and reduce the values each
+// element holds, widened to double (exactly, for every dtype but int64 and uint64 beyond 2^53). An
+// element holds one value, except a float4_e2m1fn_x2 element: one byte packing two fp4 (e2m1) values,
+// the first in bits 0-3 and the second in bits 4-7 (c10/util/Float4_e2m1fn_x2.h), both read. Its
+// statistics are those of the unpacked values; numel stays the bytes torch counts.
+template <typename T>
+inline constexpr int kValuesPerElement = 1;
+
+// Calls fn(v) for each value v of element x.
+template <typename T, typename Fn>
+C10_HOST_DEVICE inline void for_each_value(const T& x, const Fn& fn) {
+  fn(static_cast<double>(x));
+}
+
+#if NANFAST_HAS_FLOAT4_E2M1FN_X2
+// One fp4 e2m1 value from its 4 bits (sign, 2 exponent bits with bias 1, 1 mantissa bit): 0, 0.5
+// (subnormal), 1, 1.5, 2, 3, 4, 6 and their negatives; no NaN, no infinity.
+C10_HOST_DEVICE inline double e2m1_value(unsigned bits) {
+  const unsigned exponent = (bits >> 1) & 3;
+  const unsigned mantissa = bits & 1;
+  const double magnitude = exponent == 0 ? 0.5 * mantissa : 0.25 * ((2 + mantissa) << exponent);
+  return bits & 8 ? -magnitude : magnitude;
+}
+
+template <>
+inline constexpr int kValuesPerElement<c10::Float4_e2m1fn_x2> = 2;
+
+template <typename Fn>
+C10_HOST_DEVICE inline void for_each_value(const c10::Float4_e2m1fn_x2& x, const Fn& fn) {
+  fn(e2m1_value(x.val_ & 0xFu));
+  fn(e2m1_value(static_cast<unsigned>(x.val_) >> 4));
+}
+#endif
+
+// First pass over a piece (scale is 1). x is a value of an element (see NOTE: [Values of an element]).
 C10_HOST_DEVICE inline void accumulate(Partial& p, double x) {
   if (x != x) {
     ++p.nan;

@@ -11,40 +11,6 @@
 
 namespace nanfast {
 
-bool can_be_nonfinite(at::ScalarType dtype) {
-  return at::isFloatingType(dtype);
-}
-
-namespace {
-
-// The dtypes the kernels read (complex ones arrive here as their real view).
-bool supported_dtype(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble:
-    case at::kFloat:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kFloat8_e5m2:
-    case at::kFloat8_e4m3fn:
-    case at::kFloat8_e5m2fnuz:
-    case at::kFloat8_e4m3fnuz:
-    case at::kByte:
-    case at::kChar:
-    case at::kShort:
-    case at::kInt:
-    case at::kLong:
-    case at::kUInt16:
-    case at::kUInt32:
-    case at::kUInt64:
-    case at::kBool:
-      return true;
-    default:
-      return false;
-  }
-}
-
-}  // namespace
-
 std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
   std::vector<InputRun> runs;
   runs.reserve(tensors.size());

@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "dtypes.h"
+
 namespace nanfast {
 
 // NOTE: [Inputs as the kernels see them]
@@ -31,12 +33,9 @@ struct InputRun {
   std::vector<int64_t> strides;
 };
 
-// Validates `tensors` for op `op` (one device, strided layout, a supported dtype) and describes
-// each entry. Errors name the op and the offending entry.
+// Validates `tensors` for op `op` (one device, strided layout, a dtype of NANFAST_FOR_EACH_DTYPE) and
+// describes each entry. Errors name the op and the offending entry.
 std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors);
-
-// true for dtypes that can hold NaN or infinity (after complex -> real).
-bool can_be_nonfinite(at::ScalarType dtype);
 
 // Swaps the +inf and -inf columns of `counts` ([N, 3]) for inputs read with their negative bit.
 void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts);

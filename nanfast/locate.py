@@ -265,10 +265,11 @@ def _op_info(func) -> _OpInfo:
     return info
 
 
-# The dtypes that can hold NaN/inf and that the kernels read (float4 and e8m0 scales are not checked).
+# The dtypes that can hold NaN/inf and that the kernels read (float8_e8m0fnu from torch 2.7; packed
+# float4_e2m1fn_x2 values are all finite).
 _FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
                        torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.complex64,
-                       torch.complex128))
+                       torch.complex128, *filter(None, (getattr(torch, "float8_e8m0fnu", None),))))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

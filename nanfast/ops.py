@@ -130,7 +130,8 @@ class Stats:
 
     ``nan``, ``posinf``, ``neginf`` are int64 [N]; ``norm`` (L2 norm of the finite elements) and
     ``absmax`` (largest |x| over the finite elements) are float64 [N]. Complex tensors are counted
-    on their real and imaginary parts; integer and bool tensors are finite."""
+    on their real and imaginary parts; integer and bool tensors are finite; a float4_e2m1fn_x2 tensor is
+    counted on the two fp4 values each of its elements (bytes, what ``numel`` counts) packs."""
 
     counts: torch.Tensor  # int64 [N, 3]: nan, posinf, neginf
     norm: torch.Tensor

@@ -11,6 +11,14 @@ from typing import NamedTuple
 
 import torch
 
+# The MX dtypes this torch has: float8_e8m0fnu (torch >= 2.7) and float4_e2m1fn_x2 (torch >= 2.8).
+FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
+FLOAT4_E2M1FN_X2 = getattr(torch, "float4_e2m1fn_x2", None)
+MX_DTYPES = tuple(d for d in (FLOAT8_E8M0FNU, FLOAT4_E2M1FN_X2) if d is not None)
+
+# The fp4 e2m1 magnitudes of the OCP MX spec (v1.0, section 5.3.3), indexed by exponent and mantissa bits.
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
 
 class ReferenceStats(NamedTuple):
     nan: int
@@ -24,8 +32,25 @@ class ReferenceStats(NamedTuple):
         return [self.nan, self.posinf, self.neginf]
 
 
+def _mx_values(t: torch.Tensor) -> torch.Tensor:
+    """The values of an MX tensor, decoded from its bytes by the formats' definitions (torch has no
+    float4 conversion): e8m0 byte e is 2^(e - 127), NaN at 0xFF; a float4_e2m1fn_x2 byte holds two
+    e2m1 values, the first in its low nibble."""
+    negated = t.is_neg()
+    bits = (torch._neg_view(t) if negated else t).view(torch.uint8).reshape(-1).to(torch.int64)
+    if t.dtype == FLOAT8_E8M0FNU:
+        values = torch.where(bits == 255, math.nan, torch.exp2(bits.double() - 127))
+    else:
+        nibbles = torch.stack([bits & 0xF, bits >> 4], dim=1).reshape(-1)
+        magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64)[nibbles & 7]
+        values = torch.where(nibbles & 8 != 0, -magnitudes, magnitudes)
+    return -values if negated else values
+
+
 def reference_values(t: torch.Tensor) -> torch.Tensor:
     """The values the ops count, as a flat float64 tensor."""
+    if t.dtype in MX_DTYPES:
+        return _mx_values(t)
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     return t.resolve_neg().reshape(-1).to(torch.float64)
@@ -80,7 +105,5 @@ def torch_total_norm(tensors) -> torch.Tensor:
 
 
 def unsupported_dtype_tensor() -> torch.Tensor:
-    """Two elements of a dtype the ops reject: float8_e8m0fnu (torch >= 2.7), else bits16."""
-    if hasattr(torch, "float8_e8m0fnu"):
-        return torch.ones(2).to(torch.float8_e8m0fnu)
+    """Two elements of a dtype the ops reject (bits16)."""
     return torch.zeros(2, dtype=torch.int16).view(torch.bits16)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from reference import reference_stats, torch_total_norm, unsupported_dtype_tensor
+from reference import FLOAT4_E2M1FN_X2, FLOAT8_E8M0FNU, reference_stats, torch_total_norm, unsupported_dtype_tensor
 
 import nanfast
 from nanfast import NonFiniteError, Report, check_all
@@ -68,6 +68,37 @@ def test_poisoned_parameter_is_reported():
                          ("1.running_var", "nan=0, +inf=1, -inf=0")]:
         assert f"{name} " in message and counts in message
     assert "3 of 8" in message
+
+
+class MXLinear(torch.nn.Module):
+    """A linear layer stored as MX does it: packed fp4 weights and one e8m0 scale per block of 32."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.register_buffer("weight", torch.randint(0, 256, (8, 16), generator=gen, dtype=torch.uint8).view(
+            FLOAT4_E2M1FN_X2))  # 8 x 32 fp4 values
+        self.register_buffer("weight_scale", torch.randint(100, 140, (8, 1), generator=gen, dtype=torch.uint8).view(
+            FLOAT8_E8M0FNU))
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+
+
+@pytest.mark.skipif(FLOAT4_E2M1FN_X2 is None, reason="torch has no MX dtypes (torch < 2.8)")
+def test_mx_scale_and_packed_weight_buffers():
+    model = MXLinear()
+    report = check_all(model)
+    assert report.ok and [e.name for e in report.entries] == ["bias", "weight", "weight_scale"]
+    entries = {e.name: e for e in report.entries}
+    assert (entries["weight"].numel, entries["weight"].dtype) == (128, "float4_e2m1fn_x2")  # bytes, as torch counts
+    for name in ("weight", "weight_scale"):
+        ref = reference_stats(getattr(model, name))
+        assert math.isclose(entries[name].norm, ref.norm, rel_tol=1e-12) and entries[name].absmax == ref.absmax
+    model.weight_scale.view(torch.uint8)[5, 0] = 0xFF  # e8m0's only NaN
+    with pytest.raises(NonFiniteError) as e:
+        check_all(model)
+    [bad] = e.value.report.bad
+    assert (bad.name, bad.dtype, bad.nan, bad.posinf, bad.neginf) == ("weight_scale", "float8_e8m0fnu", 1, 0, 0)
+    assert "weight_scale" in str(e.value)
 
 
 def test_raise_on_nonfinite_false_returns_the_report():

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from reference import assert_stats_match, reference_any_nonfinite
+from reference import MX_DTYPES, assert_stats_match, reference_any_nonfinite
 
 import nanfast
 
@@ -26,10 +26,11 @@ FLOAT8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn, torch.float8_e5m2fnuz, 
 COMPLEX_DTYPES = (torch.complex128, torch.complex64, torch.complex32)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
               torch.uint64, torch.bool)
-ALL_DTYPES = FLOAT_DTYPES + FLOAT8_DTYPES + COMPLEX_DTYPES + INT_DTYPES
+ALL_DTYPES = FLOAT_DTYPES + FLOAT8_DTYPES + COMPLEX_DTYPES + INT_DTYPES + MX_DTYPES
 REAL_DTYPE = {torch.complex128: torch.float64, torch.complex64: torch.float32, torch.complex32: torch.float16}
-# Where torch itself has a neg kernel to resolve a negative view (see reference.py).
-NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# Where the reference can resolve a negative view: torch has a neg kernel, or (MX) it decodes the bytes.
+NEG_VIEW_DTYPES = (FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+                   + MX_DTYPES)
 NONFINITE = (math.nan, math.inf, -math.inf)
 EDGE_SIZES = (0, 1, 15, 17, K_CHUNK - 1, K_CHUNK + 1, 2 * K_CHUNK + 3)
 
@@ -63,7 +64,9 @@ def check_cuda_matches_cpu(cpu_list: list[torch.Tensor]) -> None:
 
 def random_tensor(n: int, dtype: torch.dtype, gen: torch.Generator, nonfinite_fraction: float = 0.01):
     """n elements of dtype over several magnitudes; NaN, +inf and -inf at about nonfinite_fraction of
-    the positions where the dtype has them (a float8 type may turn some into NaN)."""
+    the positions where the dtype has them (a float8 type may turn some into NaN). MX dtypes: random bytes."""
+    if dtype in MX_DTYPES:
+        return torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).view(dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=gen).bool()
     if dtype in (torch.int64, torch.uint64):
@@ -109,6 +112,14 @@ def test_every_dtype_size_and_view(dtype):
     gen = torch.Generator().manual_seed(0)
     for n in EDGE_SIZES:
         check_cuda_matches_cpu(views_of(random_tensor(n, dtype, gen)))
+
+
+@pytest.mark.parametrize("dtype", MX_DTYPES, ids=str)
+def test_every_byte_of_mx_dtypes(dtype):
+    """The 256 byte values of float8_e8m0fnu (0xFF is NaN) and float4_e2m1fn_x2 (two fp4 values each),
+    alone and in views of every kind."""
+    t = torch.arange(256, dtype=torch.uint8).view(dtype)
+    check_cuda_matches_cpu(list(t) + views_of(t))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + FLOAT8_DTYPES + (torch.complex64,), ids=str)

@@ -768,3 +768,16 @@ def test_low_precision_outputs():
     [out] = finding.outputs
     assert (out.dtype, counts(out), out.min, out.max) == ("float8_e5m2", (0, 1, 0), 1.5, 1.5)
     assert first_finding(lambda: torch.tensor([60000.0]).half() * 2).op == "aten.mul.Tensor"
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="torch has no float8_e8m0fnu (torch < 2.7)")
+def test_nan_mx_scale():
+    """An e8m0 scale out of range is its NaN (0xFF): the cast that made it is the producer."""
+    def to_scale(amax):
+        return amax.to(torch.float8_e8m0fnu)  # <e8m0-cast>
+
+    finding = first_finding(to_scale, torch.tensor([2.0**200, 1.0], dtype=torch.float64))
+    assert (finding.op, finding.kind) == ("aten._to_copy.default", "producer")
+    assert_line(finding.source, "e8m0-cast")
+    [out] = finding.outputs
+    assert (out.dtype, counts(out), out.min, out.max) == ("float8_e8m0fnu", (1, 0, 0), 1.0, 1.0)

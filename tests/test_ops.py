@@ -14,7 +14,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import assert_stats_match, reference_any_nonfinite, reference_stats, unsupported_dtype_tensor
+from reference import (
+    FLOAT4_E2M1FN_X2,
+    FLOAT8_E8M0FNU,
+    MX_DTYPES,
+    assert_stats_match,
+    reference_any_nonfinite,
+    reference_stats,
+    unsupported_dtype_tensor,
+)
 
 import nanfast
 
@@ -41,10 +49,10 @@ COMPLEX_DTYPES = (torch.complex128, torch.complex64, torch.complex32)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32,
               torch.uint64, torch.bool)
 CPU_ISAS = ("avx512", "avx2", "baseline")  # best first, as nanfast._C.set_cpu_isa caps them
-ALL_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + FLOAT8_DTYPES + INT_DTYPES
+ALL_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + FLOAT8_DTYPES + INT_DTYPES + MX_DTYPES
 
 # Negative views of signed types (unsigned ones wrap around: see test_negative_view_of_unsigned_integers).
-NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64)
+NEG_VIEW_DTYPES = FLOAT_DTYPES + COMPLEX_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64) + MX_DTYPES
 
 NONFINITE = (math.nan, math.inf, -math.inf)
 VIEWS = ("contiguous", "zero_dim", "transposed", "permuted", "step", "narrow", "rows", "expand_outer",
@@ -89,8 +97,21 @@ def inject_nonfinite(draw, values: torch.Tensor) -> None:
         values[min(draw(position), n - 1)] = draw(st.sampled_from(NONFINITE))
 
 
+def random_mx(draw, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """n random bytes as an MX dtype; for float8_e8m0fnu, NaN (0xFF) anywhere, or only where injected."""
+    bits = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    if dtype == FLOAT8_E8M0FNU and draw(st.booleans()):
+        bits[bits == 0xFF] = 0xFE
+        marks = torch.zeros(n, dtype=torch.float64)
+        inject_nonfinite(draw, marks)
+        bits[~torch.isfinite(marks)] = 0xFF
+    return bits.view(dtype)
+
+
 def random_base(draw, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """A contiguous 1-D tensor of n elements of dtype, with non-finite values where the dtype has them."""
+    if dtype in MX_DTYPES:
+        return random_mx(draw, n, dtype, gen)
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=gen).bool()
     if dtype in (torch.int64, torch.uint64):
@@ -184,6 +205,9 @@ def many_small_tensors(draw):
     for i in range(count):
         n = int(torch.randint(0, 70, (), generator=gen)) if i % 97 else SMALL_EDGE_SIZES[i % len(SMALL_EDGE_SIZES)]
         dtype = dtypes[i % len(dtypes)]
+        if dtype in MX_DTYPES:
+            out.append(torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).view(dtype))
+            continue
         t = torch.randn(2 * n if dtype.is_complex else n, generator=gen, dtype=torch.float64)
         if dtype.is_floating_point or dtype.is_complex:
             bad = torch.rand(t.shape, generator=gen) < bad_fraction
@@ -370,6 +394,62 @@ def test_empty_list():
     assert out.shape == () and out.dtype == torch.bool and out.item() is False
 
 
+# --- MX dtypes: float8_e8m0fnu (scales) and float4_e2m1fn_x2 (two fp4 values per byte) -------------
+
+
+def every_byte_and_views(dtype: torch.dtype) -> list[torch.Tensor]:
+    """The 256 byte values as dtype, alone (0-dim) and together in views of every kind."""
+    t = torch.arange(256, dtype=torch.uint8).view(dtype)
+    grid = t.view(16, 16)
+    views = [t, t[1:], t[:255], grid.t(), grid[:, ::3], grid[1::2, 2:], t[None].expand(3, 256),
+             t.as_strided((250, 7), (1, 1)), torch._neg_view(t), torch._neg_view(grid.t())]
+    return list(t) + views
+
+
+@pytest.mark.parametrize("dtype", MX_DTYPES, ids=str)
+def test_every_byte_of_mx_dtypes_with_every_cpu_isa(restore_cpu_isa, dtype):
+    tensor_list = every_byte_and_views(dtype)
+    for isa in CPU_ISAS:
+        nanfast._C.set_cpu_isa(isa)
+        check_against_reference(tensor_list)
+        for t in tensor_list:
+            assert bool(torch.ops.nanfast.any_nonfinite([t])) == reference_any_nonfinite([t]), (isa, t)
+
+
+def test_float8_e8m0fnu_values_by_definition():
+    """2^(e - 127) for e in 0..254; 0xFF is NaN, counted and left out of norm and absmax."""
+    if FLOAT8_E8M0FNU is None:
+        pytest.skip("torch has no float8_e8m0fnu (torch < 2.7)")
+    t = torch.arange(256, dtype=torch.uint8).view(FLOAT8_E8M0FNU)
+    counts, norm, absmax = torch.ops.nanfast.stats(list(t) + [t, t[:255]])
+    assert counts.tolist() == [[0, 0, 0]] * 255 + [[1, 0, 0], [1, 0, 0], [0, 0, 0]]
+    assert absmax[:255].tolist() == norm[:255].tolist() == [2.0 ** (e - 127) for e in range(255)]
+    assert absmax[256:].tolist() == [2.0**127, 2.0**127]
+    exact = math.sqrt(math.fsum(4.0 ** (e - 127) for e in range(255)))
+    assert norm[256:].tolist() == pytest.approx([exact, exact], rel=1e-12)
+    assert torch.ops.nanfast.any_nonfinite([t[:255]]).item() is False
+    assert torch.ops.nanfast.any_nonfinite([t[:255], t[255]]).item() is True
+
+
+def test_float4_e2m1fn_x2_values_by_definition():
+    """Byte b holds the e2m1 values of its low nibble, then of its high one: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    and their negatives (bit 3 is the sign), all finite. numel counts bytes, as torch does."""
+    if FLOAT4_E2M1FN_X2 is None:
+        pytest.skip("torch has no float4_e2m1fn_x2 (torch < 2.8)")
+    magnitudes = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    t = torch.arange(256, dtype=torch.uint8).view(FLOAT4_E2M1FN_X2)
+    s = nanfast.stats(list(t) + [t])
+    assert s.counts.tolist() == [[0, 0, 0]] * 257
+    for b in range(256):
+        low, high = magnitudes[b & 7], magnitudes[(b >> 4) & 7]
+        assert s.absmax[b].item() == max(low, high), b
+        assert s.norm[b].item() == pytest.approx(math.hypot(low, high), rel=1e-15), b
+    assert s.absmax[256].item() == 6.0
+    assert s.norm[256].item() == pytest.approx(math.sqrt(32 * 2 * sum(m * m for m in magnitudes)), rel=1e-12)
+    assert s.numel[256].item() == 256
+    assert torch.ops.nanfast.any_nonfinite([t]).item() is False
+
+
 # --- Negative and conjugate views -----------------------------------------------------------------
 
 
@@ -435,7 +515,7 @@ def test_set_cpu_isa_caps_at_the_best_supported(restore_cpu_isa):
 
 
 @fewer_examples
-@given(st.lists(tensors(dtypes=FLOAT_DTYPES + (torch.complex64,)), min_size=1, max_size=4))
+@given(st.lists(tensors(dtypes=FLOAT_DTYPES + (torch.complex64,) + MX_DTYPES), min_size=1, max_size=4))
 def test_every_cpu_isa_matches_reference(restore_cpu_isa, tensor_list):
     results = []
     for isa in CPU_ISAS:
@@ -518,13 +598,26 @@ def opcheck_inputs():
         "mixed": [t, t.t(), t[:, ::2], torch.arange(4), torch.randn(2, dtype=torch.complex64), torch.empty(0)],
         "bf16": [torch.randn(K_SEGMENT + 3).bfloat16(), torch.full((2,), math.inf, dtype=torch.float16)],
         "requires_grad": [torch.randn(4, requires_grad=True), torch.randn(3)],
+        "mx": [t.view(16, 16).t() for t in (torch.arange(256, dtype=torch.uint8).view(d) for d in MX_DTYPES)],
     }
 
 
-@pytest.mark.parametrize("name", ["one", "mixed", "bf16", "requires_grad"])
+@pytest.mark.parametrize("name", ["one", "mixed", "bf16", "requires_grad"] + (["mx"] if MX_DTYPES else []))
 @pytest.mark.parametrize("op", [torch.ops.nanfast.stats.default, torch.ops.nanfast.any_nonfinite.default])
 def test_opcheck(op, name):
-    torch.library.opcheck(op, (opcheck_inputs()[name],), test_utils=OPCHECK_UTILS)
+    # test_schema compares the inputs before and after with torch.allclose, which has no kernel for the
+    # MX dtypes; test_mx_inputs_are_not_written checks that directly.
+    utils = tuple(u for u in OPCHECK_UTILS if u != "test_schema") if name == "mx" else OPCHECK_UTILS
+    torch.library.opcheck(op, (opcheck_inputs()[name],), test_utils=utils)
+
+
+@pytest.mark.skipif(not MX_DTYPES, reason="torch has no MX dtypes (torch < 2.7)")
+def test_mx_inputs_are_not_written():
+    inputs = opcheck_inputs()["mx"]
+    before = [t.view(torch.uint8).clone() for t in inputs]
+    torch.ops.nanfast.stats(inputs)
+    torch.ops.nanfast.any_nonfinite(inputs)
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(inputs, before))
 
 
 def test_outputs_do_not_require_grad():

@@ -74,6 +74,19 @@ def test_scan_poisoned_prints_a_table(capsys, poisoned_file):
     assert lines[3].split() == ["optimizer.state.0.exp_avg", "(4,)", "float32", "0", "4", "0"]
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch has no MX dtypes (torch < 2.8)")
+def test_scan_mx_checkpoint(capsys, tmp_path):
+    """An MX checkpoint (packed fp4 weights, e8m0 scales) is read, not called damaged; 0xFF is the NaN scale."""
+    scale = torch.tensor([[127], [130], [0xFF]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    weight = torch.arange(48, dtype=torch.uint8).view(3, 16).view(torch.float4_e2m1fn_x2)
+    path = tmp_path / "mx.pt"
+    torch.save({"layer.weight": weight, "layer.weight_scale": scale}, path)
+    code, out = run_scan(capsys, path)
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == f"{path}: 2 tensors, 51 elements: 1 of them hold non-finite values"
+    assert lines[2].split() == ["layer.weight_scale", "(3,", "1)", "float8_e8m0fnu", "1", "0", "0"]
+
+
 def test_scan_truncated(capsys, tmp_path, clean_file):
     data = clean_file.read_bytes()
     truncated = tmp_path / "truncated.pt"

@@ -2,40 +2,50 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <type_traits>
 #include <vector>
 
-#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "../dtypes.h"
 #include "../ops.h"
 #include "run_kernels.h"
 
 namespace nanfast::cpu {
 
-// Widens one element to double. A float8 element goes through a 256-entry table: c10's float8
+// Calls fn(v) for each value v of one element (see NOTE: [Values of an element]). A one-byte floating
+// element (float8, float4_e2m1fn_x2) goes through a 256-entry table of its values: c10's float8
 // conversions are several ns each, and that path is the only one these dtypes take.
-template <typename T, bool kFloat8 = sizeof(T) == 1 && !std::is_integral_v<T>>
+template <typename T, bool kByteFloat = sizeof(T) == 1 && !std::is_integral_v<T>>
 struct Widen {
-  double operator()(T x) const {
-    return static_cast<double>(x);
+  template <typename Fn>
+  void operator()(T x, const Fn& fn) const {
+    for_each_value(x, fn);
   }
 };
 
 template <typename T>
 struct Widen<T, true> {
-  const std::array<double, 256>& table = make_table();
-  double operator()(T x) const {
-    return table[x.x];
+  using Values = std::array<double, kValuesPerElement<T>>;
+  const std::array<Values, 256>& table = make_table();
+
+  template <typename Fn>
+  void operator()(T x, const Fn& fn) const {
+    for (const double v : table[std::bit_cast<uint8_t>(x)]) {
+      fn(v);
+    }
   }
-  static const std::array<double, 256>& make_table() {
-    static const std::array<double, 256> values = [] {
-      std::array<double, 256> v{};
+
+  static const std::array<Values, 256>& make_table() {
+    static const std::array<Values, 256> values = [] {
+      std::array<Values, 256> v{};
       for (int bits = 0; bits < 256; ++bits) {
-        v[bits] = static_cast<double>(T(static_cast<uint8_t>(bits), T::from_bits()));
+        size_t k = 0;
+        for_each_value(std::bit_cast<T>(static_cast<uint8_t>(bits)), [&](double x) { v[bits][k++] = x; });
       }
       return v;
     }();
@@ -48,12 +58,12 @@ Partial precise_stats(const T* data, int64_t n, int64_t stride) {
   const Widen<T> widen;
   Partial p = empty_partial();
   for (int64_t i = 0; i < n; ++i) {
-    accumulate(p, widen(data[i * stride]));
+    widen(data[i * stride], [&](double x) { accumulate(p, x); });
   }
   if (needs_rescale(p)) {
     begin_rescaled_pass(p);
     for (int64_t i = 0; i < n; ++i) {
-      accumulate_rescaled(p, widen(data[i * stride]));
+      widen(data[i * stride], [&](double x) { accumulate_rescaled(p, x); });
     }
   }
   return p;
@@ -64,7 +74,7 @@ bool precise_any_nonfinite(const T* data, int64_t n, int64_t stride) {
   const Widen<T> widen;
   bool bad = false;
   for (int64_t i = 0; i < n; ++i) {
-    bad |= is_nonfinite(widen(data[i * stride]));
+    widen(data[i * stride], [&](double x) { bad |= is_nonfinite(x); });
   }
   return bad;
 }
@@ -172,48 +182,40 @@ bool piece_any(const InputRun& run, int64_t begin, int64_t end, bool (*simd)(con
   return bad;
 }
 
-// Every dtype describe_inputs() accepts (see supported_dtype()) other than the four SIMD types.
-#define NANFAST_NON_SIMD_TYPES \
-  AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), AT_EXPAND(AT_FLOAT8_TYPES), at::kBool
+// The contiguous-run kernels of T in `k`; none for the dtypes without SIMD kernels.
+template <typename T>
+struct SimdOf {
+  Partial (*stats)(const T*, int64_t) = nullptr;
+  bool (*any)(const T*, int64_t) = nullptr;
+};
 
-Partial stats_of_piece(const InputRun& run, int64_t begin, int64_t end) {
-  const SimdKernels& k = simd_kernels();
-  switch (run.dtype) {
-    case at::kDouble:
-      return piece_stats<double>(run, begin, end, k.stats_f64);
-    case at::kFloat:
-      return piece_stats<float>(run, begin, end, k.stats_f32);
-    case at::kHalf:
-      return piece_stats<c10::Half>(run, begin, end, k.stats_f16);
-    case at::kBFloat16:
-      return piece_stats<c10::BFloat16>(run, begin, end, k.stats_bf16);
-    default:
-      return AT_DISPATCH_V2(
-          run.dtype, "nanfast.stats", AT_WRAP([&] {
-            return piece_stats<scalar_t>(run, begin, end, nullptr);
-          }),
-          NANFAST_NON_SIMD_TYPES);
+template <typename T>
+SimdOf<T> simd_of(const SimdKernels& k) {
+  if constexpr (std::is_same_v<T, double>) {
+    return {k.stats_f64, k.any_f64};
+  } else if constexpr (std::is_same_v<T, float>) {
+    return {k.stats_f32, k.any_f32};
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return {k.stats_f16, k.any_f16};
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return {k.stats_bf16, k.any_bf16};
+  } else {
+    return {};
   }
 }
 
+Partial stats_of_piece(const InputRun& run, int64_t begin, int64_t end) {
+  return visit_dtype(run.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return piece_stats<T>(run, begin, end, simd_of<T>(simd_kernels()).stats);
+  });
+}
+
 bool any_of_piece(const InputRun& run, int64_t begin, int64_t end) {
-  const SimdKernels& k = simd_kernels();
-  switch (run.dtype) {
-    case at::kDouble:
-      return piece_any<double>(run, begin, end, k.any_f64);
-    case at::kFloat:
-      return piece_any<float>(run, begin, end, k.any_f32);
-    case at::kHalf:
-      return piece_any<c10::Half>(run, begin, end, k.any_f16);
-    case at::kBFloat16:
-      return piece_any<c10::BFloat16>(run, begin, end, k.any_bf16);
-    default:
-      return AT_DISPATCH_V2(
-          run.dtype, "nanfast.any_nonfinite", AT_WRAP([&] {
-            return piece_any<scalar_t>(run, begin, end, nullptr);
-          }),
-          AT_EXPAND(AT_FLOAT8_TYPES));
-  }
+  return visit_floating_dtype(run.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return piece_any<T>(run, begin, end, simd_of<T>(simd_kernels()).any);
+  });
 }
 
 }  // namespace

@@ -7,7 +7,6 @@
 #include <utility>
 #include <vector>
 
-#include <ATen/Dispatch_v2.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -16,6 +15,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../dtypes.h"
 #include "../nonfinite.h"
 #include "../ops.h"
 
@@ -93,7 +93,7 @@ struct DenseChunk {
   const T* data;  // the chunk's first element
   int len;
 
-  // Calls fn(x) with each element this thread reads, widened to double.
+  // Calls fn(x) with each value of the elements this thread reads (see NOTE: [Values of an element]).
   template <typename Fn>
   __device__ __forceinline__ void for_each(const Fn& fn) const {
     constexpr int kPacked = sizeof(Packet<T>) / sizeof(T);
@@ -106,13 +106,13 @@ struct DenseChunk {
         const Packet<T> packet = packets[k];
 #pragma unroll
         for (int j = 0; j < kPacked; ++j) {
-          fn(static_cast<double>(packet.values[j]));
+          for_each_value(packet.values[j], fn);
         }
       }
       scalar_begin = num_packets * kPacked;
     }
     for (int i = scalar_begin + threadIdx.x; i < len; i += kThreads) {
-      fn(static_cast<double>(data[i]));
+      for_each_value(data[i], fn);
     }
   }
 };
@@ -148,7 +148,7 @@ struct StridedChunk {
   template <typename Fn>
   __device__ __forceinline__ void for_each(const Fn& fn) const {
     for (int i = threadIdx.x; i < len; i += kThreads) {
-      fn(static_cast<double>(data[offset_of(geometry, begin + i)]));
+      for_each_value(data[offset_of(geometry, begin + i)], fn);
     }
   }
 };
@@ -398,12 +398,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cuda(at::TensorList tensors
   Partial* pieces_data = static_cast<Partial*>(pieces.mutable_data_ptr());
 
   for (const auto& entry : groups) {
-    AT_DISPATCH_V2(
-        entry.first, "nanfast.stats", AT_WRAP([&] {
-          launch_chunks<scalar_t>(runs, entry.second, piece_base, StatsOfChunk{pieces_data}, stream);
-        }),
-        at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, AT_EXPAND(AT_INTEGRAL_TYPES),
-        AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES), AT_EXPAND(AT_FLOAT8_TYPES), at::kBool);
+    visit_dtype(entry.first, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_chunks<T>(runs, entry.second, piece_base, StatsOfChunk{pieces_data}, stream);
+    });
   }
   launch_finish(piece_base, pieces_data, counts, norm, absmax, stream);
   fix_negated_counts(runs, counts);
@@ -423,11 +421,10 @@ at::Tensor any_nonfinite_cuda(at::TensorList tensors) {
   at::Tensor found = at::zeros({}, tensors[0].options().dtype(at::kBool));
   const FlagNonfinite flag{found.mutable_data_ptr<bool>()};
   for (const auto& entry : groups) {
-    AT_DISPATCH_V2(
-        entry.first, "nanfast.any_nonfinite", AT_WRAP([&] {
-          launch_chunks<scalar_t>(runs, entry.second, piece_base, flag, stream);
-        }),
-        at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, AT_EXPAND(AT_FLOAT8_TYPES));
+    visit_floating_dtype(entry.first, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_chunks<T>(runs, entry.second, piece_base, flag, stream);
+    });
   }
   return found;
 }

@@ -1,0 +1,118 @@
+#pragma once
+// The dtypes the kernels read: one list, used by the input checks and by every backend.
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+// NOTE: [The dtypes nanfast reads]
+// NANFAST_FOR_EACH_FLOATING_DTYPE and NANFAST_FOR_EACH_FINITE_DTYPE call _(Name) for each
+// c10::ScalarType::Name the kernels read (complex tensors arrive as their real view): the first list
+// holds the dtypes whose values can be NaN or infinite, the second those whose values are all finite
+// (integers, bool, and float4_e2m1fn_x2, which has no NaN or infinity). describe_inputs() accepts
+// exactly these, any_nonfinite reads only the first list, and visit_dtype() gives every backend the
+// C++ type of each: a dtype added here is checked, dispatched and compiled everywhere. The MX
+// dtypes are listed only where the torch built against has them (float8_e8m0fnu since torch 2.7,
+// float4_e2m1fn_x2 since 2.8).
+#if __has_include(<c10/util/Float8_e8m0fnu.h>)
+#define NANFAST_HAS_FLOAT8_E8M0FNU 1
+#define NANFAST_IF_FLOAT8_E8M0FNU(_) _(Float8_e8m0fnu)
+#else
+#define NANFAST_HAS_FLOAT8_E8M0FNU 0
+#define NANFAST_IF_FLOAT8_E8M0FNU(_)
+#endif
+
+#if __has_include(<c10/util/Float4_e2m1fn_x2.h>)
+#define NANFAST_HAS_FLOAT4_E2M1FN_X2 1
+#define NANFAST_IF_FLOAT4_E2M1FN_X2(_) _(Float4_e2m1fn_x2)
+#else
+#define NANFAST_HAS_FLOAT4_E2M1FN_X2 0
+#define NANFAST_IF_FLOAT4_E2M1FN_X2(_)
+#endif
+
+#define NANFAST_FOR_EACH_FLOATING_DTYPE(_) \
+  _(Double)                                \
+  _(Float)                                 \
+  _(Half)                                  \
+  _(BFloat16)                              \
+  _(Float8_e5m2)                           \
+  _(Float8_e4m3fn)                         \
+  _(Float8_e5m2fnuz)                       \
+  _(Float8_e4m3fnuz)                       \
+  NANFAST_IF_FLOAT8_E8M0FNU(_)
+
+#define NANFAST_FOR_EACH_FINITE_DTYPE(_) \
+  _(Byte)                                \
+  _(Char)                                \
+  _(Short)                               \
+  _(Int)                                 \
+  _(Long)                                \
+  _(UInt16)                              \
+  _(UInt32)                              \
+  _(UInt64)                              \
+  _(Bool)                                \
+  NANFAST_IF_FLOAT4_E2M1FN_X2(_)
+
+#define NANFAST_FOR_EACH_DTYPE(_)    \
+  NANFAST_FOR_EACH_FLOATING_DTYPE(_) \
+  NANFAST_FOR_EACH_FINITE_DTYPE(_)
+
+namespace nanfast {
+
+#define NANFAST_DTYPE_LABEL(name) case c10::ScalarType::name:
+
+// true for the dtypes of NANFAST_FOR_EACH_DTYPE.
+inline bool supported_dtype(c10::ScalarType dtype) {
+  switch (dtype) {
+    NANFAST_FOR_EACH_DTYPE(NANFAST_DTYPE_LABEL)
+    return true;
+    default:
+      return false;
+  }
+}
+
+// true for the dtypes that can hold NaN or infinity (NANFAST_FOR_EACH_FLOATING_DTYPE).
+inline bool can_be_nonfinite(c10::ScalarType dtype) {
+  switch (dtype) {
+    NANFAST_FOR_EACH_FLOATING_DTYPE(NANFAST_DTYPE_LABEL)
+    return true;
+    default:
+      return false;
+  }
+}
+
+#undef NANFAST_DTYPE_LABEL
+
+// Names a C++ type for the functions that visit_dtype() calls.
+template <typename T>
+struct DtypeTag {
+  using type = T;
+};
+
+#define NANFAST_DTYPE_CASE(name) \
+  case c10::ScalarType::name:    \
+    return fn(DtypeTag<c10::impl::ScalarTypeToCPPTypeT<c10::ScalarType::name>>{});
+
+// Returns fn(DtypeTag<T>{}) with T the C++ type of `dtype`, one of NANFAST_FOR_EACH_DTYPE
+// (describe_inputs() has checked it).
+template <typename Fn>
+decltype(auto) visit_dtype(c10::ScalarType dtype, const Fn& fn) {
+  switch (dtype) {
+    NANFAST_FOR_EACH_DTYPE(NANFAST_DTYPE_CASE)
+    default:
+      TORCH_INTERNAL_ASSERT(false, "nanfast: dtype ", dtype, " is not in NANFAST_FOR_EACH_DTYPE");
+  }
+}
+
+// As visit_dtype(), for a dtype of NANFAST_FOR_EACH_FLOATING_DTYPE (any_nonfinite reads no other).
+template <typename Fn>
+decltype(auto) visit_floating_dtype(c10::ScalarType dtype, const Fn& fn) {
+  switch (dtype) {
+    NANFAST_FOR_EACH_FLOATING_DTYPE(NANFAST_DTYPE_CASE)
+    default:
+      TORCH_INTERNAL_ASSERT(false, "nanfast: dtype ", dtype, " is not in NANFAST_FOR_EACH_FLOATING_DTYPE");
+  }
+}
+
+#undef NANFAST_DTYPE_CASE
+
+}  // namespace nanfast
