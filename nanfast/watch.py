@@ -19,6 +19,7 @@ from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
 from .report import NonFiniteError
+from .watch_state import StepState
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
 # unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
@@ -318,6 +319,7 @@ class Watch:
         # The step's counts, in execution order, and what each slot id stands for (see NOTE: [The watch's recorder]).
         self._recorder = _C.WatchRecorder(self._device)
         self._slot_info: list[tuple[str, _Site, int, int]] = []
+        self._steps = StepState(model)
         self._scaler_step_saved: Optional[tuple[bool, Any]] = None
         self._installed = True
         self._forward_id = 0
@@ -342,6 +344,8 @@ class Watch:
         model = self.model
         self._handles.append(model.register_forward_pre_hook(self._before_model, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_model))
+        # Registered after _after_model, and also called when the forward raises.
+        self._handles.append(model.register_forward_hook(self._after_model_raised, always_call=True))
         if self._check_activations or self._check_grads:
             for name, module in model.named_modules():
                 if module is model or isinstance(module, self.pass_through):
@@ -413,6 +417,7 @@ class Watch:
         self._forwards = 0
         self._microbatch = 0
         self._clipped: Optional[_Pass] = None
+        self._steps.reset()
         self._forget_last()
 
     def _forget_last(self) -> None:
@@ -484,8 +489,18 @@ class Watch:
             self._check_output("forward", site, output)
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return
+        # Outside any backward (a checkpointed model runs its forward again inside one).
+        if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
+            self._drop_forward(self._steps.last)  # see NOTE: [A backward that raised]
+        grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
+        if self._steps.unended(self._forwards, grad, has_optimizer):
+            self._reset_step()  # see NOTE: [Steps that never end]
+        self._steps.open_training(grad, has_optimizer)
+        if not self._active:
+            return
+        self._steps.begin_forward(len(self._slot_info), self._forwards)
         self._forward_id += 1
         self._microbatch = self._forwards
         self._forwards += 1
@@ -502,14 +517,35 @@ class Watch:
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
+        self._steps.end_forward()
         if self._active:
             if self._check_loss:
                 self._check_output("forward", self._root, output)
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()
-        if self.optimizer is None and not torch.is_grad_enabled():
-            self._end_step(fused_pass=False)  # inference: each forward is a step, of activations only
+        if self.optimizer is None and not torch.is_grad_enabled() and not self._steps.training:
+            # Inference: each forward is a step, of activations only; one inside a training step (an
+            # eval pass before w.step()) belongs to that step.
+            self._end_step(fused_pass=False)
+
+    def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        forward = self._steps.end_forward()
+        if forward is not None and not torch.compiler.is_compiling():
+            self._drop_forward(forward)
+
+    def _drop_forward(self, forward: Any) -> None:
+        # NOTE: [A forward that raised]
+        # A forward that raised, or whose backward raised (an OOM caught by the loop, which goes on with
+        # the next batch), is forgotten: its records and the gradient checks it placed (made inert) go,
+        # with its references to activations, and the next forward takes its microbatch number. Earlier
+        # forwards of the step are kept.
+        self._recorder.discard(forward.first_slot)
+        del self._slot_info[forward.first_slot:]
+        self._forwards = forward.microbatch
+        self._steps.training = forward.training
+        self._steps.last = None
+        self._forget_last()
 
     # ---- the step: one read ----
 
@@ -554,6 +590,7 @@ class Watch:
     def step(self) -> None:
         """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
         step's results. (With an optimizer, optimizer.step() does this.)"""
+        self._steps.ended_by_user = True
         self._end_step()
 
     def flush(self) -> None:
