@@ -614,10 +614,10 @@ class Watch:
         grads = [g for _, g in with_grad]
         if not params:
             return None
-        tensors = params + grads
         if self._sharded:
-            tensors = [distributed.local_tensor(t) for t in tensors]
-        counts, norm, absmax = _stats_on(tensors, self._device)
+            params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
+        grads = [_entries(g) for g in grads]
+        counts, norm, absmax = _stats_on(params + grads, self._device)
         return _Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -828,6 +828,17 @@ class Watch:
         state = "installed" if self._installed else "removed"
         return (f"Watch({type(self.model).__name__}, step={self.step_count}, events={len(self.events)}, "
                 f"skipped_steps={self.skipped_steps}, {state})")
+
+
+def _entries(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse gradient (nn.Embedding(sparse=True)), which scaling them in place
+    scales; a strided one as it is. Duplicates of a COO gradient stay uncoalesced (coalescing syncs
+    the host on CUDA): every non-finite entry is counted, and the norm is that of the entries."""
+    if grad.layout == torch.sparse_coo:
+        return grad._values()
+    if grad.layout != torch.strided:
+        return grad.values()  # CSR, CSC, BSR, BSC
+    return grad
 
 
 def _agree(read: _Read) -> None:

@@ -277,3 +277,71 @@ def test_forwards_without_a_step_are_bounded_even_when_parameters_never_change(m
             F.mse_loss(model(x), y).backward()
     assert w._forwards <= 8
     w.remove()
+
+
+class Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx)).squeeze(-1)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+    lambda model: torch.optim.SparseAdam(model.emb.parameters(), lr=0.1),
+], ids=["sgd", "sparse-adam"])
+def test_sparse_embedding_gradients_are_checked(make_optimizer):
+    torch.manual_seed(0)
+    model = Bag()
+    opt = make_optimizer(model)
+    w = nanfast.watch(model, opt)
+    idx = torch.tensor([[1, 2, 2], [3, 1, 9]])  # duplicate rows: an uncoalesced gradient
+
+    def backward():
+        opt.zero_grad()
+        F.mse_loss(model(idx), torch.ones(2, 3)).backward()
+
+    backward()
+    assert model.emb.weight.grad.is_sparse
+    assert count_syncs(opt.step) == 1
+    assert w.events == []
+    assert w.stats()["grad_norm"] > 0
+    backward()
+    model.emb.weight.grad._values()[4, 1] = NAN
+    with pytest.raises(nanfast.NonFiniteError, match="emb.weight"):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.last.nan) == ("grad", "emb.weight", 1)
+    w.remove()
+
+
+class Picker(torch.nn.Module):
+    """Gathers with sparse_grad=True: the gradient flowing out of it (w.r.t. its input) is sparse."""
+
+    def forward(self, h):
+        return torch.gather(h, 1, torch.tensor([[0, 3], [1, 1]]), sparse_grad=True)
+
+
+class Picking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(2, 16))
+        self.pick = Picker()
+        self.head = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.head(self.pick(self.scale * x))  # Linear's backward takes no sparse gradient
+
+
+def test_a_sparse_gradient_flowing_out_of_a_module_is_checked():
+    model = Picking()
+    with torch.no_grad():
+        model.head.weight[0, 0] = INF  # the head's input gradient is infinite; the head is ignored
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, ignore="head*", loss=False) as w, pytest.raises(nanfast.NonFiniteError):
+        opt.zero_grad()
+        model(batch(n=2, d=16)[0]).sum().backward()
+        opt.step()
+    assert (w.last.phase, w.last.name) == ("backward", "pick")
