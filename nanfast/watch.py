@@ -30,7 +30,7 @@ ACTIONS = ("raise", "warn", "skip")
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 # Phases in the order their values arise within a step.
-PHASES = ("param", "input", "forward", "loss", "backward", "grad")
+PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
 # Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
 _SCALED_PHASES = frozenset(("loss", "backward", "grad"))
 # Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
@@ -57,8 +57,9 @@ class Place:
 
     ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
     phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
-    input. ``call`` tells the calls of a module called several times in one forward apart (1-based);
-    ``microbatch`` is the index of the model's forward within the step (gradient accumulation)."""
+    input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
+    several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
+    within the step (gradient accumulation)."""
 
     phase: str
     name: str
@@ -79,6 +80,7 @@ class Place:
             "param": f"parameter {self.name}",
             "input": "the input batch",
             "forward": f"output of {module}",
+            "loss_value": f"value of {self.name!r} passed to Watch.loss",
             "loss": f"gradient of the loss w.r.t. the output of {module}",
             "backward": f"gradient flowing out of {module} in backward",
             "grad": f"gradient of parameter {self.name}",
@@ -320,6 +322,7 @@ class Watch:
         self._recorder = _C.WatchRecorder(self._device)
         self._slot_info: list[tuple[str, _Site, int, int]] = []
         self._steps = StepState(model)
+        self._loss_sites: dict[str, _Site] = {}
         self._scaler_step_saved: Optional[tuple[bool, Any]] = None
         self._installed = True
         self._forward_id = 0
@@ -546,6 +549,32 @@ class Watch:
         self._steps.training = forward.training
         self._steps.last = None
         self._forget_last()
+
+    def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
+        """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
+        with finite gradients (a mean over no elements: cross-entropy whose targets are all
+        ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
+        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
+
+        Args:
+            value: the loss tensor (any floating tensor: each of its elements is checked).
+            name: how events name it (several losses: "ce", "aux"; matched by ``ignore``).
+
+        Returns:
+            ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
+
+        Raises:
+            TypeError: value is not a tensor."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if self._active and self._check_loss and not torch.compiler.is_compiling():
+            site = self._loss_sites.get(name)
+            if site is None:
+                site = self._loss_sites[name] = _Site(name, "", self._ignored(name))
+            tensors = _floating_tensors(value, [])
+            if tensors and not site.ignored:
+                self._record("loss_value", site, 1, self._microbatch, tensors)
+        return value
 
     # ---- the step: one read ----
 

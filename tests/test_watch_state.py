@@ -345,3 +345,26 @@ def test_a_sparse_gradient_flowing_out_of_a_module_is_checked():
         model(batch(n=2, d=16)[0]).sum().backward()
         opt.step()
     assert (w.last.phase, w.last.name) == ("backward", "pick")
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_reported():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    x, _ = batch()
+
+    def step(targets):
+        opt.zero_grad()
+        loss = w.loss(F.cross_entropy(model(x), targets, ignore_index=-100))
+        loss.backward()
+        return loss
+
+    assert count_syncs(lambda: (step(torch.arange(5) % 4), opt.step())) == 1
+    loss = step(torch.full((5,), -100))  # every target ignored: 0/0
+    assert loss.isnan() and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(nanfast.NonFiniteError, match="value of 'loss' passed to Watch.loss"):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.last.nan, w.last.later) == ("loss_value", "loss", 1, ())
+    assert w.loss(loss, name="aux") is loss
+    w.remove()
