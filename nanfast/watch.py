@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from . import _C, distributed
+from . import _C, distributed, scaler_hook
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
@@ -323,7 +322,7 @@ class Watch:
         self._slot_info: list[tuple[str, _Site, int, int]] = []
         self._steps = StepState(model)
         self._loss_sites: dict[str, _Site] = {}
-        self._scaler_step_saved: Optional[tuple[bool, Any]] = None
+        self._scaler_shared: Optional[Any] = None
         self._installed = True
         self._forward_id = 0
         self._stepped = False
@@ -368,17 +367,7 @@ class Watch:
             # those phases are not reported; unscaled phases (param, input, forward) still are. For a
             # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
             # a fused one gets `optimizer.found_inf`, which the read packs (see _pack).
-            scaler_step = self.scaler.step
-            self._scaler_step_saved = ("step" in vars(self.scaler), vars(self.scaler).get("step"))
-
-            def step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-                self._stepped = False
-                result = scaler_step(optimizer, *args, **kwargs)
-                if optimizer is self.optimizer and not self._stepped:
-                    self._end_step(scaler_skipped=True)
-                return result
-
-            self.scaler.step = types.MethodType(step, self.scaler)
+            self._scaler_shared = scaler_hook.attach(self.scaler, self)
 
     def remove(self) -> None:
         """Removes every hook and restores the optimizer and scaler exactly. Results of a lagged read
@@ -391,13 +380,9 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._scaler_step_saved is not None:
-            had_step, step = self._scaler_step_saved
-            if had_step:
-                self.scaler.step = step
-            else:
-                del self.scaler.step
-            self._scaler_step_saved = None
+        if self._scaler_shared is not None:
+            scaler_hook.detach(self.scaler, self._scaler_shared, self)
+            self._scaler_shared = None
         self._reset_step()
         self._pending = None
 
@@ -621,6 +606,14 @@ class Watch:
         step's results. (With an optimizer, optimizer.step() does this.)"""
         self._steps.ended_by_user = True
         self._end_step()
+
+    def _scaler_step_begins(self) -> None:
+        self._stepped = False
+
+    def _scaler_step_ended(self, optimizer: torch.optim.Optimizer) -> None:
+        # The GradScaler skipped the step without calling optimizer.step() (see NOTE: [AMP and GradScaler]).
+        if optimizer is self.optimizer and not self._stepped:
+            self._end_step(scaler_skipped=True)
 
     def flush(self) -> None:
         """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""

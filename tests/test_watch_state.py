@@ -368,3 +368,22 @@ def test_a_non_finite_loss_with_finite_gradients_is_reported():
     assert (w.last.phase, w.last.name, w.last.nan, w.last.later) == ("loss_value", "loss", 1, ())
     assert w.loss(loss, name="aux") is loss
     w.remove()
+
+
+def test_two_watches_sharing_a_scaler_restore_it_in_any_order():
+    def make():
+        model = MLP()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    (m1, o1), (m2, o2) = make(), make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    w1 = nanfast.watch(m1, o1, scaler=scaler)
+    w2 = nanfast.watch(m2, o2, scaler=scaler)
+    w1.remove()
+    # w2 still sees the steps the scaler skips (it overflows at this scale).
+    o2.zero_grad()
+    scaler.scale(F.mse_loss(m2(batch()[0]), batch()[1] * 1e3)).backward()
+    scaler.step(o2)
+    assert (w2.scaler_skipped_steps, w2.step_count) == (1, 1)
+    w2.remove()
+    assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
