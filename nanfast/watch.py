@@ -483,9 +483,9 @@ class Watch:
         if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
             self._drop_forward(self._steps.last)  # see NOTE: [A backward that raised]
         grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
-        if self._steps.unended(self._forwards, grad, has_optimizer):
+        if self._steps.unended(grad, has_optimizer):
             self._reset_step()  # see NOTE: [Steps that never end]
-        self._steps.open_training(grad, has_optimizer)
+        self._steps.note_forward(grad, has_optimizer)
         if not self._active:
             return
         self._steps.begin_forward(len(self._slot_info), self._forwards)

@@ -1,6 +1,7 @@
 """Where a watch stands within a step, beyond its records: the forward running now and the last one (so
-that one whose forward or backward raised can be forgotten), and, without an optimizer, whether a training step is open and whether the
-loop has moved on to another step without closing it (w.step() never called)."""
+that a microbatch whose forward or backward raised can be forgotten), and, without an optimizer,
+whether a training step is open and whether the loop moved on to another step without ending it
+(w.step() never called)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# A step that has taken this many forwards without ending is taken for a loop that never ends its
-# steps: its records are dropped (see NOTE: [Steps that never end]). Gradient accumulation over more
-# microbatches than this needs an optimizer given to watch() or w.step() more often.
+# A step that has taken this many forwards with gradients without ending is taken for a loop that never
+# ends its steps: its records are dropped (see NOTE: [Steps that never end]). Forwards under no_grad
+# (a long validation loop between two optimizer steps) do not count.
 MAX_FORWARDS_PER_STEP = 1024
 
 # NOTE: [Steps that never end]
@@ -22,11 +23,11 @@ MAX_FORWARDS_PER_STEP = 1024
 # modified in place since the step's first forward (an optimizer the watch was not given stepped
 # them; in gradient accumulation they do not change between microbatches), as long as w.step() has
 # never been called (a loop that calls it knows it must), or when a step reaches
-# MAX_FORWARDS_PER_STEP forwards.
-UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}): without an "
-                 "optimizer, call w.step() at the end of each step, or pass the optimizer "
-                 "(nanfast.watch(model, optimizer)), whose step() ends it. The checks of steps never ended are "
-                 "dropped unread.")
+# MAX_FORWARDS_PER_STEP forwards with gradients (with or without an optimizer).
+UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
+                 "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "
+                 "call w.step() at the end of each step, or pass the optimizer (nanfast.watch(model, optimizer)). "
+                 "The checks of steps never ended are dropped unread.")
 
 
 class Forward(NamedTuple):
@@ -45,6 +46,7 @@ class StepState:
         self.forward: Optional[Forward] = None  # running now
         self.last: Optional[Forward] = None  # the last one that began in this step
         self.training = False  # a forward with gradients ran in this step (without an optimizer)
+        self.grad_forwards = 0  # forwards with gradients in this step
         self.ended_by_user = False  # w.step() was called at least once
         self._versions = 0
         self._warned = False
@@ -53,6 +55,7 @@ class StepState:
         """The step ended (or was dropped)."""
         self.forward = self.last = None
         self.training = False
+        self.grad_forwards = 0
 
     def begin_forward(self, first_slot: int, microbatch: int) -> None:
         self.forward = self.last = Forward(first_slot, microbatch, self.training)
@@ -62,11 +65,11 @@ class StepState:
         forward, self.forward = self.forward, None
         return forward
 
-    def unended(self, forwards: int, grad_enabled: bool, has_optimizer: bool) -> bool:
+    def unended(self, grad_enabled: bool, has_optimizer: bool) -> bool:
         """At the start of a forward: True if the current step is one the loop left without ending it
         (see NOTE: [Steps that never end]); warns the first time."""
-        if forwards >= MAX_FORWARDS_PER_STEP:
-            why = f"{forwards} forwards without the step ending"
+        if grad_enabled and self.grad_forwards >= MAX_FORWARDS_PER_STEP:
+            why = f"{self.grad_forwards} forwards with gradients without the step ending"
         elif (has_optimizer or not grad_enabled or not self.training or self.ended_by_user
               or self._version_sum() == self._versions):
             return False
@@ -77,8 +80,9 @@ class StepState:
             warnings.warn(UNCLOSED_STEP.format(why=why), UserWarning, stacklevel=4)
         return True
 
-    def open_training(self, grad_enabled: bool, has_optimizer: bool) -> None:
-        """A forward starts (after unended()): one with gradients opens the training step."""
+    def note_forward(self, grad_enabled: bool, has_optimizer: bool) -> None:
+        """A forward starts (after unended()): one with gradients counts, and opens the training step."""
+        self.grad_forwards += grad_enabled
         if has_optimizer or not grad_enabled or self.training:
             return
         self.training = True

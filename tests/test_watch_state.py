@@ -277,6 +277,18 @@ def test_forwards_without_a_step_are_bounded_even_when_parameters_never_change(m
             F.mse_loss(model(x), y).backward()
     assert w._forwards <= 8
     w.remove()
+    # Forwards under no_grad (a long validation loop between two optimizer steps) do not count.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            for _ in range(20):
+                model(x)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    assert w.step_count == 1
+    w.remove()
 
 
 class Bag(torch.nn.Module):
