@@ -479,9 +479,7 @@ class Watch:
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
             return
-        # Outside any backward (a checkpointed model runs its forward again inside one).
-        if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
-            self._drop_forward(self._steps.last)  # see NOTE: [A backward that raised]
+        self._drop_failed_backward()
         grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
         if self._steps.unended(grad, has_optimizer):
             self._reset_step()  # see NOTE: [Steps that never end]
@@ -521,6 +519,12 @@ class Watch:
         forward = self._steps.end_forward()
         if forward is not None and not torch.compiler.is_compiling():
             self._drop_forward(forward)
+
+    def _drop_failed_backward(self) -> None:
+        # See NOTE: [A backward that raised]. Only outside any backward: a checkpointed model runs its
+        # forward again inside one.
+        if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
+            self._drop_forward(self._steps.last)
 
     def _drop_forward(self, forward: Any) -> None:
         # NOTE: [A forward that raised]
@@ -669,6 +673,7 @@ class Watch:
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked."""
         self._skip_now = False
+        self._drop_failed_backward()
         read = self._pack(found_inf, grad_scale, scaler_skipped, fused_pass) if self._active else None
         self.step_count += 1
         self._reset_step()
@@ -814,6 +819,7 @@ class Watch:
             return locate_step(self.rerun, self._step_state)
         finally:
             self._active = active
+            self._steps.reset()  # the re-run's forwards are not the next step's
 
     def _act(self, event: Event, scaler_skipped: bool) -> None:
         if callable(self.action):

@@ -131,12 +131,25 @@ def test_a_microbatch_whose_backward_raised_is_forgotten():
     F.mse_loss(model(x), y).backward()
     assert count_syncs(opt.step) == 1
     assert w.events == [] and w.step_count == 1
-    # The next dirty batch is reported, as microbatch 0.
+    # Stepping right after the failed backward drops it too: what is left to report is the NaN its
+    # partial backward put into l2's gradients, which this step would apply.
+    F.mse_loss(model(x), y).backward()
+    Boom.failing = True
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            F.mse_loss(model(dirty), y).backward()
+    finally:
+        Boom.failing = False
+    with pytest.raises(nanfast.NonFiniteError):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.step_count) == ("grad", "l2.weight", 2)
+    assert all(p.microbatch == 0 for p in w.last.places)
     opt.zero_grad()
+    # The next dirty batch is reported, as microbatch 0.
     F.mse_loss(model(dirty), y).backward()
     with pytest.raises(nanfast.NonFiniteError):
         opt.step()
-    assert (w.last.step, w.last.phase, w.last.first.microbatch) == (1, "input", 0)
+    assert (w.last.step, w.last.phase, w.last.first.microbatch) == (2, "input", 0)
     w.remove()
 
 
@@ -399,3 +412,22 @@ def test_two_watches_sharing_a_scaler_restore_it_in_any_order():
     assert (w2.scaler_skipped_steps, w2.step_count) == (1, 1)
     w2.remove()
     assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
+
+
+def test_the_locate_rerun_opens_no_step():
+    model = MLP()
+    x, y = batch()
+    x[0, 0] = NAN
+
+    def rerun():
+        F.mse_loss(model(x), y).backward()
+
+    w = nanfast.watch(model, action="warn", on_event="locate", rerun=rerun)
+    rerun()
+    with pytest.warns(RuntimeWarning, match="input batch is dirty"):
+        w.step()
+    assert w.last.located is not None and w.step_count == 1
+    with torch.no_grad():
+        model(batch()[0])  # inference: a step of its own, as the re-run was no training forward
+    assert w.step_count == 2
+    w.remove()
