@@ -920,7 +920,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Checks (each a bool option, all on by default): ``inputs`` (tensors entering model.forward),
     ``activations`` (every submodule's outputs), ``grads`` (gradients flowing out of each module in
     backward, and every parameter's grad before the optimizer step), ``params`` (every parameter, as
-    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them).
+    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them,
+    and the loss value given to ``w.loss(loss)``).
 
     Options: ``action`` ("raise", "warn", "skip" or a callable taking the Event), ``every`` (check one
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
