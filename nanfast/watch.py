@@ -7,19 +7,19 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from . import _C, distributed
+from . import _C, distributed, scaler_hook
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
 from .recompute import REENTRANT, UNPACK, recomputation
 from .report import NonFiniteError
+from .watch_state import StepState
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
 # unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
@@ -30,7 +30,7 @@ ACTIONS = ("raise", "warn", "skip")
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 # Phases in the order their values arise within a step.
-PHASES = ("param", "input", "forward", "loss", "backward", "grad")
+PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
 # Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
 _SCALED_PHASES = frozenset(("loss", "backward", "grad"))
 # Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
@@ -57,8 +57,9 @@ class Place:
 
     ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
     phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
-    input. ``call`` tells the calls of a module called several times in one forward apart (1-based);
-    ``microbatch`` is the index of the model's forward within the step (gradient accumulation)."""
+    input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
+    several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
+    within the step (gradient accumulation)."""
 
     phase: str
     name: str
@@ -79,6 +80,7 @@ class Place:
             "param": f"parameter {self.name}",
             "input": "the input batch",
             "forward": f"output of {module}",
+            "loss_value": f"value of {self.name!r} passed to Watch.loss",
             "loss": f"gradient of the loss w.r.t. the output of {module}",
             "backward": f"gradient flowing out of {module} in backward",
             "grad": f"gradient of parameter {self.name}",
@@ -319,7 +321,9 @@ class Watch:
         # The step's counts, in execution order, and what each slot id stands for (see NOTE: [The watch's recorder]).
         self._recorder = _C.WatchRecorder(self._device)
         self._slot_info: list[tuple[str, _Site, int, int]] = []
-        self._scaler_step_saved: Optional[tuple[bool, Any]] = None
+        self._steps = StepState(model)
+        self._loss_sites: dict[str, _Site] = {}
+        self._scaler_shared: Optional[Any] = None
         self._installed = True
         self._forward_id = 0
         self._stepped = False
@@ -343,6 +347,8 @@ class Watch:
         model = self.model
         self._handles.append(model.register_forward_pre_hook(self._before_model, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_model))
+        # Registered after _after_model, and also called when the forward raises.
+        self._handles.append(model.register_forward_hook(self._after_model_raised, always_call=True))
         if self._check_activations or self._check_grads:
             for name, module in model.named_modules():
                 if module is model or isinstance(module, self.pass_through):
@@ -362,17 +368,7 @@ class Watch:
             # those phases are not reported; unscaled phases (param, input, forward) still are. For a
             # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
             # a fused one gets `optimizer.found_inf`, which the read packs (see _pack).
-            scaler_step = self.scaler.step
-            self._scaler_step_saved = ("step" in vars(self.scaler), vars(self.scaler).get("step"))
-
-            def step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-                self._stepped = False
-                result = scaler_step(optimizer, *args, **kwargs)
-                if optimizer is self.optimizer and not self._stepped:
-                    self._end_step(scaler_skipped=True)
-                return result
-
-            self.scaler.step = types.MethodType(step, self.scaler)
+            self._scaler_shared = scaler_hook.attach(self.scaler, self)
 
     def remove(self) -> None:
         """Removes every hook and restores the optimizer and scaler exactly. Results of a lagged read
@@ -385,13 +381,9 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._scaler_step_saved is not None:
-            had_step, step = self._scaler_step_saved
-            if had_step:
-                self.scaler.step = step
-            else:
-                del self.scaler.step
-            self._scaler_step_saved = None
+        if self._scaler_shared is not None:
+            scaler_hook.detach(self.scaler, self._scaler_shared, self)
+            self._scaler_shared = None
         self._reset_step()
         self._pending = None
 
@@ -414,6 +406,7 @@ class Watch:
         self._forwards = 0
         self._microbatch = 0
         self._clipped: Optional[_Pass] = None
+        self._steps.reset()
         self._forget_last()
 
     def _forget_last(self) -> None:
@@ -491,8 +484,16 @@ class Watch:
             self._check_output("forward", site, output)
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._active or torch.compiler.is_compiling() or recomputation() is not None:
+        if torch.compiler.is_compiling() or recomputation() is not None:
             return
+        self._drop_failed_backward()
+        grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
+        if self._steps.unended(grad, has_optimizer):
+            self._reset_step()  # see NOTE: [Steps that never end]
+        self._steps.note_forward(grad, has_optimizer)
+        if not self._active:
+            return
+        self._steps.begin_forward(len(self._slot_info), self._forwards)
         self._forward_id += 1
         self._microbatch = self._forwards
         self._forwards += 1
@@ -509,14 +510,67 @@ class Watch:
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
+        self._steps.end_forward()
         if self._active:
             if self._check_loss:
                 self._check_output("forward", self._root, output)
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()
-        if self.optimizer is None and not torch.is_grad_enabled():
-            self._end_step(fused_pass=False)  # inference: each forward is a step, of activations only
+        if self.optimizer is None and not torch.is_grad_enabled() and not self._steps.training:
+            # Inference: each forward is a step, of activations only; one inside a training step (an
+            # eval pass before w.step()) belongs to that step.
+            self._end_step(fused_pass=False)
+
+    def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        forward = self._steps.end_forward()
+        if forward is not None and not torch.compiler.is_compiling():
+            self._drop_forward(forward)
+
+    def _drop_failed_backward(self) -> None:
+        # See NOTE: [A backward that raised]. Only outside any backward: a checkpointed model runs its
+        # forward again inside one.
+        if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
+            self._drop_forward(self._steps.last)
+
+    def _drop_forward(self, forward: Any) -> None:
+        # NOTE: [A forward that raised]
+        # A forward that raised, or whose backward raised (an OOM caught by the loop, which goes on with
+        # the next batch), is forgotten: its records and the gradient checks it placed (made inert) go,
+        # with its references to activations, and the next forward takes its microbatch number. Earlier
+        # forwards of the step are kept.
+        self._recorder.discard(forward.first_slot)
+        del self._slot_info[forward.first_slot:]
+        self._forwards = forward.microbatch
+        self._steps.training = forward.training
+        self._steps.last = None
+        self._forget_last()
+
+    def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
+        """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
+        with finite gradients (a mean over no elements: cross-entropy whose targets are all
+        ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
+        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
+
+        Args:
+            value: the loss tensor (any floating tensor: each of its elements is checked).
+            name: how events name it (several losses: "ce", "aux"; matched by ``ignore``).
+
+        Returns:
+            ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
+
+        Raises:
+            TypeError: value is not a tensor."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if self._active and self._check_loss and not torch.compiler.is_compiling():
+            site = self._loss_sites.get(name)
+            if site is None:
+                site = self._loss_sites[name] = _Site(name, "", self._ignored(name))
+            tensors = _floating_tensors(value, [])
+            if tensors and not site.ignored:
+                self._record("loss_value", site, 1, self._microbatch, tensors)
+        return value
 
     # ---- the step: one read ----
 
@@ -561,7 +615,16 @@ class Watch:
     def step(self) -> None:
         """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
         step's results. (With an optimizer, optimizer.step() does this.)"""
+        self._steps.ended_by_user = True
         self._end_step()
+
+    def _scaler_step_begins(self) -> None:
+        self._stepped = False
+
+    def _scaler_step_ended(self, optimizer: torch.optim.Optimizer) -> None:
+        # The GradScaler skipped the step without calling optimizer.step() (see NOTE: [AMP and GradScaler]).
+        if optimizer is self.optimizer and not self._stepped:
+            self._end_step(scaler_skipped=True)
 
     def flush(self) -> None:
         """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""
@@ -584,10 +647,10 @@ class Watch:
         grads = [g for _, g in with_grad]
         if not params:
             return None
-        tensors = params + grads
         if self._sharded:
-            tensors = [distributed.local_tensor(t) for t in tensors]
-        counts, norm, absmax = _stats_on(tensors, self._device)
+            params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
+        grads = [_entries(g) for g in grads]
+        counts, norm, absmax = _stats_on(params + grads, self._device)
         return _Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -617,6 +680,7 @@ class Watch:
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked."""
         self._skip_now = False
+        self._drop_failed_backward()
         read = self._pack(found_inf, grad_scale, scaler_skipped, fused_pass) if self._active else None
         self.step_count += 1
         self._reset_step()
@@ -762,6 +826,7 @@ class Watch:
             return locate_step(self.rerun, self._step_state)
         finally:
             self._active = active
+            self._steps.reset()  # the re-run's forwards are not the next step's
 
     def _act(self, event: Event, scaler_skipped: bool) -> None:
         if callable(self.action):
@@ -798,6 +863,17 @@ class Watch:
         state = "installed" if self._installed else "removed"
         return (f"Watch({type(self.model).__name__}, step={self.step_count}, events={len(self.events)}, "
                 f"skipped_steps={self.skipped_steps}, {state})")
+
+
+def _entries(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse gradient (nn.Embedding(sparse=True)), which scaling them in place
+    scales; a strided one as it is. Duplicates of a COO gradient stay uncoalesced (coalescing syncs
+    the host on CUDA): every non-finite entry is counted, and the norm is that of the entries."""
+    if grad.layout == torch.sparse_coo:
+        return grad._values()
+    if grad.layout != torch.strided:
+        return grad.values()  # CSR, CSC, BSR, BSC
+    return grad
 
 
 def _agree(read: _Read) -> None:
@@ -851,7 +927,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Checks (each a bool option, all on by default): ``inputs`` (tensors entering model.forward),
     ``activations`` (every submodule's outputs), ``grads`` (gradients flowing out of each module in
     backward, and every parameter's grad before the optimizer step), ``params`` (every parameter, as
-    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them).
+    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them,
+    and the loss value given to ``w.loss(loss)``).
 
     Options: ``action`` ("raise", "warn", "skip" or a callable taking the Event), ``every`` (check one
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step

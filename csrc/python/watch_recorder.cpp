@@ -1,15 +1,19 @@
 // nanfast._C.WatchRecorder: where nanfast.watch's hooks leave the counts of a step.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "bindings.h"
 
@@ -54,10 +58,36 @@ struct Records {
     bytes += read;
   }
 
+  // NOTE: [A backward that raised]
+  // The first check to fire in a backward (a graph task) notes the task and queues an engine callback,
+  // which runs when the task finishes without error and forgets it. A task still noted once no backward
+  // is running raised (an out-of-memory error the loop caught): backward_failed() tells the watch, which
+  // drops that microbatch's records. A backward that raises before any check fired goes unnoticed.
+  static void note_backward(const std::shared_ptr<Records>& self) {
+    const int task = torch::autograd::get_current_graph_task_id();
+    {
+      const std::lock_guard<std::mutex> lock(self->mutex);
+      if (!self->backwards.insert(task).second) {
+        return;
+      }
+    }
+    std::weak_ptr<Records> weak = self;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
+      if (const auto records = weak.lock()) {
+        const std::lock_guard<std::mutex> lock(records->mutex);
+        records->backwards.erase(task);
+      }
+    });
+  }
+
   const at::Device device;
   std::atomic<bool> enabled{true};  // false once the watch is removed: hooks left on a graph do nothing
+  // Bumped when the records are dropped (a step ended): gradient checks placed before then do nothing
+  // (see NOTE: [Gradient checks outliving their step]).
+  std::atomic<int64_t> epoch{0};
   std::mutex mutex;
   std::vector<std::pair<at::Tensor, int64_t>> entries;  // counts [rows, 3] on `device`, slot id
+  std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   // What the checks cost, for benchmarks (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read.
   Clock::duration kernel_time{0};
@@ -65,10 +95,21 @@ struct Records {
   int64_t bytes = 0;
 };
 
+// NOTE: [Gradient checks outliving their step]
+// A gradient check lives as long as its graph, and its slot id means something only within the step
+// that placed it (the Python side numbers slots from 0 each step). A backward run after its step ended
+// (w.step() between a forward and its backward), or through what is left of a forward that raised,
+// must not record into a later step under another slot's name. So a check records only while the epoch
+// it was placed in lasts (clear() starts a new one), and a forward that raised marks its checks dead
+// (slot id kDeadSlot, see discard()). Such gradients still reach the parameters' gradients, which the
+// next step checks.
+constexpr int64_t kDeadSlot = -1;
+
 // What a gradient check records as: retargeted when a later module takes the same tensor.
 struct GradSlot {
-  explicit GradSlot(int64_t id) : id(id) {}
+  GradSlot(int64_t id, int64_t epoch) : id(id), epoch(epoch) {}
   std::atomic<int64_t> id;
+  const int64_t epoch;  // the Records epoch it was placed in
 };
 
 // A pre-hook on the autograd node that made a module's input: counts the gradient w.r.t. that input
@@ -79,10 +120,16 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
       : records_(std::move(records)), slot_(std::move(slot)), output_nr_(output_nr) {}
 
   variable_list operator()(const variable_list& grads) override {
-    if (records_->enabled && output_nr_ < grads.size()) {
+    const int64_t slot = slot_->id;
+    if (records_->enabled && slot != kDeadSlot && slot_->epoch == records_->epoch && output_nr_ < grads.size()) {
+      Records::note_backward(records_);
       const at::Tensor& grad = grads[output_nr_];
       if (grad.defined() && grad.layout() == at::kStrided) {
-        records_->add(grad, slot_->id, /*grad_check=*/true);
+        records_->add(grad, slot, /*grad_check=*/true);
+      } else if (grad.defined() && grad.layout() == at::kSparse) {
+        // The entries of a sparse COO gradient, duplicates uncoalesced (coalescing would sync the host
+        // on CUDA): every non-finite entry is counted.
+        records_->add(grad._values(), slot, /*grad_check=*/true);
       }
     }
     return grads;
@@ -132,7 +179,7 @@ class WatchRecorder {
         continue;
       }
       it->second.node = node;  // keeps the address from being reused by another node until forget()
-      it->second.slot = std::make_shared<GradSlot>(slot);
+      it->second.slot = std::make_shared<GradSlot>(slot, records_->epoch.load());
       node->add_pre_hook(std::make_unique<GradCheck>(records_, it->second.slot, output_nr));
     }
   }
@@ -165,10 +212,34 @@ class WatchRecorder {
     return {at::cat(counts), std::move(slots)};
   }
 
-  // Drops the records.
+  // Drops the records; the gradient checks placed so far do nothing from now on.
   void clear() {
     const std::lock_guard<std::mutex> lock(records_->mutex);
     records_->entries.clear();
+    ++records_->epoch;
+  }
+
+  // Drops a forward that raised: the records of slots `first_slot` and later, and the gradient checks
+  // it placed (those since forget()), which do nothing from now on.
+  void discard(int64_t first_slot) {
+    for (auto& [key, hooked] : hooked_) {
+      hooked.slot->id = kDeadSlot;
+    }
+    hooked_.clear();
+    const std::lock_guard<std::mutex> lock(records_->mutex);
+    auto& entries = records_->entries;
+    entries.erase(std::remove_if(entries.begin(), entries.end(),
+                                 [first_slot](const auto& entry) { return entry.second >= first_slot; }),
+                  entries.end());
+  }
+
+  // True if a backward that checks fired in raised (see NOTE: [A backward that raised]), once: call
+  // it only when no backward is running.
+  bool backward_failed() {
+    const std::lock_guard<std::mutex> lock(records_->mutex);
+    const bool failed = !records_->backwards.empty();
+    records_->backwards.clear();
+    return failed;
   }
 
   // Seconds in kernel calls, the part of them in gradient checks, bytes read: totals since the recorder began.
@@ -212,6 +283,8 @@ void bind_watch_recorder(py::module_& m) {
       .def("forget", &WatchRecorder::forget)
       .def("take", &WatchRecorder::take)
       .def("clear", &WatchRecorder::clear)
+      .def("discard", &WatchRecorder::discard, py::arg("first_slot"))
+      .def("backward_failed", &WatchRecorder::backward_failed)
       .def("costs", &WatchRecorder::costs)
       .def("disable", &WatchRecorder::disable);
 }

@@ -1,0 +1,93 @@
+"""Where a watch stands within a step, beyond its records: the forward running now and the last one (so
+that a microbatch whose forward or backward raised can be forgotten), and, without an optimizer,
+whether a training step is open and whether the loop moved on to another step without ending it
+(w.step() never called)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+
+# A step that has taken this many forwards with gradients without ending is taken for a loop that never
+# ends its steps: its records are dropped (see NOTE: [Steps that never end]). Forwards under no_grad
+# (a long validation loop between two optimizer steps) do not count.
+MAX_FORWARDS_PER_STEP = 1024
+
+# NOTE: [Steps that never end]
+# Without an optimizer the watch cannot see a step end unless w.step() is called. A loop that never
+# calls it would have its records grow forever and never be read. Reading them at the next forward
+# would sync the host inside a hook, so instead the watch drops them and warns once. It takes a new
+# step to have begun when a forward with gradients starts after the trainable parameters were
+# modified in place since the step's first forward (an optimizer the watch was not given stepped
+# them; in gradient accumulation they do not change between microbatches), as long as w.step() has
+# never been called (a loop that calls it knows it must), or when a step reaches
+# MAX_FORWARDS_PER_STEP forwards with gradients (with or without an optimizer).
+UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
+                 "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "
+                 "call w.step() at the end of each step, or pass the optimizer (nanfast.watch(model, optimizer)). "
+                 "The checks of steps never ended are dropped unread.")
+
+
+class Forward(NamedTuple):
+    """A forward of the model in this step: where its records begin, to drop them if it raises."""
+
+    first_slot: int
+    microbatch: int
+    training: bool  # whether a training forward had opened the step before this one
+
+
+class StepState:
+    """The forward running now and the last one, and (without an optimizer) the training step left open."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self.forward: Optional[Forward] = None  # running now
+        self.last: Optional[Forward] = None  # the last one that began in this step
+        self.training = False  # a forward with gradients ran in this step (without an optimizer)
+        self.grad_forwards = 0  # forwards with gradients in this step
+        self.ended_by_user = False  # w.step() was called at least once
+        self._versions = 0
+        self._warned = False
+
+    def reset(self) -> None:
+        """The step ended (or was dropped)."""
+        self.forward = self.last = None
+        self.training = False
+        self.grad_forwards = 0
+
+    def begin_forward(self, first_slot: int, microbatch: int) -> None:
+        self.forward = self.last = Forward(first_slot, microbatch, self.training)
+
+    def end_forward(self) -> Optional[Forward]:
+        """The forward returned or raised: returns it if it was still running (it raised)."""
+        forward, self.forward = self.forward, None
+        return forward
+
+    def unended(self, grad_enabled: bool, has_optimizer: bool) -> bool:
+        """At the start of a forward: True if the current step is one the loop left without ending it
+        (see NOTE: [Steps that never end]); warns the first time."""
+        if grad_enabled and self.grad_forwards >= MAX_FORWARDS_PER_STEP:
+            why = f"{self.grad_forwards} forwards with gradients without the step ending"
+        elif (has_optimizer or not grad_enabled or not self.training or self.ended_by_user
+              or self._version_sum() == self._versions):
+            return False
+        else:
+            why = "the parameters were updated since the step's first forward"
+        if not self._warned:
+            self._warned = True
+            warnings.warn(UNCLOSED_STEP.format(why=why), UserWarning, stacklevel=4)
+        return True
+
+    def note_forward(self, grad_enabled: bool, has_optimizer: bool) -> None:
+        """A forward starts (after unended()): one with gradients counts, and opens the training step."""
+        self.grad_forwards += grad_enabled
+        if has_optimizer or not grad_enabled or self.training:
+            return
+        self.training = True
+        if not self.ended_by_user:
+            self._versions = self._version_sum()
+
+    def _version_sum(self) -> int:
+        return sum(p._version for p in self._trainable)

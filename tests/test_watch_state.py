@@ -1,0 +1,430 @@
+"""nanfast.watch's step state (nanfast issue 13, "Nothing lost, nothing falsely clean"): a forward that
+raised is forgotten, eval forwards inside a step, a loop that never calls w.step(), sparse gradients,
+a non-finite loss value with finite gradients, and a GradScaler shared by two watches."""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast import watch_state
+from op_recorder import OpRecorder
+from test_watch import MLP, Magnitude, batch
+
+NAN, INF = float("nan"), float("inf")
+
+
+def count_syncs(fn):
+    with OpRecorder() as counter:
+        fn()
+    return counter.host_syncs
+
+
+class Flaky(torch.nn.Module):
+    """Raises after its first layer ran when `fail` is set: an OOM in a later layer, say."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.l2 = torch.nn.Linear(16, 4)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.fail:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return self.l2(h)
+
+
+def test_a_forward_that_raised_is_forgotten_with_its_activations():
+    torch.manual_seed(0)
+    model = Flaky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    outputs = []
+    model.l1.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    x, y = batch()
+    dirty = x.clone()
+    dirty[0, 0] = NAN  # l1 records NaN (input and output), then the forward raises
+    model.fail = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        F.mse_loss(model(dirty), y).backward()
+    model.fail = False
+    gc.collect()
+    assert outputs and outputs[0]() is None  # the failed forward's activations are not kept
+    # The next, clean step is clean, with its one read; it is the first microbatch again.
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    assert count_syncs(opt.step) == 1
+    assert w.events == [] and w.step_count == 1
+    # Faults after it are still reported, in the right place.
+    opt.zero_grad()
+    F.mse_loss(model(dirty), y).backward()
+    with pytest.raises(nanfast.NonFiniteError):
+        opt.step()
+    assert (w.last.step, w.last.phase, w.last.first.microbatch) == (1, "input", 0)
+    w.remove()
+
+
+def test_a_microbatch_that_raised_leaves_the_earlier_ones_of_its_step():
+    model = Flaky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="warn")
+    x, y = batch()
+    x[1, 2] = INF
+    F.mse_loss(model(x), y).backward()  # microbatch 0, dirty: kept
+    bad = batch(seed=1)[0]
+    bad[0, 0] = NAN
+    model.fail = True
+    with pytest.raises(RuntimeError):
+        model(bad)  # a dirty batch, then the forward raises: dropped
+    model.fail = False
+    F.mse_loss(model(batch(seed=2)[0]), y).backward()
+    with pytest.warns(RuntimeWarning, match="input batch is dirty"):
+        opt.step()
+    assert (w.last.phase, w.last.posinf, w.last.first.microbatch) == ("input", 1, 0)
+    assert {p.microbatch for p in w.last.places if p.phase not in ("param", "grad")} == {0}
+    w.remove()
+
+
+class Boom(torch.autograd.Function):
+    """The identity, whose backward raises while `failing` is set: an out-of-memory error in backward."""
+
+    failing = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if Boom.failing:
+            raise RuntimeError("CUDA out of memory in backward (simulated)")
+        return grad
+
+
+class FlakyBackward(Flaky):
+    def forward(self, x):
+        return self.l2(Boom.apply(self.l1(x)))
+
+
+def test_a_microbatch_whose_backward_raised_is_forgotten():
+    torch.manual_seed(0)
+    model = FlakyBackward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()  # microbatch 0: kept
+    dirty = x.clone()
+    dirty[0, 0] = NAN
+    Boom.failing = True
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            F.mse_loss(model(dirty), y).backward()  # l2's gradient check fired, then Boom raised
+    finally:
+        Boom.failing = False
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    assert count_syncs(opt.step) == 1
+    assert w.events == [] and w.step_count == 1
+    # Stepping right after the failed backward drops it too: what is left to report is the NaN its
+    # partial backward put into l2's gradients, which this step would apply.
+    F.mse_loss(model(x), y).backward()
+    Boom.failing = True
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            F.mse_loss(model(dirty), y).backward()
+    finally:
+        Boom.failing = False
+    with pytest.raises(nanfast.NonFiniteError):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.step_count) == ("grad", "l2.weight", 2)
+    assert all(p.microbatch == 0 for p in w.last.places)
+    opt.zero_grad()
+    # The next dirty batch is reported, as microbatch 0.
+    F.mse_loss(model(dirty), y).backward()
+    with pytest.raises(nanfast.NonFiniteError):
+        opt.step()
+    assert (w.last.step, w.last.phase, w.last.first.microbatch) == (2, "input", 0)
+    w.remove()
+
+
+def test_gradient_checks_of_a_forward_that_raised_stay_inert():
+    model = Flaky()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    kept, failing = [], [True]
+
+    def after_l2(module, args, out):
+        if failing[0]:
+            raise RuntimeError("late failure")
+
+    model.l1.register_forward_hook(lambda m, a, out: kept.append(out))
+    model.l2.register_forward_hook(after_l2)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="late failure"):
+        model(x)  # l2 hooked the gradient of its input, kept[0], then the forward raised
+    failing[0] = False
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    # A backward through what the failed forward left, with a NaN gradient, records nothing.
+    torch.autograd.grad((kept[0] * NAN).sum(), model.l1.bias)
+    opt.step()
+    assert w.events == []
+    w.remove()
+
+
+def test_a_backward_after_its_step_ended_is_left_to_the_parameters_gradients():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), Magnitude(), torch.nn.Linear(1, 4))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()  # the magnitude of 0: its gradient is 0/0
+    w = nanfast.watch(model)
+    x, y = batch()
+    out = model(x)
+    w.step()  # too early: the backward below comes after the step it belongs to ended
+    F.mse_loss(out, y).backward()
+    with pytest.raises(nanfast.NonFiniteError):
+        w.step()
+    assert (w.last.step, w.last.phase, w.last.name) == (1, "grad", "0.weight")
+    w.remove()
+
+
+@pytest.mark.parametrize("eval_at", ["before_backward", "before_step"])
+def test_an_eval_forward_inside_a_step_without_optimizer(eval_at):
+    torch.manual_seed(0)
+    model = MLP()
+    w = nanfast.watch(model)
+    x_eval = batch(seed=7)[0]
+
+    def step(x, y):
+        out = model(x)
+        if eval_at == "before_backward":
+            with torch.no_grad():
+                model(x_eval)
+        F.mse_loss(out, y).backward()
+        if eval_at == "before_step":
+            with torch.no_grad():
+                model(x_eval)
+        w.step()
+        model.zero_grad()
+
+    for s in range(3):
+        step(*batch(seed=s))
+    assert w.events == [] and w.step_count == 3
+    x, y = batch()
+    x[2] = 1e4
+    with torch.no_grad():
+        model.l1.weight[0] = 1e35  # finite; l1's output overflows for the training batch only
+    with pytest.raises(nanfast.NonFiniteError):
+        step(x, y)
+    assert (w.last.step, w.last.phase, w.last.name, w.last.first.microbatch) == (3, "forward", "l1", 0)
+    # The eval forward is the second forward of the step: its places (none here) would say microbatch 1.
+    assert all(p.microbatch == 0 for p in w.last.places)
+    w.remove()
+
+
+def test_inference_alone_is_still_a_step_per_forward():
+    model = MLP()
+    w = nanfast.watch(model)
+    with torch.no_grad():
+        for _ in range(3):
+            model(batch()[0])
+    assert w.step_count == 3
+    w.remove()
+
+
+def test_a_loop_that_never_calls_step_warns_once_and_keeps_no_more_than_a_step():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # not given to the watch
+    w = nanfast.watch(model)
+    _, y = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(40):
+            opt.zero_grad()
+            F.mse_loss(model(batch(seed=s)[0]), y).backward()
+            opt.step()
+            if s == 1:
+                per_step = len(w._slot_info)
+    assert len(w._slot_info) <= per_step
+    assert len(w._recorder.take()[1]) <= per_step  # the records of one step, not of 40
+    unclosed = [c for c in caught if "w.step()" in str(c.message)]
+    assert len(unclosed) == 1 and unclosed[0].category is UserWarning
+    assert "optimizer" in str(unclosed[0].message)
+    w.remove()
+
+
+def test_gradient_accumulation_without_optimizer_does_not_warn():
+    model = MLP()
+    w = nanfast.watch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for k in range(4):
+                F.mse_loss(model(batch(seed=k)[0]), batch(seed=k)[1]).backward()
+            w.step()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-3 * p.grad
+            model.zero_grad()
+    assert w.events == [] and w.step_count == 3
+    w.remove()
+
+
+def test_forwards_without_a_step_are_bounded_even_when_parameters_never_change(monkeypatch):
+    monkeypatch.setattr(watch_state, "MAX_FORWARDS_PER_STEP", 8)
+    model = MLP()
+    w = nanfast.watch(model)
+    x, y = batch()
+    with pytest.warns(UserWarning, match="w.step()"):
+        for _ in range(20):
+            F.mse_loss(model(x), y).backward()
+    assert w._forwards <= 8
+    w.remove()
+    # Forwards under no_grad (a long validation loop between two optimizer steps) do not count.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            for _ in range(20):
+                model(x)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    assert w.step_count == 1
+    w.remove()
+
+
+class Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx)).squeeze(-1)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+    lambda model: torch.optim.SparseAdam(model.emb.parameters(), lr=0.1),
+], ids=["sgd", "sparse-adam"])
+def test_sparse_embedding_gradients_are_checked(make_optimizer):
+    torch.manual_seed(0)
+    model = Bag()
+    opt = make_optimizer(model)
+    w = nanfast.watch(model, opt)
+    idx = torch.tensor([[1, 2, 2], [3, 1, 9]])  # duplicate rows: an uncoalesced gradient
+
+    def backward():
+        opt.zero_grad()
+        F.mse_loss(model(idx), torch.ones(2, 3)).backward()
+
+    backward()
+    assert model.emb.weight.grad.is_sparse
+    assert count_syncs(opt.step) == 1
+    assert w.events == []
+    assert w.stats()["grad_norm"] > 0
+    backward()
+    model.emb.weight.grad._values()[4, 1] = NAN
+    with pytest.raises(nanfast.NonFiniteError, match="emb.weight"):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.last.nan) == ("grad", "emb.weight", 1)
+    w.remove()
+
+
+class Picker(torch.nn.Module):
+    """Gathers with sparse_grad=True: the gradient flowing out of it (w.r.t. its input) is sparse."""
+
+    def forward(self, h):
+        return torch.gather(h, 1, torch.tensor([[0, 3], [1, 1]]), sparse_grad=True)
+
+
+class Picking(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(2, 16))
+        self.pick = Picker()
+        self.head = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.head(self.pick(self.scale * x))  # Linear's backward takes no sparse gradient
+
+
+def test_a_sparse_gradient_flowing_out_of_a_module_is_checked():
+    model = Picking()
+    with torch.no_grad():
+        model.head.weight[0, 0] = INF  # the head's input gradient is infinite; the head is ignored
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, ignore="head*", loss=False) as w, pytest.raises(nanfast.NonFiniteError):
+        opt.zero_grad()
+        model(batch(n=2, d=16)[0]).sum().backward()
+        opt.step()
+    assert (w.last.phase, w.last.name) == ("backward", "pick")
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_reported():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    x, _ = batch()
+
+    def step(targets):
+        opt.zero_grad()
+        loss = w.loss(F.cross_entropy(model(x), targets, ignore_index=-100))
+        loss.backward()
+        return loss
+
+    assert count_syncs(lambda: (step(torch.arange(5) % 4), opt.step())) == 1
+    loss = step(torch.full((5,), -100))  # every target ignored: 0/0
+    assert loss.isnan() and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(nanfast.NonFiniteError, match="value of 'loss' passed to Watch.loss"):
+        opt.step()
+    assert (w.last.phase, w.last.name, w.last.nan, w.last.later) == ("loss_value", "loss", 1, ())
+    assert w.loss(loss, name="aux") is loss
+    w.remove()
+
+
+def test_two_watches_sharing_a_scaler_restore_it_in_any_order():
+    def make():
+        model = MLP()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    (m1, o1), (m2, o2) = make(), make()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    w1 = nanfast.watch(m1, o1, scaler=scaler)
+    w2 = nanfast.watch(m2, o2, scaler=scaler)
+    w1.remove()
+    # w2 still sees the steps the scaler skips (it overflows at this scale).
+    o2.zero_grad()
+    scaler.scale(F.mse_loss(m2(batch()[0]), batch()[1] * 1e3)).backward()
+    scaler.step(o2)
+    assert (w2.scaler_skipped_steps, w2.step_count) == (1, 1)
+    w2.remove()
+    assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
+
+
+def test_the_locate_rerun_opens_no_step():
+    model = MLP()
+    x, y = batch()
+    x[0, 0] = NAN
+
+    def rerun():
+        F.mse_loss(model(x), y).backward()
+
+    w = nanfast.watch(model, action="warn", on_event="locate", rerun=rerun)
+    rerun()
+    with pytest.warns(RuntimeWarning, match="input batch is dirty"):
+        w.step()
+    assert w.last.located is not None and w.step_count == 1
+    with torch.no_grad():
+        model(batch()[0])  # inference: a step of its own, as the re-run was no training forward
+    assert w.step_count == 2
+    w.remove()
