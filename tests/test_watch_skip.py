@@ -1,0 +1,329 @@
+"""watch(action="skip") means "as if the batch never happened": parameters, module buffers (BatchNorm's
+running statistics) and optimizer state, first step included, for every torch optimizer and each of its
+implementations; action="raise" before the step leaves the model as the step found it; closure-based
+optimizers are refused rather than silently not skipped."""
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from op_recorder import OpRecorder
+
+NAN, INF = float("nan"), float("inf")
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.act = torch.nn.ReLU()
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(self.act(self.bn(self.l1(x))))
+
+
+class LNNet(torch.nn.Module):
+    """No buffers: what a skip must undo is the optimizer's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.norm(self.l1(x))))
+
+
+def batch(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def dirty(seed):
+    x, y = batch(seed)
+    x[1, 3] = NAN
+    return x, y
+
+
+def train_step(model, opt, x, y):
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def full_state(model, opt):
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers()},
+            copy.deepcopy(opt.state_dict()))
+
+
+def assert_same_state(got, want):
+    """Bit for bit: parameters, buffers, and the optimizer's state_dict (state and param groups)."""
+    (params, buffers, osd), (params_w, buffers_w, osd_w) = got, want
+    for kind, a, b in (("param", params, params_w), ("buffer", buffers, buffers_w)):
+        assert a.keys() == b.keys()
+        for n in a:
+            assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), (kind, n, a[n], b[n])
+    assert osd["param_groups"] == osd_w["param_groups"]
+    assert osd["state"].keys() == osd_w["state"].keys(), (osd["state"].keys(), osd_w["state"].keys())
+    for i, entry in osd["state"].items():
+        assert entry.keys() == osd_w["state"][i].keys(), (i, entry.keys(), osd_w["state"][i].keys())
+        for k, v in entry.items():
+            w = osd_w["state"][i][k]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (i, k, v, w)
+
+
+def run(make_model, make_opt, batches, bad=(), **watch_options):
+    """Trains on `batches` (those at the indices `bad` are dirty, under a skipping watch); returns the
+    final state, and the states just before and just after each bad step."""
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_opt(model.parameters())
+    w = nanfast.watch(model, opt, action="skip", **watch_options) if bad else None
+    around = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(batches):
+            if i in bad:
+                around.append(full_state(model, opt))
+            train_step(model, opt, x, y)
+            if i in bad:
+                around.append(full_state(model, opt))
+        if w is not None:
+            w.flush()
+            w.remove()
+    if w is not None:
+        assert w.skipped_steps == len(bad) and [e.phase for e in w.events] == ["input"] * len(bad), w.events
+        assert sum("skipped the optimizer step" in str(c.message) for c in caught) == len(bad)
+    return full_state(model, opt), around
+
+
+def check_skip_is_as_if_never_seen(make_model, make_opt, bad, n_good=4, **watch_options):
+    """A run with dirty batches at the indices `bad` (skipped) ends as a run without them, bit for bit;
+    each skipped step leaves the state as it found it (eager)."""
+    good = iter([batch(s) for s in range(n_good)])
+    with_bad = [dirty(99 + i) if i in bad else next(good) for i in range(n_good + len(bad))]
+    final, around = run(make_model, make_opt, with_bad, bad, **watch_options)
+    if watch_options.get("sync") != "lagged":  # a lagged skip is final only once its step has ended on the device
+        for before, after in zip(around[::2], around[1::2]):
+            assert_same_state(after, before)
+    reference, _ = run(make_model, make_opt, [batch(s) for s in range(n_good)])
+    assert_same_state(final, reference)
+
+
+# ---- module buffers (BatchNorm) ----
+
+
+def test_skip_restores_the_batchnorm_statistics_the_bad_forward_wrote():
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    check_skip_is_as_if_never_seen(BNNet, sgd, bad=(2,))
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = sgd(model.parameters())
+    with nanfast.watch(model, opt, action="skip"), pytest.warns(RuntimeWarning, match="skipped"):
+        train_step(model, opt, *batch(0))
+        train_step(model, opt, *dirty(1))
+    assert torch.isfinite(model.bn.running_mean).all() and torch.isfinite(model.bn.running_var).all()
+    assert model.bn.num_batches_tracked.item() == 1
+    assert torch.isfinite(model.eval()(batch(2)[0])).all()
+
+
+def test_caught_raise_leaves_the_model_as_the_step_found_it():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    w = nanfast.watch(model, opt)  # action="raise"
+    train_step(model, opt, *batch(0))
+    before = full_state(model, opt)
+    with pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, *dirty(1))
+    assert_same_state(full_state(model, opt), before)
+    train_step(model, opt, *batch(1))
+    w.remove()
+
+    torch.manual_seed(0)
+    reference = BNNet()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    train_step(reference, ref_opt, *batch(0))
+    train_step(reference, ref_opt, *batch(1))
+    assert_same_state(full_state(model, opt), full_state(reference, ref_opt))
+
+
+def test_lagged_skip_restores_buffers_on_the_device_without_a_host_read():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    w = nanfast.watch(model, opt, action="skip", sync="lagged")
+    train_step(model, opt, *batch(0))  # the first step creates the optimizer state: read at once
+    before = full_state(model, opt)
+    with OpRecorder() as ops:
+        train_step(model, opt, *dirty(1))
+    assert ops.host_syncs == 0
+    assert_same_state(full_state(model, opt), before)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        train_step(model, opt, *batch(2))
+    assert w.skipped_steps == 1
+    w.remove()
+
+
+def test_skip_adds_no_host_read_and_copies_only_the_buffers():
+    torch.manual_seed(0)
+    model = BNNet()
+    model.register_buffer("mask", torch.ones(1000, dtype=torch.bool))  # constant: not copied after step 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with nanfast.watch(model, opt, action="skip") as w:
+        syncs = []
+        for s in range(3):
+            with OpRecorder() as ops:
+                train_step(model, opt, *batch(s))
+            syncs.append(ops.host_syncs)
+        assert syncs == [1, 1, 1]
+        bn = model.bn
+        assert w._undo.bytes_per_step == (bn.running_mean.numel() + bn.running_var.numel()) * 4 + 8
+
+
+class CountsLargeBatches(torch.nn.Module):
+    """Changes an integer buffer in place only for batches of more than 6 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.register_buffer("large_batches", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        if x.shape[0] > 6:
+            self.large_batches += 1
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)  # re-assigned, not written in place
+        return self.lin(x)
+
+
+def test_a_buffer_first_changed_by_the_bad_step_cannot_be_skipped_and_says_so():
+    model = CountsLargeBatches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action="skip") as w:
+        train_step(model, opt, *batch(0))
+        ema = model.ema.clone()
+        x, y = batch(1, n=8)
+        x[0, 0] = NAN
+        with pytest.raises(nanfast.NonFiniteError, match=r"cannot be skipped: .*\['large_batches'\]"):
+            train_step(model, opt, x, y)
+        assert torch.equal(model.ema, ema)  # the re-assigned buffer is put back
+        opt.zero_grad()
+        train_step(model, opt, *batch(2, n=8))  # now seen changing: copied from here on
+        count, ema = model.large_batches.clone(), model.ema.clone()
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            train_step(model, opt, x, y)
+        assert torch.equal(model.large_batches, count) and torch.equal(model.ema, ema)
+        assert w.skipped_steps == 1
+
+
+# ---- every torch optimizer, every implementation, first step included ----
+
+_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1)),
+    "sgd-momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "sgd-nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    "sgd-dampening": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=1e-2)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2)),
+    "adam-amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.9, centered=True)),
+    "adamax": (torch.optim.Adamax, dict(lr=1e-2)),
+    "nadam": (torch.optim.NAdam, dict(lr=1e-2)),
+    "radam": (torch.optim.RAdam, dict(lr=1e-2)),
+    "asgd": (torch.optim.ASGD, dict(lr=1e-2, t0=1)),
+    "rprop": (torch.optim.Rprop, dict(lr=1e-2)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
+}
+_FUSED = {name for name, (cls, _) in _OPTIMIZERS.items() if "fused" in cls.__init__.__code__.co_varnames}
+_IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}
+_CASES = [(name, impl) for name in _OPTIMIZERS for impl in _IMPLS if impl != "fused" or name in _FUSED]
+
+
+def make_optimizer(name, impl):
+    cls, options = _OPTIMIZERS[name]
+    return lambda ps: cls(ps, **options, **_IMPLS[impl])
+
+
+@pytest.mark.parametrize("name,impl", _CASES, ids=[f"{n}-{i}" for n, i in _CASES])
+def test_skip_is_bit_identical_for_every_optimizer_first_step_included(name, impl):
+    check_skip_is_as_if_never_seen(LNNet, make_optimizer(name, impl), bad=(0, 3))
+
+
+@pytest.mark.parametrize("name", sorted(_FUSED))
+def test_lagged_skip_on_the_device_is_bit_identical_first_step_included(name):
+    check_skip_is_as_if_never_seen(LNNet, make_optimizer(name, "fused"), bad=(0, 3), sync="lagged")
+
+
+def test_lagged_skip_reads_a_step_that_creates_optimizer_state_at_once():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    w = nanfast.watch(model, opt, action="skip", sync="lagged")
+    with OpRecorder() as ops, pytest.warns(RuntimeWarning, match="skipped"):
+        train_step(model, opt, *dirty(0))
+    assert ops.host_syncs == 1 and w.skipped_steps == 1 and len(opt.state) == 0
+    syncs = []
+    for s in range(3):
+        with OpRecorder() as ops:
+            train_step(model, opt, *batch(s))
+        syncs.append(ops.host_syncs)
+    assert syncs == [1, 0, 0]  # the first good step creates the state; later steps wait for nothing
+    w.remove()
+
+
+# ---- closure-based optimizers ----
+
+
+def test_skip_refuses_closure_steps():
+    model = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="LBFGS runs the forward and backward inside optimizer.step"):
+        nanfast.watch(model, torch.optim.LBFGS(model.parameters()), action="skip")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with nanfast.watch(model, opt, action="skip"):
+        with pytest.raises(ValueError, match=r"cannot skip optimizer.step\(closure\)"):
+            opt.step(closure)
+        with pytest.raises(ValueError, match=r"cannot skip optimizer.step\(closure\)"):
+            opt.step(closure=closure)
+
+
+def test_raise_with_lbfgs_comes_one_step_late_as_documented():
+    """The closure runs the forward and backward inside optimizer.step(), after the step's read: a bad
+    batch is read at the next step, which raises with the parameters LBFGS already made non-finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+
+    def closure(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with nanfast.watch(model, opt) as w:
+        opt.step(lambda: closure(*batch(0)))
+        opt.step(lambda: closure(*dirty(1)))  # no error yet
+        assert not torch.isfinite(model.weight).all()
+        with pytest.raises(nanfast.NonFiniteError) as error:
+            opt.step(lambda: closure(*batch(2)))
+    event = error.value.report
+    assert event.step == 2 and event.phase == "param"
+    assert any(p.phase == "input" for p in event.later)  # the dirty batch is named among the places
