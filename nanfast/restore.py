@@ -4,6 +4,7 @@ so that a bad batch leaves no trace in the model. See NOTE: [What a step writes 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Optional
 
@@ -67,38 +68,46 @@ class BufferUndo:
             (module, name, f"{prefix}.{name}" if prefix else name)
             for prefix, module in model.named_modules() for name in module._buffers]
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
+        self._tensors: list[Optional[torch.Tensor]] = []  # each slot's tensor at the step start
+        self._versions: list[int] = []  # and its version counter (-1: not tracked)
+        self._tracked: list[bool] = []
+        self._saved: list[int] = []  # the slots copied into the twins
         self._twins: Optional[_Twins] = None
-        self._start: list[tuple[Optional[torch.Tensor], int]] = []  # each slot's tensor and version at the step start
-        self._saved: list[int] = []  # the slots copied into the twins this step
+        self._replan = True  # the set of copied slots changed since the twins were made
         self._open = False
         self._restorable = False
         self.missed: list[str] = []  # buffers the step changed in place with no copy to restore them from
         self.reassigned = False  # the step re-assigned a buffer (put back only by a host-side restore)
-        self.bytes_per_step = 0  # what the last step copied
+        self.bytes_per_step = 0  # what each step copies
 
     def begin(self) -> None:
         """Step start (the step's first forward): notes every buffer with its version counter (free, no
         sync) and copies the floating-point ones and those seen changing."""
         if not self._slots:
             return
-        start = []
-        for module, name, _ in self._slots:
-            t = module._buffers.get(name)
-            start.append((t, t._version if _copyable(t) else -1))
-        self._start = start
-        copied = self._copied
-        self._saved = [i for i, (t, _) in enumerate(start) if _copyable(t) and (
-            copied is None or i in copied or t.is_floating_point() or t.is_complex())]
-        tensors = [start[i][0] for i in self._saved]
-        if not tensors:
-            self._twins = None
-        elif self._twins is None or not self._twins.fits(tensors):
-            self._twins = _Twins(tensors)
+        tensors = [module._buffers.get(name) for module, name, _ in self._slots]
+        if self._replan or not all(map(operator.is_, tensors, self._tensors)):
+            self._plan(tensors)
+        self._tensors = tensors
+        self._versions = [t._version if tracked else -1 for t, tracked in zip(tensors, self._tracked)]
         if self._twins is not None:
-            self._twins.save(tensors)
-        self.bytes_per_step = self._twins.nbytes if self._twins is not None else 0
+            self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
         self.missed, self.reassigned = [], False
+
+    def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
+        """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
+        self._replan = False
+        self._tracked = [_copyable(t) for t in tensors]
+        copied = self._copied
+        self._saved = [i for i, t in enumerate(tensors) if self._tracked[i] and (
+            copied is None or i in copied or t.is_floating_point() or t.is_complex())]
+        saved = [tensors[i] for i in self._saved]
+        if not saved:
+            self._twins = None
+        elif self._twins is None or not self._twins.fits(saved):
+            self._twins = _Twins(saved)
+        self.bytes_per_step = self._twins.nbytes if self._twins is not None else 0
 
     def close(self) -> None:
         """Step end, before its verdict is acted on: learns which buffers the step changed (copied from
@@ -108,7 +117,7 @@ class BufferUndo:
             return
         self._open = False
         in_place, reassigned = [], []
-        for i, ((module, name, _), (t, version)) in enumerate(zip(self._slots, self._start)):
+        for i, ((module, name, _), t, version) in enumerate(zip(self._slots, self._tensors, self._versions)):
             if module._buffers.get(name) is not t:
                 reassigned.append(i)
             elif version >= 0 and t._version != version:
@@ -117,7 +126,9 @@ class BufferUndo:
         self.missed = [self._slots[i][2] for i in in_place if i not in saved]
         self.reassigned = bool(reassigned)
         changed = set(in_place).union(reassigned)
-        self._copied = changed if self._copied is None else self._copied | changed
+        if self._copied is None or not changed <= self._copied:
+            self._copied = changed if self._copied is None else self._copied | changed
+            self._replan = True
 
     def restore(self, where: Optional[torch.Tensor] = None) -> list[str]:
         """Puts the buffers back as the step found them: re-assigned ones get their earlier tensor back,
@@ -131,11 +142,11 @@ class BufferUndo:
             return []
         self._restorable = False
         if where is None:
-            for (module, name, _), (t, _) in zip(self._slots, self._start):
+            for (module, name, _), t in zip(self._slots, self._tensors):
                 if module._buffers.get(name) is not t:
                     module._buffers[name] = t
         if self._twins is not None:
-            self._twins.restore([self._start[i][0] for i in self._saved], where)
+            self._twins.restore([self._tensors[i] for i in self._saved], where)
         return self.missed
 
 
