@@ -49,6 +49,11 @@ class _Twins:
             torch._foreach_copy_(targets, views, non_blocking=True)
 
 
+def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and _copyable(a) and _copyable(b))
+
+
 def _copyable(t: Optional[torch.Tensor]) -> bool:
     return t is not None and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
 
@@ -77,7 +82,7 @@ class BufferUndo:
         self._open = False
         self._restorable = False
         self.missed: list[str] = []  # buffers the step changed in place with no copy to restore them from
-        self.reassigned = False  # the step re-assigned a buffer (put back only by a host-side restore)
+        self.host_only = False  # the step re-assigned a buffer to a different kind of tensor (or None)
         self.bytes_per_step = 0  # what each step copies
 
     def begin(self) -> None:
@@ -93,7 +98,7 @@ class BufferUndo:
         if self._twins is not None:
             self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
-        self.missed, self.reassigned = [], False
+        self.missed, self.host_only = [], False
 
     def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
         """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
@@ -124,29 +129,30 @@ class BufferUndo:
                 in_place.append(i)
         saved = set(self._saved)
         self.missed = [self._slots[i][2] for i in in_place if i not in saved]
-        self.reassigned = bool(reassigned)
+        self.host_only = any(not _same_kind(self._tensors[i], self._slots[i][0]._buffers.get(self._slots[i][1]))
+                             for i in reassigned)
         changed = set(in_place).union(reassigned)
         if self._copied is None or not changed <= self._copied:
             self._copied = changed if self._copied is None else self._copied | changed
             self._replan = True
 
     def restore(self, where: Optional[torch.Tensor] = None) -> list[str]:
-        """Puts the buffers back as the step found them: re-assigned ones get their earlier tensor back,
-        copied ones their saved values. With `where` (a bool scalar on the device), only if it is set and
-        without a host read; re-assigned buffers then stay. Does nothing outside a step that began and
-        closed, nor twice.
+        """Puts the buffers back as the step found them: copied ones get their saved values, re-assigned
+        ones their earlier tensor. With `where` (a bool scalar on the device), only if it is set, without a
+        host read (a re-assigned buffer becomes the selection of the two; not for `host_only`). Does
+        nothing outside a step that began and closed, nor twice.
 
         Returns:
             The names of the buffers the step changed in place that could not be restored (`missed`)."""
         if not self._restorable:
             return []
         self._restorable = False
-        if where is None:
-            for (module, name, _), t in zip(self._slots, self._tensors):
-                if module._buffers.get(name) is not t:
-                    module._buffers[name] = t
         if self._twins is not None:
             self._twins.restore([self._tensors[i] for i in self._saved], where)
+        for (module, name, _), t in zip(self._slots, self._tensors):
+            now = module._buffers.get(name)
+            if now is not t:
+                module._buffers[name] = t if where is None else torch.where(where, t, now)
         return self.missed
 
 

@@ -652,9 +652,9 @@ class Watch:
     def _needs_host_verdict(self) -> bool:
         """A lagged skip on the device cannot undo this step: it creates optimizer state (fused SGD makes
         its momentum buffers before it looks at found_inf), or changed a buffer with no copy to restore it
-        from on the device. Such a step is read at once (a first step, or a buffer seen changing for the
-        first time)."""
-        return self._skip_on_device and (lacks_state(self.optimizer) or bool(self._undo.missed or self._undo.reassigned))
+        from, or re-assigned one to a tensor of another shape. Such a step is read at once (a first step,
+        or a buffer seen changing for the first time)."""
+        return self._skip_on_device and (lacks_state(self.optimizer) or bool(self._undo.missed or self._undo.host_only))
 
     def _pack(self, found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor], scaler_skipped: bool,
               fused_pass: bool) -> _Read:

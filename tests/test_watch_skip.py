@@ -235,6 +235,37 @@ def test_a_buffer_first_changed_by_the_bad_step_cannot_be_skipped_and_says_so():
         assert w.skipped_steps == 1
 
 
+class EMANet(BNNet):
+    """BNNet that also keeps an average of its inputs, re-assigned (not written in place) at every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        return super().forward(x)
+
+
+def test_lagged_skip_selects_re_assigned_buffers_on_the_device():
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    check_skip_is_as_if_never_seen(EMANet, adamw, bad=(0, 3), sync="lagged")
+    torch.manual_seed(0)
+    model = EMANet()
+    opt = adamw(model.parameters())
+    w = nanfast.watch(model, opt, action="skip", sync="lagged")
+    syncs = []
+    for s in range(4):
+        with OpRecorder() as ops:
+            train_step(model, opt, *(dirty(s) if s == 2 else batch(s)))
+        syncs.append(ops.host_syncs)
+    assert syncs == [1, 0, 0, 0]  # only the first step, which creates the optimizer state, is read at once
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        w.flush()
+    assert w.skipped_steps == 1
+    w.remove()
+
+
 # ---- every torch optimizer, every implementation, first step included ----
 
 _OPTIMIZERS = {
