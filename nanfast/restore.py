@@ -54,8 +54,14 @@ def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
             and _copyable(a) and _copyable(b))
 
 
+def _tracked(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and not t.is_inference()  # inference tensors have no version counter
+
+
 def _copyable(t: Optional[torch.Tensor]) -> bool:
-    return t is not None and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
+    """A plain dense tensor (a DTensor or other subclass would need its own twin: left out, so a change
+    to it shows as `missed`)."""
+    return type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
 
 
 class BufferUndo:
@@ -103,9 +109,9 @@ class BufferUndo:
     def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
         """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
         self._replan = False
-        self._tracked = [_copyable(t) for t in tensors]
+        self._tracked = [_tracked(t) for t in tensors]
         copied = self._copied
-        self._saved = [i for i, t in enumerate(tensors) if self._tracked[i] and (
+        self._saved = [i for i, t in enumerate(tensors) if _copyable(t) and (
             copied is None or i in copied or t.is_floating_point() or t.is_complex())]
         saved = [tensors[i] for i in self._saved]
         if not saved:
