@@ -798,14 +798,15 @@ class Watch:
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
         else:
             missed = self._undo.restore() if before_step and self._undo is not None else []
+            # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
+            unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
+                          "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""
             if self.action == "raise":
-                raise NonFiniteError(event)
+                raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
             if event.phase == "param":
                 raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
             if missed:
-                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: its forward changed the "
-                                     f"buffers {missed} in place, which no earlier step had changed, so no copy was "
-                                     "taken (it is from now on)")
+                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped{unrestored}")
             # The GradScaler already skipped it, or (lagged) the optimizer skips it on the device (found_inf).
             self._skip_now = not scaler_skipped and before_step
             self.skipped_steps += 1

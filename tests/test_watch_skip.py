@@ -234,6 +234,13 @@ def test_a_buffer_first_changed_by_the_bad_step_cannot_be_skipped_and_says_so():
         assert torch.equal(model.large_batches, count) and torch.equal(model.ema, ema)
         assert w.skipped_steps == 1
 
+    model = CountsLargeBatches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt):  # action="raise" names it too
+        train_step(model, opt, *batch(0))
+        with pytest.raises(nanfast.NonFiniteError, match=r"the buffers \['large_batches'\] in place, which could not"):
+            train_step(model, opt, x, y)
+
 
 class EMANet(BNNet):
     """BNNet that also keeps an average of its inputs, re-assigned (not written in place) at every forward."""
