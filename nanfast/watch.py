@@ -337,8 +337,8 @@ class Watch:
         self._found: Optional[torch.Tensor] = None
         self._saved_found_inf: Optional[torch.Tensor] = None
         # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before
-        # the step (see NOTE: [What a step writes besides the update]).
-        undoes = action == "skip" or (action == "raise" and sync == "eager")
+        # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
+        undoes = optimizer is not None and (action == "skip" or (action == "raise" and sync == "eager"))
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
         self._reset_step()
         self._pending: Optional[_Read] = None
