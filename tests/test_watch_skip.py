@@ -5,6 +5,7 @@ optimizers are refused rather than silently not skipped."""
 
 import copy
 import gc
+import inspect
 import os
 import warnings
 
@@ -289,15 +290,19 @@ _OPTIMIZERS = {
     "asgd": (torch.optim.ASGD, dict(lr=1e-2, t0=1)),
     "rprop": (torch.optim.Rprop, dict(lr=1e-2)),
     "adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
+    "adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+    "muon": (lambda ps, **kw: torch.optim.Muon([p for p in ps if p.ndim == 2], **kw), dict(lr=1e-2)),  # matrices only
 }
-_FUSED = {name for name, (cls, _) in _OPTIMIZERS.items() if "fused" in cls.__init__.__code__.co_varnames}
+_FUSED = {name for name, (cls, _) in _OPTIMIZERS.items() if "fused" in inspect.signature(cls).parameters}
+_ONE_IMPL = {"muon"}  # no foreach/fused switch
 _IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}
-_CASES = [(name, impl) for name in _OPTIMIZERS for impl in _IMPLS if impl != "fused" or name in _FUSED]
+_CASES = [(name, impl) for name in _OPTIMIZERS for impl in _IMPLS
+          if (impl != "fused" or name in _FUSED) and (name not in _ONE_IMPL or impl == "forloop")]
 
 
 def make_optimizer(name, impl):
     cls, options = _OPTIMIZERS[name]
-    return lambda ps: cls(ps, **options, **_IMPLS[impl])
+    return lambda ps: cls(ps, **options, **({} if name in _ONE_IMPL else _IMPLS[impl]))
 
 
 @pytest.mark.parametrize("name,impl", _CASES, ids=[f"{n}-{i}" for n, i in _CASES])
