@@ -542,3 +542,32 @@ def test_soak_memory_stays_flat_every_fault_is_reported_and_skip_is_exact(action
     if action in ("raise", "skip"):  # a caught raise before the step undoes it as a skip does
         reference, _, _ = soak(action, faults, watched=False)
         assert_same_state(final, reference)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "sgd-fused"])
+def test_skip_under_a_gradscaler_restores_buffers_too(fused):
+    """With a GradScaler the NaN gradients of a dirty batch also make the scaler skip (for a non-fused
+    optimizer it never calls optimizer.step()): the watch's skip must still put the buffers back."""
+
+    def run(batches, watched):
+        torch.manual_seed(0)
+        model = BNNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        w = nanfast.watch(model, opt, action="skip", scaler=scaler) if watched else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for x, y in batches:
+                opt.zero_grad()
+                scaler.scale(F.mse_loss(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+        if w is not None:
+            assert w.skipped_steps == 1 and w.last.phase == "input"
+            w.remove()
+        return full_state(model, opt), scaler.get_scale()
+
+    good = [batch(s) for s in range(3)]
+    (state, scale), (reference, _) = run(good[:1] + [dirty(9)] + good[1:], True), run(good, False)
+    assert scale == 0.5  # the scaler halved its scale for the NaN gradients: not undone (documented)
+    assert_same_state(state, reference)  # scales are powers of two: unscaled gradients are the same
