@@ -19,6 +19,7 @@ from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
 from .recompute import REENTRANT, UNPACK, recomputation
 from .report import NonFiniteError
+from .restore import BufferUndo, lacks_state
 from .watch_state import StepState
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
@@ -269,15 +270,24 @@ class Watch:
                 raise ValueError("nanfast.watch: on_event='locate' needs sync='eager': the step is re-run before the "
                                  "optimizer applies it")
         # NOTE: [Skipping a step]
-        # A skipped step must leave parameters and optimizer state exactly as they were. Optimizers that
-        # take a `found_inf` tensor (torch's fused=True Adam/AdamW/SGD, the protocol GradScaler uses) get
-        # the device-side flag of this step's checks: they skip on the device, no host read needed.
-        # Others are given no gradients for that step (every torch optimizer leaves a parameter without a
-        # .grad, and its state, untouched), which needs the host's verdict before the step: the eager read.
-        self._skip_on_device = action == "skip" and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # A skipped step must leave parameters and optimizer state exactly as they were. With the host's
+        # verdict before the step (the eager read, made in the step pre-hook), the optimizer is given no
+        # gradients for that step: every torch optimizer leaves a parameter without a .grad, and its
+        # state, untouched (fused ones included: handed found_inf instead, a first step would still
+        # create their state, fused SGD's momentum buffers with empty_like). A lagged watch knows only on
+        # the device: optimizers that take a `found_inf` tensor (fused=True, the protocol GradScaler
+        # uses) get the flag of this step's checks and skip there; a step they could not undo that way
+        # (one that creates optimizer state) is read at once instead (see _end_step).
+        self._skip_on_device = (action == "skip" and sync == "lagged"
+                                and bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
         if action == "skip":
             if optimizer is None:
                 raise ValueError("nanfast.watch: action='skip' needs the optimizer whose step it skips")
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise ValueError(
+                    "nanfast.watch: action='skip' cannot skip LBFGS steps: LBFGS runs the forward and backward "
+                    "inside optimizer.step(closure), after the point where the watch decides (the step pre-hook), "
+                    "and updates the parameters between closure calls; use action='raise' (see docs/watch.md)")
             if sync == "lagged" and not self._skip_on_device:
                 raise ValueError(
                     "nanfast.watch: action='skip' with sync='lagged' needs an optimizer that skips on the device "
@@ -331,6 +341,10 @@ class Watch:
         self._held_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._found: Optional[torch.Tensor] = None
         self._saved_found_inf: Optional[torch.Tensor] = None
+        # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before
+        # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
+        undoes = optimizer is not None and (action == "skip" or (action == "raise" and sync == "eager"))
+        self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
         self._reset_step()
         self._pending: Optional[_Read] = None
         self._summary: Optional[torch.Tensor] = None
@@ -400,6 +414,8 @@ class Watch:
     # ---- the hooks (hot path: one Python call and one fused op each) ----
 
     def _reset_step(self) -> None:
+        if self._undo is not None:
+            self._undo.close()
         self._active = self._installed and self.step_count % self.every == 0
         self._recorder.clear()
         self._slot_info = []
@@ -497,6 +513,8 @@ class Watch:
         self._forward_id += 1
         self._microbatch = self._forwards
         self._forwards += 1
+        if self._undo is not None and self._microbatch == 0:
+            self._undo.begin()
         if self.on_event == "locate" and self._microbatch == 0:
             from .locate import StepState
 
@@ -575,11 +593,16 @@ class Watch:
     # ---- the step: one read ----
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # args: the step's own arguments, the optimizer first
+        if self.action == "skip" and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+            raise ValueError("nanfast.watch: action='skip' cannot skip optimizer.step(closure): the closure runs the "
+                             "step's forward and backward after the point where the watch decides; call backward "
+                             "before optimizer.step()")
         self._stepped = True
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
         if self.action != "skip":
             return
-        if self._skip_on_device:
+        if self._skip_on_device and not self._skip_now:
             if read is None:
                 return
             found = (read.summary[0] > 0).to(torch.float32)
@@ -602,6 +625,8 @@ class Watch:
             else:
                 optimizer.found_inf = self._saved_found_inf
             skip = self._found.bool()
+            if self._undo is not None:
+                self._undo.restore(where=skip)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
@@ -684,15 +709,23 @@ class Watch:
         read = self._pack(found_inf, grad_scale, scaler_skipped, fused_pass) if self._active else None
         self.step_count += 1
         self._reset_step()
-        if self.sync == "lagged":
+        if self.sync == "lagged" and not (read is not None and self._needs_host_verdict()):
             if read is not None:
                 _start_copy(read)
             pending, self._pending = self._pending, read
             if pending is not None:
                 self._evaluate(pending)
         elif read is not None:
+            self.flush()  # lagged: the previous step's read comes first
             self._evaluate(read)
         return read
+
+    def _needs_host_verdict(self) -> bool:
+        """A lagged skip on the device cannot undo this step: it creates optimizer state (fused SGD makes
+        its momentum buffers before it looks at found_inf), or changed a buffer with no copy to restore it
+        from, or re-assigned one to a tensor of another shape. Such a step is read at once (a first step,
+        or a buffer seen changing for the first time)."""
+        return self._skip_on_device and (lacks_state(self.optimizer) or bool(self._undo.missed or self._undo.host_only))
 
     def _pack(self, found_inf: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor], scaler_skipped: bool,
               fused_pass: bool) -> _Read:
@@ -794,7 +827,7 @@ class Watch:
             event = dataclasses.replace(event, located=self._locate())
         self.events.append(event)
         self.last = event
-        self._act(event, scaler_skipped)
+        self._act(event, scaler_skipped, before_step=read.host is None)
 
     def _places(self, rows: list, slots: list, scaler_skipped: bool) -> list[Place]:
         places = []
@@ -828,21 +861,29 @@ class Watch:
             self._active = active
             self._steps.reset()  # the re-run's forwards are not the next step's
 
-    def _act(self, event: Event, scaler_skipped: bool) -> None:
+    def _act(self, event: Event, scaler_skipped: bool, before_step: bool) -> None:
+        """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
+        so a skip or a raise can still leave the model as the step found it."""
         if callable(self.action):
             self.action(event)
-        elif self.action == "raise":
-            raise NonFiniteError(event)
         elif self.action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
-        elif event.phase == "param":
-            raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
         else:
-            # The GradScaler already skipped it, or the optimizer skips it on the device (found_inf).
-            self._skip_now = not scaler_skipped and not self._skip_on_device
+            missed = self._undo.restore() if before_step and self._undo is not None else []
+            # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
+            unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
+                          "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""
+            if self.action == "raise":
+                raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
+            if event.phase == "param":
+                raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
+            if missed:
+                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped{unrestored}")
+            # The GradScaler already skipped it, or (lagged) the optimizer skips it on the device (found_inf).
+            self._skip_now = not scaler_skipped and before_step
             self.skipped_steps += 1
-            warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters and optimizer state unchanged, "
-                          "grads zeroed)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
+                          "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=2)
 
     # ---- numbers for a logger ----
 

@@ -1,0 +1,171 @@
+"""Undoing a step: snapshots the module buffers a step's forward may write (BatchNorm's running
+statistics and its batch count) and restores them when the watch skips the step or raises before it,
+so that a bad batch leaves no trace in the model. See NOTE: [What a step writes besides the update]."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+
+class _Twins:
+    """Device copies of a fixed list of tensors, packed in one flat tensor per (device, dtype): saved and
+    copied back with one `_foreach_copy_` per group, or copied back where a device-side flag is set."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        self.kinds = [(t.shape, t.device, t.dtype) for t in tensors]
+        self.groups: list[tuple[list[int], torch.Tensor, list[torch.Tensor]]] = []
+        for (device, dtype), indices in groups.items():
+            flat = torch.empty(sum(tensors[i].numel() for i in indices), device=device, dtype=dtype)
+            views, offset = [], 0
+            for i in indices:
+                n = tensors[i].numel()
+                views.append(flat[offset:offset + n].view(tensors[i].shape))
+                offset += n
+            self.groups.append((indices, flat, views))
+        self.nbytes = sum(flat.numel() * flat.element_size() for _, flat, _ in self.groups)
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return self.kinds == [(t.shape, t.device, t.dtype) for t in tensors]
+
+    def save(self, tensors: Sequence[torch.Tensor]) -> None:
+        for indices, _, views in self.groups:
+            torch._foreach_copy_(views, [tensors[i] for i in indices], non_blocking=True)
+
+    def restore(self, tensors: Sequence[torch.Tensor], where: Optional[torch.Tensor] = None) -> None:
+        """Copies the saved values back; with `where` (a bool scalar on the device), only if it is set:
+        no host read."""
+        for indices, flat, views in self.groups:
+            targets = [tensors[i] for i in indices]
+            if where is not None:
+                current = torch.cat([t.reshape(-1) for t in targets])
+                torch.where(where.to(flat.device), flat, current, out=flat)
+            torch._foreach_copy_(targets, views, non_blocking=True)
+
+
+def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+            and _copyable(a) and _copyable(b))
+
+
+def _tracked(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and not t.is_inference()  # inference tensors have no version counter
+
+
+def _copyable(t: Optional[torch.Tensor]) -> bool:
+    """A plain dense tensor (a DTensor or other subclass would need its own twin: left out, so a change
+    to it shows as `missed`)."""
+    return type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
+
+
+class BufferUndo:
+    """Remembers, at the start of each step, the module buffers of a model so that `restore()` can put
+    them back as they were (see NOTE: [What a step writes besides the update]).
+
+    Floating-point buffers are copied at every step: BatchNorm's kernel writes its running statistics
+    without bumping their version counters (pytorch/pytorch#13402), so only their values could tell.
+    Other buffers (masks, position ids, counters) are copied once some step has changed them (version
+    counter or re-assignment), all on the first step. Buffers are taken at construction as (module,
+    name); a buffer re-assigned later is followed by name."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._slots: list[tuple[torch.nn.Module, str, str]] = [
+            (module, name, f"{prefix}.{name}" if prefix else name)
+            for prefix, module in model.named_modules() for name in module._buffers]
+        self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
+        self._tensors: list[Optional[torch.Tensor]] = []  # each slot's tensor at the step start
+        self._versions: list[int] = []  # and its version counter (-1: not tracked)
+        self._tracked: list[bool] = []
+        self._saved: list[int] = []  # the slots copied into the twins
+        self._twins: Optional[_Twins] = None
+        self._replan = True  # the set of copied slots changed since the twins were made
+        self._open = False
+        self._restorable = False
+        self.missed: list[str] = []  # buffers the step changed in place with no copy to restore them from
+        self.host_only = False  # the step re-assigned a buffer to a different kind of tensor (or None)
+        self.bytes_per_step = 0  # what each step copies
+
+    def begin(self) -> None:
+        """Step start (the step's first forward): notes every buffer with its version counter (free, no
+        sync) and copies the floating-point ones and those seen changing."""
+        if not self._slots:
+            return
+        tensors = [module._buffers.get(name) for module, name, _ in self._slots]
+        if self._replan or not all(map(operator.is_, tensors, self._tensors)):
+            self._plan(tensors)
+        self._tensors = tensors
+        self._versions = [t._version if tracked else -1 for t, tracked in zip(tensors, self._tracked)]
+        if self._twins is not None:
+            self._twins.save([tensors[i] for i in self._saved])
+        self._open = self._restorable = True
+        self.missed, self.host_only = [], False
+
+    def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
+        """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
+        self._replan = False
+        self._tracked = [_tracked(t) for t in tensors]
+        copied = self._copied
+        self._saved = [i for i, t in enumerate(tensors) if _copyable(t) and (
+            copied is None or i in copied or t.is_floating_point() or t.is_complex())]
+        saved = [tensors[i] for i in self._saved]
+        if not saved:
+            self._twins = None
+        elif self._twins is None or not self._twins.fits(saved):
+            self._twins = _Twins(saved)
+        self.bytes_per_step = self._twins.nbytes if self._twins is not None else 0
+
+    def close(self) -> None:
+        """Step end, before its verdict is acted on: learns which buffers the step changed (copied from
+        the next step on), and which of them it changed in place with no copy taken (`missed`: a
+        non-floating buffer that no earlier step had changed)."""
+        if not self._open:
+            return
+        self._open = False
+        in_place, reassigned = [], []
+        for i, ((module, name, _), t, version) in enumerate(zip(self._slots, self._tensors, self._versions)):
+            if module._buffers.get(name) is not t:
+                reassigned.append(i)
+            elif version >= 0 and t._version != version:
+                in_place.append(i)
+        saved = set(self._saved)
+        self.missed = [self._slots[i][2] for i in in_place if i not in saved]
+        self.host_only = any(not _same_kind(self._tensors[i], self._slots[i][0]._buffers.get(self._slots[i][1]))
+                             for i in reassigned)
+        changed = set(in_place).union(reassigned)
+        if self._copied is None or not changed <= self._copied:
+            self._copied = changed if self._copied is None else self._copied | changed
+            self._replan = True
+
+    def restore(self, where: Optional[torch.Tensor] = None) -> list[str]:
+        """Puts the buffers back as the step found them: copied ones get their saved values, re-assigned
+        ones their earlier tensor. With `where` (a bool scalar on the device), only if it is set, without a
+        host read (a re-assigned buffer becomes the selection of the two; not for `host_only`). Does
+        nothing outside a step that began and closed, nor twice.
+
+        Returns:
+            The names of the buffers the step changed in place that could not be restored (`missed`)."""
+        if not self._restorable:
+            return []
+        self._restorable = False
+        if self._twins is not None:
+            self._twins.restore([self._tensors[i] for i in self._saved], where)
+        for (module, name, _), t in zip(self._slots, self._tensors):
+            now = module._buffers.get(name)
+            if now is not t:
+                module._buffers[name] = t if where is None else torch.where(where, t, now)
+        return self.missed
+
+
+def lacks_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the next step creates optimizer state: some parameter with a gradient has none yet."""
+    state = optimizer.state
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(state) >= len(params):
+        return False
+    return any(p.grad is not None and not state.get(p) for p in params)
