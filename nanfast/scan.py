@@ -21,8 +21,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ._tree import named_leaves
 from .check import check_all
-from .leaves import named_leaves
 from .ops import reads_dtype
 from .report import Entry, Report
 
@@ -194,7 +194,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         if path.endswith(".safetensors"):
             tensors = _safetensors_tensors(path)
         else:
-            tensors = named_leaves(_torch_load(path), tensor_attributes=True)
+            loaded = named_leaves(_torch_load(path), brackets=True, shared_once=True, tensor_attributes=True)
+            tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor))
         for name, t in tensors:
             readable = _readable(name, t)
             if isinstance(readable, str):
