@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
-from ._tree import group_by_device, leaves
+from ._tree import group_by_device, leaves, named_leaves
 from .recompute import recomputation_in
 from .report import NonFiniteError
 
@@ -475,11 +475,12 @@ class _LocateMode(TorchDispatchMode):
         for name, value in named:
             if name in info.out_args:
                 continue
-            if isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
-                    isinstance(v, torch.Tensor) for v in value)):
-                many = not isinstance(value, torch.Tensor)
-                for k, t in enumerate(_tensors_in(value)):
-                    label = (f"{name}[{k}]" if many else name) + (".values()" if t.is_nested else "")
+            # Named by position in their list ("indices[1]"), Nones in a Tensor?[] counted.
+            tensors = [(label, t) for label, t in named_leaves(value, name, brackets=True)
+                       if isinstance(t, torch.Tensor)]
+            if tensors:
+                for label, t in tensors:
+                    label += ".values()" if t.is_nested else ""
                     inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
                 continue
             text = _scalar_text(value)

@@ -135,6 +135,13 @@ def test_an_op_returning_a_tuple_with_a_tensor_list_has_its_outputs_checked():
     assert [counts(out) for out in finding.outputs] == [(1, 0, 0), (0, 0, 0)]
 
 
+def test_tensors_in_a_list_with_nones_are_named_by_their_position():
+    """index_put_'s indices are a Tensor?[]: the index tensor at position 1 was named indices[0] (a None)."""
+    x, idx = torch.full((2, 3), INF), torch.tensor([1])
+    finding = first_finding(torch.ops.aten.index_put_, x, [None, idx], torch.tensor([-INF]), True)  # inf - inf
+    assert [i.name for i in finding.inputs] == ["self", "indices[1]", "values"]
+
+
 def test_inf_minus_inf_names_the_nan_producer_and_where_its_inputs_came_from():
     def run():
         big = torch.full((3,), INF)  # <full-inf>
