@@ -1,4 +1,4 @@
-"""Walking nested containers: `named_leaves` (every leaf of dicts, lists, tuples, named tuples and
+"""Walking nested containers: `named_leaves` (every leaf of dicts, lists, tuples, sets, named tuples and
 dataclasses, with its path), `leaves` (the same without paths) and `group_by_device`. One walker, so
 that every API finds the same tensors in the same input."""
 
@@ -12,97 +12,122 @@ from typing import Any, Optional
 import torch
 
 _SEQUENCES = (list, tuple, collections.deque)
+_SETS = (set, frozenset)
+# Tensors whose attributes torch.save keeps as the user set them (a subclass's are its own internals).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+# How a container names a child: by key (mapping key, field name), by position in a sequence, or by
+# position in a set's iteration order.
+_KEY, _POSITION, _MEMBER = range(3)
+# A path as a link to its parent's: (parent, key, how). Built into a string only for a leaf, so deep
+# nesting costs memory linear in its size, not in the sum of its path lengths.
+_Node = Optional[tuple[Any, Any, int]]
+# On the walk's stack, in place of a node: the container below has been walked, and may be entered again.
+_LEAVE = object()
 
 
 def is_container(obj: Any) -> bool:
     """Whether `named_leaves` walks into `obj` (a Tensor is a leaf, although it is iterable)."""
     if isinstance(obj, torch.Tensor):
         return False
-    return (isinstance(obj, (Mapping, *_SEQUENCES))
+    return (isinstance(obj, (Mapping, *_SEQUENCES, *_SETS))
             or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)))
 
 
-def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
-    """(key, value) pairs of a container: mapping keys, field names, or positions."""
+def _children(obj: Any) -> list[tuple[Any, int, Any]]:
+    """(key, how it names, value) for each item of a container."""
     if isinstance(obj, Mapping):
-        return iter(obj.items())
+        return [(key, _KEY, value) for key, value in obj.items()]
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # named tuple
-        return zip(obj._fields, obj)
+        return [(name, _KEY, value) for name, value in zip(obj._fields, obj)]
     if isinstance(obj, _SEQUENCES):
-        return enumerate(obj)
-    return ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        return [(i, _POSITION, value) for i, value in enumerate(obj)]
+    if isinstance(obj, _SETS):
+        return [(i, _MEMBER, value) for i, value in enumerate(obj)]
+    return [(f.name, _KEY, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
 
 
-def _pairs(items: Iterable) -> Iterator[tuple[Any, Any]]:
+def _pairs(items: Iterable) -> list[tuple[Any, int, Any]]:
     """The items of a list: a plain 2-tuple (name: str, value) is named by its first item, others by position."""
-    for i, item in enumerate(items):
-        if type(item) is tuple and len(item) == 2 and isinstance(item[0], str):
-            yield item
-        else:
-            yield i, item
+    return [(item[0], _KEY, item[1]) if type(item) is tuple and len(item) == 2 and isinstance(item[0], str)
+            else (i, _POSITION, item) for i, item in enumerate(items)]
 
 
-def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False,
-                 name_pairs: bool = False) -> Iterator[tuple[str, Any]]:
+def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False, name_pairs: bool = False,
+                 shared_once: bool = False, tensor_attributes: bool = False) -> Iterator[tuple[str, Any]]:
     """Every leaf of nested containers, with its path, depth first in container order.
 
     Containers: Mappings (named by key), named tuples and dataclass instances (by field name), lists,
-    tuples and deques (by position). Everything else is a leaf, Tensors included; what a leaf holds is
-    the caller's to decide, so nothing in a container is dropped here. The walk is iterative (any
-    depth), and a container met again inside itself (a cycle) is not entered again: its leaves are
-    already reached through its first occurrence. A container shared by two branches is walked in
-    both.
+    tuples and deques (by position), sets and frozensets (by position in iteration order). Everything
+    else is a leaf, Tensors included; what a leaf holds is the caller's to decide, so nothing in a
+    container is dropped here. The walk is iterative (any depth), and a container met again inside
+    itself (a cycle) is not entered again: its leaves are already reached through its first occurrence.
 
     Args:
         obj: the root; a leaf root is yielded as (prefix, obj).
         prefix: the root's path.
-        brackets: positions in sequences written "[i]" ("pair[0].x"), else joined with "." like keys
-            ("pair.0.x"); a mapping's int keys are keys ("state.0").
+        brackets: positions written "[i]" in sequences and "{i}" in sets ("pair[0].x", "s{0}"), else
+            joined with "." like keys ("pair.0.x"); a mapping's int keys are keys ("state.0").
         name_pairs: the root is an iterable (a list, a generator of `named_parameters()`...) whose
             plain 2-tuples (name: str, value) name their value; other items are named by position.
+        shared_once: a container reached by two paths is walked at the first only, so that any input
+            (a crafted checkpoint) is walked in time linear in its size; else it is walked at each.
+        tensor_attributes: after a plain tensor or parameter, walk the attributes set on it ("w.scale"),
+            which torch.save keeps.
 
     Returns:
         An iterator of (path, leaf); paths join keys and field names with ".".
     """
-    return _walk(obj, prefix, brackets, name_pairs)
+    for node, leaf in _walk(obj, name_pairs, shared_once, tensor_attributes):
+        yield _path(node, prefix, brackets), leaf
 
 
 def leaves(obj: Any) -> Iterator[Any]:
     """The leaves `named_leaves(obj)` yields, in the same order, without building their paths (for
     hooks that run at every step and need only the tensors)."""
-    return (leaf for _, leaf in _walk(obj, None, False, False))
+    return (leaf for _, leaf in _walk(obj, False, False, False))
 
 
-def _walk(obj: Any, prefix: Optional[str], brackets: bool, name_pairs: bool) -> Iterator[tuple[Optional[str], Any]]:
-    """named_leaves; with prefix None, no paths are built (None instead)."""
-    if name_pairs:
-        root = _pairs(obj)
-    elif is_container(obj):
-        root = _children(obj)
-    else:
-        yield prefix, obj
-        return
-    on_path = {id(obj)}
-    # Frames: (container id, path, iterator of (key, value), whether int keys are positions, not mapping keys).
-    stack = [(id(obj), prefix, root, name_pairs or isinstance(obj, _SEQUENCES))]
-    while stack:
-        container_id, path, children, positional = stack[-1]
-        for key, value in children:
-            if path is None:
-                name = None
-            elif brackets and positional and isinstance(key, int):
-                name = f"{path}[{key}]"
-            else:
-                name = f"{path}.{key}" if path else str(key)
-            if not is_container(value):
-                yield name, value
-            elif id(value) not in on_path:
-                on_path.add(id(value))
-                stack.append((id(value), name, _children(value), isinstance(value, _SEQUENCES)))
-                break
+def _path(node: _Node, prefix: str, brackets: bool) -> str:
+    parts = []
+    while node is not None:
+        node, key, how = node
+        if how == _KEY or not brackets:
+            parts.append(f".{key}")
         else:
-            stack.pop()
-            on_path.discard(container_id)
+            parts.append(f"[{key}]" if how == _POSITION else f"{{{key}}}")
+    path = prefix + "".join(reversed(parts))
+    return path if prefix else path.removeprefix(".")
+
+
+def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool) -> Iterator[tuple[_Node, Any]]:
+    """named_leaves, each leaf with its node."""
+    # Ids of the containers entered (all of them with shared_once, else those on the current path), with
+    # the container: kept alive, so that no id is reused by another object during the walk.
+    entered: dict[int, Any] = {}
+    stack: list[tuple[Any, Any]] = [(None, obj)]  # (node or _LEAVE, value)
+    if name_pairs:
+        entered[id(obj)] = obj
+        stack = [((None, key, how), value) for key, how, value in reversed(_pairs(obj))]
+    while stack:
+        node, value = stack.pop()
+        if node is _LEAVE:
+            del entered[id(value)]
+            continue
+        if isinstance(value, torch.Tensor):
+            yield node, value
+            if not (tensor_attributes and type(value) in _PLAIN_TENSORS and value.__dict__):
+                continue
+            value = value.__dict__
+        elif not is_container(value):
+            yield node, value
+            continue
+        if id(value) in entered:
+            continue
+        entered[id(value)] = value
+        if not shared_once:
+            stack.append((_LEAVE, value))
+        stack.extend(((node, key, how), child) for key, how, child in reversed(_children(value)))
 
 
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from .leaves import named_leaves
+from ._tree import group_by_device, named_leaves
 from .ops import reads_dtype
 from .report import NonFiniteError
 
@@ -92,15 +92,12 @@ def _unreadable(t: torch.Tensor) -> Optional[str]:
     return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
 
 
-def _by_device(pairs: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[int]]:
-    groups: dict[torch.device, list[int]] = {}
-    for i, (name, t) in enumerate(pairs):
+def _validate(pairs: list[tuple[str, torch.Tensor]]) -> None:
+    for name, t in pairs:
         what = _unreadable(t)
         if what:
             raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only strided tensors with values "
                              "of the dtypes nanfast reads can be checked")
-        groups.setdefault(t.device, []).append(i)
-    return groups
 
 
 def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
@@ -116,17 +113,19 @@ def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
-    """Checks every tensor in `batch` (a tensor, or mappings, dataclasses, named tuples, lists and
-    tuples of them) and names the fields and samples (indices along the first dimension) that hold
-    NaN or inf. A clean batch costs one fused check and one host sync per device; only a bad one is
-    counted per field and per sample.
+    """Checks every tensor in `batch` (a tensor, or mappings, dataclasses, named tuples, lists, tuples,
+    deques and sets of them; a container met twice is walked once) and names the fields and samples
+    (indices along the first dimension) that hold NaN or inf. A clean batch costs one fused check and
+    one host sync per device; only a bad one is counted per field and per sample.
 
     Raises NonFiniteError (carrying the BatchReport) if anything is non-finite and raise_on_nonfinite;
     ValueError naming the field if one cannot be read by sample (sparse, nested, quantized, meta, or of
     a dtype the kernels do not read)."""
-    pairs = list(named_leaves(batch))
+    pairs = [(path, leaf) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
+             if isinstance(leaf, torch.Tensor)]
+    _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
-    for indices in _by_device(pairs).values():
+    for indices in group_by_device([t for _, t in pairs]).values():
         tensors = [pairs[i][1] for i in indices]
         if not bool(torch.ops.nanfast.any_nonfinite(tensors)):
             continue

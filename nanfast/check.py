@@ -127,11 +127,12 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
         obj: an nn.Module (its named parameters and floating buffers; with grads=True the parameters'
             .grad instead, skipping parameters without one); a torch.optim.Optimizer (its state,
             named state.<param index>.<key>); a Tensor; or any nesting of Mappings (a state_dict,
-            named by key), lists and tuples (by position), named tuples and dataclasses (by field
-            name), names joined with '.'. At the top level, a list or iterable may hold
-            (name: str, value) pairs, as `named_parameters()` gives. Python floats and numpy arrays
-            are checked as CPU tensors; ints, bools, strings and None hold no values to check; other
-            objects are listed in `Report.unchecked`. A container inside itself is walked once.
+            named by key), lists, tuples and deques (by position), sets (by position in iteration
+            order), named tuples and dataclasses (by field name), names joined with '.'. At the top
+            level, a list or iterable may hold (name: str, value) pairs, as `named_parameters()` gives.
+            Python floats and numpy arrays are checked as CPU tensors; ints, bools, strings and None
+            hold no values to check; other objects are listed in `Report.unchecked`. A container inside
+            itself is walked once (a container shared by two entries, at each).
         grads: check the .grad of a Module's parameters (or of a Tensor).
         raise_on_nonfinite: raise NonFiniteError if anything is non-finite.
 

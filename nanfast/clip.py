@@ -10,6 +10,7 @@ from typing import Union
 
 import torch
 
+from ._tree import group_by_device
 from .check import check_all
 from .ops import combine_norms, stats
 
@@ -80,10 +81,7 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
     if not named:
         return torch.zeros(())
     grads = [g for _, g in named]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    results = [stats(group) for group in by_device.values()]
+    results = [stats([grads[i] for i in indices]) for indices in group_by_device(grads).values()]
     total = total_norm([s.norm for s in results], [s.absmax for s in results], norm_type)
     if error_if_nonfinite and sum(int(s.counts.sum().item()) for s in results):
         check_all(named)  # names every non-finite gradient in a NonFiniteError

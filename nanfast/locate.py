@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
+from ._tree import group_by_device, leaves, named_leaves
 from .recompute import recomputation_in
 from .report import NonFiniteError
 
@@ -287,28 +288,14 @@ def _values(t: Any) -> Optional[torch.Tensor]:
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            if isinstance(v, torch.Tensor):
-                yield v
+    """The tensors in an op's argument or output: a Tensor, a list of them, or a tuple of both."""
+    return (t for t in leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _named_args(info: _OpInfo, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     named = list(zip(info.arg_names, args))
     named += list(kwargs.items())
     return named
-
-
-def _device_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
-    first = tensors[0].device
-    if all(t.device == first for t in tensors):
-        return [list(range(len(tensors)))]
-    groups: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.device, []).append(i)
-    return list(groups.values())
 
 
 _any_nonfinite_op = torch.ops.nanfast.any_nonfinite.default
@@ -319,7 +306,7 @@ def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     # NOTE: [locate syncs]
     # Reading the flag is a host sync per checked op on CUDA (free on CPU). locate is a debugging
     # tool that must stop at the op itself, so it pays that; the always-on watch does not.
-    groups = _device_groups(tensors)
+    groups = list(group_by_device(tensors).values())
     if len(groups) == 1:
         return _any_nonfinite_op(tensors).item()
     return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in groups)
@@ -327,7 +314,7 @@ def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
 
 def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
     rows: list[tuple[int, int, int]] = [(0, 0, 0)] * len(tensors)
-    for group in _device_groups(tensors):
+    for group in group_by_device(tensors).values():
         counts = _stats_op([tensors[i] for i in group])[0].tolist()
         for i, c in zip(group, counts):
             rows[i] = tuple(c)
@@ -489,11 +476,12 @@ class _LocateMode(TorchDispatchMode):
         for name, value in named:
             if name in info.out_args:
                 continue
-            if isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
-                    isinstance(v, torch.Tensor) for v in value)):
-                many = not isinstance(value, torch.Tensor)
-                for k, t in enumerate(_tensors_in(value)):
-                    label = (f"{name}[{k}]" if many else name) + (".values()" if t.is_nested else "")
+            # Named by position in their list ("indices[1]"), Nones in a Tensor?[] counted.
+            tensors = [(label, t) for label, t in named_leaves(value, name, brackets=True)
+                       if isinstance(t, torch.Tensor)]
+            if tensors:
+                for label, t in tensors:
+                    label += ".values()" if t.is_nested else ""
                     inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
                 continue
             text = _scalar_text(value)

@@ -21,9 +21,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ._tree import named_leaves
 from .check import check_all
-from .leaves import named_leaves
 from .ops import reads_dtype
+from .progress import byte_progress
 from .report import Entry, Report
 
 __all__ = ["FileScan", "scan_file"]
@@ -134,7 +135,8 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise _Unreadable("reading .safetensors needs the safetensors package (pip install safetensors)") from None
+        raise _Unreadable("reading .safetensors needs the safetensors package "
+                          "(pip install 'nanfast[safetensors]')") from None
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
             yield name, f.get_tensor(name)
@@ -194,7 +196,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         if path.endswith(".safetensors"):
             tensors = _safetensors_tensors(path)
         else:
-            tensors = named_leaves(_torch_load(path), tensor_attributes=True)
+            loaded = named_leaves(_torch_load(path), brackets=True, shared_once=True, tensor_attributes=True)
+            tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor))
         for name, t in tensors:
             readable = _readable(name, t)
             if isinstance(readable, str):
@@ -254,24 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _progress_bar(total_bytes: int) -> Optional[Any]:
-    """A tqdm bar on stderr when it is a terminal and tqdm is installed; None otherwise."""
-    if not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="nanfast scan", leave=False)
-
-
 def _scan_all(paths: list[str]) -> list[FileScan]:
     sizes = [os.stat(p).st_size if os.path.isfile(p) else 0 for p in paths]
-    bar = _progress_bar(sum(sizes))
-    if bar is None:
-        return [scan_file(path) for path in paths]
     scans = []
-    with bar:
+    with byte_progress(sum(sizes), desc="nanfast scan") as bar:
         for path, size in zip(paths, sizes):
             left = size
 

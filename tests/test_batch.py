@@ -167,6 +167,13 @@ def test_self_referencing_batch():
     assert report.num_tensors == 1 and [(f.path, f.samples) for f in report.bad] == [("x", (1,))]
 
 
+def test_fields_in_deques_and_sets_are_checked():
+    """A deque or a set was a leaf, and not a tensor: its tensors were skipped and the batch called clean."""
+    bad = torch.tensor([0.0, NAN])
+    report = nanfast.check_batch({"queue": collections.deque([bad]), "tags": {bad}}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("queue[0]", (1,)), ("tags{0}", (1,))]
+
+
 @pytest.mark.parametrize("field, what", [
     (torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.quint8), "a quantized tensor"),
     (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),

@@ -296,6 +296,12 @@ def test_containers_that_hold_themselves():
     assert [x.name for x in check_all({"a": shared, "b": shared}).entries] == ["a.0", "b.0"]  # not a cycle
 
 
+def test_tensors_in_sets_are_checked():
+    """A set was a leaf: listed as not checked, its tensors' NaN not found; now walked as scan walks it."""
+    report = check_all({"w": torch.ones(1), "group": {torch.tensor([math.nan])}}, raise_on_nonfinite=False)
+    assert [x.name for x in report.bad] == ["group.0"] and report.unchecked == ()
+
+
 def test_deeply_nested_containers():
     deep = torch.tensor([math.nan])
     for _ in range(5000):

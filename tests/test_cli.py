@@ -12,7 +12,7 @@ import torch
 
 import nanfast
 from nanfast import build_info, cli
-from nanfast.progress import progress
+from nanfast.progress import byte_progress, progress
 
 
 def test_version_names_nanfast_torch_the_cpu_isa_and_the_cuda_build(capsys):
@@ -67,3 +67,21 @@ def test_progress_without_tqdm_is_silent(monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert list(progress(iter("ab"), desc="x")) == ["a", "b"]
     assert terminal.getvalue() == ""
+
+
+def test_byte_progress_only_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with byte_progress(2048, desc="scan") as bar:
+        bar.update(2048)
+    assert sys.stderr.getvalue() == ""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with byte_progress(2048, desc="scan") as bar:
+        bar.update(1024)
+    drawn = terminal.getvalue()
+    assert "scan:" in drawn and "/2.05k [" in drawn and "B/s]" in drawn  # bytes, scaled
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: silent
+    with byte_progress(2048, desc="scan") as bar:
+        bar.update(2048)
+    assert terminal.getvalue() == drawn

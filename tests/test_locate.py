@@ -124,6 +124,24 @@ def test_cast_overflow_is_a_producer():
     assert counts(finding.outputs[0]) == (0, 1, 0)
 
 
+def test_an_op_returning_a_tuple_with_a_tensor_list_has_its_outputs_checked():
+    """Outputs (Tensor[], Tensor): the tensors in the list were not checked, so its NaN went unreported."""
+    def unscale(grads, found_inf, inv_scale):
+        return torch.ops.aten._amp_foreach_non_finite_check_and_unscale(grads, found_inf, inv_scale)  # <unscale>
+
+    finding = first_finding(unscale, [torch.tensor([1.0, INF])], torch.zeros(1), torch.zeros(1))  # inf * 0
+    assert (finding.op, finding.kind) == ("aten._amp_foreach_non_finite_check_and_unscale.default", "producer")
+    assert_line(finding.source, "unscale")
+    assert [counts(out) for out in finding.outputs] == [(1, 0, 0), (0, 0, 0)]
+
+
+def test_tensors_in_a_list_with_nones_are_named_by_their_position():
+    """index_put_'s indices are a Tensor?[]: the index tensor at position 1 was named indices[0] (a None)."""
+    x, idx = torch.full((2, 3), INF), torch.tensor([1])
+    finding = first_finding(torch.ops.aten.index_put_, x, [None, idx], torch.tensor([-INF]), True)  # inf - inf
+    assert [i.name for i in finding.inputs] == ["self", "indices[1]", "values"]
+
+
 def test_inf_minus_inf_names_the_nan_producer_and_where_its_inputs_came_from():
     def run():
         big = torch.full((3,), INF)  # <full-inf>

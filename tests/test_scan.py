@@ -162,7 +162,7 @@ def test_safetensors_without_the_package(capsys, monkeypatch, tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"")
     code, out = run_scan(capsys, path)
-    assert code == 2 and "needs the safetensors package (pip install safetensors)" in out
+    assert code == 2 and "needs the safetensors package (pip install 'nanfast[safetensors]')" in out
 
 
 def test_safetensors(capsys, tmp_path):
