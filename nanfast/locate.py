@@ -383,11 +383,19 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
 #     and an output inf where no tensor input held inf, or NaN where none held NaN (x + inf, x * inf).
 #   - input: an op consumes NaN that came from outside locate: dirty data, a NaN parameter. Infinities
 #     from outside are not reported: additive -inf attention masks are built before training.
-#   - otherwise the op propagates values already reported (or allowed), and says nothing.
+#   - otherwise the op propagates values already reported (or allowed), and says nothing; so does any op
+#     whose non-finite inputs descend from a finding (NOTE: [producer or propagation]).
+# In backward, a producer or scalar finding waits for its node's verdict (NOTE: [masked inside a node]).
 # The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
 # before it runs (out= arguments and self of copy_/fill_ are written only, and are outputs).
 # Provenance: each checked op's outputs' storages record the op and its user line, so an input is
 # traced to the op that last wrote its storage (see NOTE: [provenance on storages]).
+
+# NOTE: [producer or propagation]
+# A record carries `tainted`: the storage's non-finite values descend from a finding (this op was one,
+# or it read tainted non-finite values; NaN reported as `input` taints too). inf * 0 or inf - inf on a
+# tainted inf is the same fault again, not a new producer, in action="record" as in "raise". Allowed
+# infinities (masking ops, tensors from outside) are not tainted: the NaN they make is still a finding.
 
 
 # NOTE: [provenance on storages]
