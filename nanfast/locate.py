@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
 from ._tree import group_by_device, leaves, named_leaves
+from .diagnosis import diagnose
 from .node_verdict import NodeVerdicts
 from .recompute import recomputation_in
 from .report import NonFiniteError
@@ -162,7 +163,8 @@ class LocateFinding:
     `phase` is "forward", "backward", or "recompute" (a forward op that activation checkpointing ran
     again in backward). `source` is where the op ran (in backward: the line that called backward, when
     the engine ran on a thread with Python frames); `forward_source` (backward only) is where the
-    forward op of `node` ran."""
+    forward op of `node` ran. `diagnosis`: the pattern in words, where the op and its inputs show a
+    known one (nanfast.diagnosis: a fully masked softmax row, division by exact zeros, ...), else None."""
 
     kind: str
     op: str
@@ -175,6 +177,7 @@ class LocateFinding:
     inputs: tuple[TensorInfo, ...]
     scalars: tuple[str, ...]  # the op's non-tensor arguments, as name=value
     dump: Optional[str] = None
+    diagnosis: Optional[str] = None
 
     @property
     def where(self) -> Optional[SourceLine]:
@@ -184,7 +187,8 @@ class LocateFinding:
     def summary(self) -> str:
         phase = {"backward": f"backward of {self.node}", "recompute": RECOMPUTED}.get(self.phase, "forward")
         at = f" at {self.where}" if self.where else ""
-        return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}"
+        why = f": {self.diagnosis}" if self.diagnosis else ""
+        return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}{why}"
 
     def __str__(self) -> str:
         lines = [self.summary()]
@@ -210,6 +214,7 @@ class LocateFinding:
             "forward_source": str(self.forward_source) if self.forward_source else None,
             "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs],
             "inputs": [i.to_dict() for i in self.inputs], "scalars": list(self.scalars), "dump": self.dump,
+            "diagnosis": self.diagnosis,
         }
 
 
@@ -570,10 +575,15 @@ class _LocateMode(TorchDispatchMode):
                         for n, r, t, c in zip(names, raw, outputs, out_counts)]
         repro = (_repro(info.name, named, before, info.out_args)
                  if self.owner._dump_path_for_next() is not None else None)
+        diagnosis = None
+        if kind != "input":
+            as_read = {name: before.get(id(value), value) if isinstance(value, torch.Tensor) else value
+                       for name, value in named if name not in info.out_args}
+            diagnosis = diagnose(info.name, as_read, outputs)
         finding = LocateFinding(
             kind, info.name, producer.phase, producer.node, source,
             producer.source if producer.phase == "backward" else None, reason,
-            tuple(output_infos), tuple(input_infos), tuple(scalars))
+            tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis)
         return (finding, repro), True
 
 
