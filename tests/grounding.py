@@ -1,6 +1,7 @@
 """An independent tracer for the reproduced bug reports: a bare TorchDispatchMode, sharing no code with
-nanfast, that records every ATen op whose floating output holds NaN/inf while none of its floating
-inputs (tensors and numbers) did, with its phase and autograd node. Backward nodes are judged as torch
+nanfast, that records every ATen op whose floating output holds inf while all of its floating inputs
+(tensors and numbers) were finite, or NaN while none held NaN (softmax of a row an -inf mask filled),
+with its phase and autograd node. Backward nodes are judged as torch
 users see them: the first such op in a node counts only when a gradient the node returns is non-finite
 (torch masks 0/0 inside formulas before returning)."""
 
@@ -26,6 +27,18 @@ def _bad(value) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
+def _nan(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return (value.is_floating_point() or value.is_complex()) and bool(torch.isnan(value).any())
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _made(out, inputs) -> bool:
+    outs, ins = tree_leaves(out), tree_leaves(inputs)
+    inf_from_finite = any(_bad(t) for t in outs) and not any(_bad(v) for v in ins)
+    return inf_from_finite or (any(_nan(t) for t in outs) and not any(_nan(v) for v in ins))
+
+
 class Tracer(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -37,7 +50,7 @@ class Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view or str(func.overloadpacket.__name__) in ("empty", "empty_like", "empty_strided"):
             return out
-        if any(_bad(t) for t in tree_leaves(out)) and not any(_bad(v) for v in tree_leaves((args, kwargs))):
+        if _made(out, (args, kwargs)):
             node = torch._C._current_autograd_node()
             if node is None:
                 self.made.append(Made(str(func), "forward", None))
