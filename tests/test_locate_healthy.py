@@ -74,7 +74,13 @@ def p_norm_of_pruned_weights():
     return [w], lambda: torch.linalg.vector_norm(w, ord=3, dim=1).sum()
 
 
-HEALTHY = [normalize_zero_vector, std_of_constant_row, atan2_at_origin, angle_at_origin,
+def fractional_p_norm_with_a_zero_entry():
+    # pytorch/pytorch#44452 (norm can't backpropagate with 0 < p < 1: NormBackward1 returned nan)
+    x = torch.tensor([0.0, 1.0, 2.0], requires_grad=True)
+    return [x], lambda: x.norm(p=0.5)
+
+
+HEALTHY = [fractional_p_norm_with_a_zero_entry, normalize_zero_vector, std_of_constant_row, atan2_at_origin, angle_at_origin,
            cdist_of_a_batch_with_itself, cdist_fractional_p_with_equal_coordinates,
            pow_with_learnable_exponent_at_zero_base, p_norm_of_pruned_weights]
 

@@ -141,6 +141,56 @@ def attention_rows_sliced_away():
     out[:2].sum().backward()
 
 
+def mha_3d_mask_with_padding():
+    # pytorch/pytorch#63271: a 3D attn_mask with key_padding_mask makes NaN rows (softmax of all -inf)
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(4, 2)
+    x = torch.randn(5, 1, 4)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5).clone()
+    causal[:, 4, :] = True  # the padded position's row, masked whole as the report's mask does
+    out, _ = attention(x, x, x, attn_mask=causal)  # <mha-3d>
+    out.sum().backward()
+
+
+def unnormalized_fp16_attention_scores():
+    # plemeri/InSPyReNet#36: query and key are not normalized, and bmm makes inf in float16
+    query = torch.full((1, 16, 128), 30.0, dtype=torch.float16)
+    key = torch.full((1, 16, 128), 30.0, dtype=torch.float16, requires_grad=True)
+    scores = torch.bmm(query, key.transpose(1, 2))  # <inspyre-bmm>
+    scores.float().sum().backward()
+
+
+def favor_normalizer_underflow():
+    # facebookresearch/xformers#96: Favor attention's normalization step underflows in fp16, then divides
+    features = torch.full((4, 8), 1e-4, dtype=torch.float16, requires_grad=True)
+    normalizer = features * features  # 1e-8 underflows to 0 in float16
+    out = features / normalizer  # <favor-div>
+    out.float().sum().backward()
+
+
+def l2_normalize_through_rsqrt():
+    # keras-team/keras#23075: ops.normalize(order=2) on torch, rsqrt(0) = inf for a zero vector
+    x = torch.zeros(2, 3)
+    x[0] = torch.tensor([1.0, 2.0, 2.0])
+    x.requires_grad_()
+    inv_norm = torch.rsqrt((x * x).sum(-1, keepdim=True))  # <keras-rsqrt>
+    (x * torch.minimum(inv_norm, torch.tensor(1e12))).sum().backward()
+
+
+def where_does_not_protect_the_off_branch():
+    # Ciela-Institute/caustics#83: torch.where does not protect from NaN in the off branch (NFW lens)
+    x = torch.tensor([0.5, 2.0], requires_grad=True)
+    inside = torch.acos(1 / x)  # <caustics-acos>
+    outside = torch.acosh(1 / x)
+    torch.where(x > 1, inside, outside).sum().backward()
+
+
+def ring_attention_sft_all_ignored():
+    # OpenRLHF/OpenRLHF#583: SFT with ring attention, a ring group whose labels are all IGNORE_INDEX
+    logits = torch.tensor([[0.2, 1.0, 0.5], [0.1, 0.3, 0.6]], requires_grad=True)
+    F.cross_entropy(logits, torch.tensor([-100, -100]), ignore_index=-100).backward()  # <openrlhf>
+
+
 CASES = [
     (cross_entropy_all_ignored, "aten.nll_loss_forward.default", "forward", None, "ce-ignored",
      "every one of the 10 targets is ignore_index (-100)"),
@@ -164,6 +214,17 @@ CASES = [
     (fp16_residual_overflow, "aten.add.Tensor", "forward", None, "pegasus-add", None),
     (attention_rows_sliced_away, "aten._softmax.default", "forward", None, "mha-bucket",
      "row 2 of 4 along dim 2 is fully masked"),
+    (mha_3d_mask_with_padding, "aten._softmax.default", "forward", None, "mha-3d", "fully masked"),
+    (unnormalized_fp16_attention_scores, "aten.bmm.default", "forward", None, "inspyre-bmm",
+     "the inputs' max |x| are 30 and 30 over 128 terms"),
+    (favor_normalizer_underflow, "aten.div.Tensor", "forward", None, "favor-div",
+     "divides by exact zeros: 32 of 32 elements"),
+    (l2_normalize_through_rsqrt, "aten.rsqrt.default", "forward", None, "keras-rsqrt",
+     "rsqrt at the edge of its domain: 1 of 2 elements of `self` are <= 0"),
+    (where_does_not_protect_the_off_branch, "aten.acos.default", "forward", None, "caustics-acos",
+     "acos at the edge of its domain: 1 of 2 elements of `self` are outside [-1, 1] (min 2, max 2)"),
+    (ring_attention_sft_all_ignored, "aten.nll_loss_forward.default", "forward", None, "openrlhf",
+     "every one of the 2 targets is ignore_index (-100)"),
     (fp16_attention_scores_overflow, "aten.bmm.default", "forward", None, "fp16-scores",
      "torch.float16 overflow in a matmul"),
 ]
