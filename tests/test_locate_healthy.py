@@ -213,6 +213,11 @@ def test_watch_event_and_its_finding_agree_on_the_real_bug():
     [event] = w.events
     assert event.located is not None and event.located.node == "SqrtBackward0"
     assert "<real-bug>" in open(__file__).read().splitlines()[event.located.where.lineno - 1]
+    # watch first saw the NaN in linear.weight's gradient; the op that made it ran outside `linear`:
+    # the summary says why the two places differ.
+    assert (event.first.phase, event.first.name) == ("grad", "linear.weight")
+    assert event.located_differs is not None and "the places differ" in event.located_differs
+    assert "outside that module's forward" in event.summary()
 
 
 def test_inf_times_zero_after_a_reported_inf_is_propagation_in_record():
