@@ -235,3 +235,33 @@ def test_inf_times_zero_after_an_allowed_inf_is_still_a_producer():
     with nanfast.locate(action="record") as region:
         mask * torch.tensor([1.0, 0.0])
     assert [(f.kind, f.op) for f in region.findings] == [("producer", "aten.mul.Tensor")]
+
+
+def test_a_confirmed_backward_finding_dumps_the_inputs_its_op_read(tmp_path):
+    # The node is judged after its ops ran (and after the masking ops overwrote their outputs): the dump
+    # holds the inputs as the reported op read them.
+    path = tmp_path / "backward.pt"
+    x = torch.tensor([0.0, 4.0], requires_grad=True)
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate(dump=path):
+            torch.sqrt(x).sum().backward()
+    finding = raised.value.report
+    assert (finding.op, finding.node, finding.dump) == ("aten.div.Tensor", "SqrtBackward0", str(path))
+    assert nanfast.replay(path).isinf().tolist() == [True, False]
+
+
+def test_a_masked_backward_finding_writes_no_dump(tmp_path):
+    path = tmp_path / "masked.pt"
+    leaves, loss_fn = normalize_zero_vector()
+    with nanfast.locate(dump=path) as region:
+        loss_fn().backward()
+    assert region.masked and not path.exists()
+
+
+def test_a_node_fed_nan_by_an_earlier_finding_is_not_a_second_producer():
+    # log(0) = -inf is reported in forward; the backward nodes downstream receive non-finite gradients,
+    # so what they make inside is not judged as new (record mode lists one finding).
+    x = torch.tensor([[0.0, 1.0, 2.0]], requires_grad=True)
+    with nanfast.locate(action="record") as region:
+        F.normalize(torch.log(x) * 0 + x, dim=1).sum().backward()
+    assert [(f.op, f.phase) for f in region.findings] == [("aten.log.default", "forward")]
