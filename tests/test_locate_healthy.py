@@ -80,7 +80,16 @@ def fractional_p_norm_with_a_zero_entry():
     return [x], lambda: x.norm(p=0.5)
 
 
-HEALTHY = [fractional_p_norm_with_a_zero_entry, normalize_zero_vector, std_of_constant_row, atan2_at_origin, angle_at_origin,
+def sdpa_with_a_fully_masked_row():
+    # pytorch/pytorch#103749 (SDPA produces NaN with a padding mask that masks a query row whole); torch's
+    # SDPA now returns zeros for such rows, forward and backward
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[2] = False
+    return [q], lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
+
+
+HEALTHY = [sdpa_with_a_fully_masked_row, fractional_p_norm_with_a_zero_entry, normalize_zero_vector, std_of_constant_row, atan2_at_origin, angle_at_origin,
            cdist_of_a_batch_with_itself, cdist_fractional_p_with_equal_coordinates,
            pow_with_learnable_exponent_at_zero_base, p_norm_of_pruned_weights]
 
