@@ -683,8 +683,9 @@ class Locate(contextlib.ContextDecorator):
         self.action = action
         self.dump = os.fspath(dump) if dump is not None else None
         self.findings: list[LocateFinding] = []
-        # Producers inside a backward node whose non-finite values it did not return (its gradients
-        # were finite): torch's formulas masking 0/0, not bugs (NOTE: [masked inside a node]).
+        # Producers inside a backward node that what the node returned does not confirm (its gradients
+        # were finite, or it received non-finite ones): torch's formulas masking 0/0, or propagation
+        # (NOTE: [masked inside a node]). Debug notes, never raised.
         self.masked: list[LocateFinding] = []
         self._mode: Optional[_LocateMode] = None
         self._hook: Optional[Any] = None
@@ -736,7 +737,10 @@ def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = N
     from outside (dirty data). Use as ``with nanfast.locate():`` or as a decorator ``@nanfast.locate()``.
 
     action="raise" (default) raises NonFiniteError(finding) at that op, with the op's report as message;
-    action="record" runs on and collects every finding in ``.findings``. dump="path.pt" saves the first
+    action="record" runs on and collects every finding in ``.findings``. An op inside a backward node is
+    reported only if the node returns a non-finite gradient from finite ones (else it goes to ``.masked``:
+    torch masks 0/0 in norms, std, atan2, ...); ``finding.diagnosis`` says the pattern in words where
+    one is recognized (nanfast.diagnosis). dump="path.pt" saves the first
     reported op's inputs for nanfast.replay(path). Run forward and backward inside it: a backward node's
     forward line is known only for nodes created inside. Each checked op costs one fused check and, on
     CUDA, one host sync."""
