@@ -240,6 +240,14 @@ MASKING_OPS = frozenset((
 ))
 
 
+# NOTE: [masked by the composite]
+# Ops whose inf the composite that calls them zeroes right after, when a flag argument says so: an
+# inf they make with it set is intended, like a masking op's (F.ctc_loss(zero_infinity=True) runs
+# aten._ctc_loss, which returns inf for an impossible alignment, then a where() that zeroes it, and
+# its backward zeroes the gradient). Op (overload packet) -> the flag.
+_MASKED_WHEN = {"_ctc_loss": "zero_infinity"}
+
+
 @dataclasses.dataclass(frozen=True)
 class _OpInfo:
     """What the schema says about an op, computed once per OpOverload."""
@@ -250,6 +258,7 @@ class _OpInfo:
     out_args: frozenset[str]  # written, not read (out=, or self of an overwriting op)
     read_write_args: frozenset[str]  # written and read: their pre-op values are inputs
     masking: bool  # in MASKING_OPS
+    masked_when: Optional[str]  # its flag in _MASKED_WHEN
 
 
 _op_info_cache: dict[Any, _OpInfo] = {}
@@ -267,7 +276,7 @@ def _op_info(func) -> _OpInfo:
         if packet in _OVERWRITE_SELF:
             out_args |= written
         info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
-                       frozenset(written - out_args), packet in MASKING_OPS)
+                       frozenset(written - out_args), packet in MASKING_OPS, _MASKED_WHEN.get(packet))
         _op_info_cache[func] = info
     return info
 
@@ -505,6 +514,8 @@ class _LocateMode(TorchDispatchMode):
         """Judges an op whose outputs hold NaN/inf. Returns its finding with the arguments to dump (None
         for propagation) and whether its outputs' non-finite values descend from a finding (this one's
         or an input's)."""
+        if info.masked_when is not None and any(n == info.masked_when and v is True for n, v in named):
+            return None, False  # the composite calling it zeroes its inf (NOTE: [masked by the composite])
         # (name, values as read or None, live values or None, the tensor as passed)
         inputs: list[tuple[str, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]] = []
         scalars: list[str] = []

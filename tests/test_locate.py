@@ -206,6 +206,16 @@ def test_ctc_loss_with_an_impossible_target_is_inf():
     assert finding.inputs[1].dtype == "int64" and (finding.inputs[1].min, finding.inputs[1].max) == (1, 1)
 
 
+def test_ctc_loss_with_zero_infinity_is_silent():
+    # The composite zeroes _ctc_loss's inf (and its gradient): the model is healthy.
+    log_probs = torch.randn(2, 1, 5).log_softmax(-1).detach().requires_grad_()
+    with nanfast.locate():
+        loss = F.ctc_loss(log_probs, torch.tensor([[1, 1, 1]]), torch.tensor([2]), torch.tensor([3]),
+                          zero_infinity=True)
+        loss.backward()
+    assert loss.item() == 0.0 and log_probs.grad.isfinite().all()
+
+
 # --------------------------------------------------------------------------------------------------
 # Backward producers: the forward was finite, a backward formula divides by zero or overflows
 # --------------------------------------------------------------------------------------------------
