@@ -49,16 +49,16 @@ class NodeVerdicts:
             if entry is not None:
                 entry[0].append(item)
                 return True
-            items = [item]
+            items, key = [item], id(node)
 
-            def judge(grad_inputs: tuple, grad_outputs: tuple) -> None:
-                self._judge(id(node), grad_inputs, grad_outputs)
+            def judge(grad_inputs: tuple, grad_outputs: tuple) -> None:  # holds the key, not the node
+                self._judge(key, grad_inputs, grad_outputs)
 
             try:
                 handle = node.register_hook(judge)
             except (AttributeError, RuntimeError, TypeError):
                 return False
-            self._pending[id(node)] = (items, handle)
+            self._pending[key] = (items, handle)
         return True
 
     def _judge(self, key: int, grad_inputs: tuple, grad_outputs: tuple) -> None:

@@ -274,3 +274,25 @@ def test_a_node_fed_nan_by_an_earlier_finding_is_not_a_second_producer():
     with nanfast.locate(action="record") as region:
         F.normalize(torch.log(x) * 0 + x, dim=1).sum().backward()
     assert [(f.op, f.phase) for f in region.findings] == [("aten.log.default", "forward")]
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        torch.zeros_like(x) / x  # 0/0 made inside the node, which then fails before returning
+        raise RuntimeError("backward failed")
+
+
+def test_a_node_that_never_returns_leaves_its_held_finding_as_a_note():
+    x = torch.zeros(2, requires_grad=True)
+    y = _FailingBackward.apply(x)
+    with nanfast.locate(action="record") as region:
+        with pytest.raises(RuntimeError, match="backward failed"):
+            y.sum().backward(retain_graph=True)
+    assert region.findings == [] and [note.op for note in region.masked] == ["aten.div.Tensor"]
