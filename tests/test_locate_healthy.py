@@ -89,7 +89,8 @@ def sdpa_with_a_fully_masked_row():
     return [q], lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
 
 
-HEALTHY = [sdpa_with_a_fully_masked_row, fractional_p_norm_with_a_zero_entry, normalize_zero_vector, std_of_constant_row, atan2_at_origin, angle_at_origin,
+HEALTHY = [sdpa_with_a_fully_masked_row, fractional_p_norm_with_a_zero_entry, normalize_zero_vector,
+           std_of_constant_row, atan2_at_origin, angle_at_origin,
            cdist_of_a_batch_with_itself, cdist_fractional_p_with_equal_coordinates,
            pow_with_learnable_exponent_at_zero_base, p_norm_of_pruned_weights]
 

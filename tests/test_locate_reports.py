@@ -14,7 +14,6 @@ import nanfast
 from grounding import first_made
 
 _SOURCE = pathlib.Path(__file__).read_text().splitlines()
-INF = float("inf")
 
 
 def cross_entropy_all_ignored():
