@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
 from ._tree import group_by_device, leaves, named_leaves
+from .diagnosis import diagnose
+from .node_verdict import NodeVerdicts
 from .recompute import recomputation_in
 from .report import NonFiniteError
 
@@ -161,7 +163,8 @@ class LocateFinding:
     `phase` is "forward", "backward", or "recompute" (a forward op that activation checkpointing ran
     again in backward). `source` is where the op ran (in backward: the line that called backward, when
     the engine ran on a thread with Python frames); `forward_source` (backward only) is where the
-    forward op of `node` ran."""
+    forward op of `node` ran. `diagnosis`: the pattern in words, where the op and its inputs show a
+    known one (nanfast.diagnosis: a fully masked softmax row, division by exact zeros, ...), else None."""
 
     kind: str
     op: str
@@ -174,6 +177,7 @@ class LocateFinding:
     inputs: tuple[TensorInfo, ...]
     scalars: tuple[str, ...]  # the op's non-tensor arguments, as name=value
     dump: Optional[str] = None
+    diagnosis: Optional[str] = None
 
     @property
     def where(self) -> Optional[SourceLine]:
@@ -183,7 +187,8 @@ class LocateFinding:
     def summary(self) -> str:
         phase = {"backward": f"backward of {self.node}", "recompute": RECOMPUTED}.get(self.phase, "forward")
         at = f" at {self.where}" if self.where else ""
-        return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}"
+        why = f": {self.diagnosis}" if self.diagnosis else ""
+        return f"nanfast.locate: {self.op} ({phase}){at}: {self.reason}{why}"
 
     def __str__(self) -> str:
         lines = [self.summary()]
@@ -209,6 +214,7 @@ class LocateFinding:
             "forward_source": str(self.forward_source) if self.forward_source else None,
             "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs],
             "inputs": [i.to_dict() for i in self.inputs], "scalars": list(self.scalars), "dump": self.dump,
+            "diagnosis": self.diagnosis,
         }
 
 
@@ -234,6 +240,14 @@ MASKING_OPS = frozenset((
 ))
 
 
+# NOTE: [masked by the composite]
+# Ops whose inf the composite that calls them zeroes right after, when a flag argument says so: an
+# inf they make with it set is intended, like a masking op's (F.ctc_loss(zero_infinity=True) runs
+# aten._ctc_loss, which returns inf for an impossible alignment, then a where() that zeroes it, and
+# its backward zeroes the gradient). Op (overload packet) -> the flag.
+_MASKED_WHEN = {"_ctc_loss": "zero_infinity"}
+
+
 @dataclasses.dataclass(frozen=True)
 class _OpInfo:
     """What the schema says about an op, computed once per OpOverload."""
@@ -244,6 +258,7 @@ class _OpInfo:
     out_args: frozenset[str]  # written, not read (out=, or self of an overwriting op)
     read_write_args: frozenset[str]  # written and read: their pre-op values are inputs
     masking: bool  # in MASKING_OPS
+    masked_when: Optional[str]  # its flag in _MASKED_WHEN
 
 
 _op_info_cache: dict[Any, _OpInfo] = {}
@@ -261,7 +276,7 @@ def _op_info(func) -> _OpInfo:
         if packet in _OVERWRITE_SELF:
             out_args |= written
         info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
-                       frozenset(written - out_args), packet in MASKING_OPS)
+                       frozenset(written - out_args), packet in MASKING_OPS, _MASKED_WHEN.get(packet))
         _op_info_cache[func] = info
     return info
 
@@ -310,6 +325,12 @@ def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
     if len(groups) == 1:
         return _any_nonfinite_op(tensors).item()
     return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in groups)
+
+
+def _any_nonfinite_values(tensors: list[torch.Tensor]) -> bool:
+    """_any_nonfinite over the tensors' checked values (integer, sparse and meta ones left out)."""
+    values = [v for t in tensors for v in (_values(t),) if v is not None]
+    return bool(values) and _any_nonfinite(values)
 
 
 def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -376,11 +397,19 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
 #     and an output inf where no tensor input held inf, or NaN where none held NaN (x + inf, x * inf).
 #   - input: an op consumes NaN that came from outside locate: dirty data, a NaN parameter. Infinities
 #     from outside are not reported: additive -inf attention masks are built before training.
-#   - otherwise the op propagates values already reported (or allowed), and says nothing.
+#   - otherwise the op propagates values already reported (or allowed), and says nothing; so does any op
+#     whose non-finite inputs descend from a finding (NOTE: [producer or propagation]).
+# In backward, a producer or scalar finding waits for its node's verdict (NOTE: [masked inside a node]).
 # The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
 # before it runs (out= arguments and self of copy_/fill_ are written only, and are outputs).
 # Provenance: each checked op's outputs' storages record the op and its user line, so an input is
 # traced to the op that last wrote its storage (see NOTE: [provenance on storages]).
+
+# NOTE: [producer or propagation]
+# A record carries `tainted`: the storage's non-finite values descend from a finding (this op was one,
+# or it read tainted non-finite values; NaN reported as `input` taints too). inf * 0 or inf - inf on a
+# tainted inf is the same fault again, not a new producer, in action="record" as in "raise". Allowed
+# infinities (masking ops, tensors from outside) are not tainted: the NaN they make is still a finding.
 
 
 # NOTE: [provenance on storages]
@@ -408,6 +437,8 @@ class _LocateMode(TorchDispatchMode):
         super().__init__()
         self.owner = owner
         self.token = next(_region_tokens)
+        self.nodes = NodeVerdicts(_any_nonfinite_values, lambda item: owner._report(*item),
+                                  lambda item: owner.masked.append(item[0]))
 
     def _record(self, t: torch.Tensor) -> Optional[tuple]:
         record = getattr(t.untyped_storage(), _PRODUCER_ATTR, None)
@@ -418,15 +449,20 @@ class _LocateMode(TorchDispatchMode):
         record = self._record(t)
         return record is None or record[2]
 
-    def set_producer(self, t: torch.Tensor, producer: Producer) -> None:
-        setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer, False))
+    def tainted(self, t: torch.Tensor) -> bool:
+        """Whether t's non-finite values descend from a finding (see NOTE: [producer or propagation])."""
+        record = self._record(t)
+        return record is not None and record[3]
 
-    def _record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool) -> None:
+    def set_producer(self, t: torch.Tensor, producer: Producer) -> None:
+        setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer, False, True))
+
+    def _record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool, tainted: bool) -> None:
         storage = t.untyped_storage()
         partial = t.numel() * t.element_size() < storage.nbytes() and self.from_outside(t)
         if partial and nonfinite and not _nan_beside(t, storage):
             partial = False  # every NaN in the storage is in the view this op wrote
-        setattr(storage, _PRODUCER_ATTR, (self.token, producer, partial))
+        setattr(storage, _PRODUCER_ATTR, (self.token, producer, partial, tainted))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -454,21 +490,32 @@ class _LocateMode(TorchDispatchMode):
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
         nonfinite = _any_nonfinite(outputs)
+        tainted = False
         if nonfinite:
             source = user_frame() if producer.phase == "backward" else producer.source
-            self._examine(info, _named_args(info, args, kwargs), before, raw, outputs, producer, source)
+            finding, tainted = self._examine(info, _named_args(info, args, kwargs), before, raw, outputs, producer,
+                                             source)
+            # A backward node's inner producer is judged by the gradients the node returns.
+            if finding is not None and not (producer.phase == "backward" and finding[0].kind != "input"
+                                            and self.nodes.defer(node, finding)):
+                self.owner._report(*finding)
         if info.read_write_args or info.out_args:
             for t in outputs:
-                self._record_write(t, producer, nonfinite)
+                self._record_write(t, producer, nonfinite, tainted)
         else:
-            record = (self.token, producer, False)
+            record = (self.token, producer, False, tainted)
             for t in outputs:
                 setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
         return out
 
     def _examine(self, info: _OpInfo, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
                  raw: list[torch.Tensor], outputs: list[torch.Tensor], producer: Producer,
-                 source: Optional[SourceLine]) -> None:
+                 source: Optional[SourceLine]) -> tuple[Optional[tuple[LocateFinding, Optional[dict]]], bool]:
+        """Judges an op whose outputs hold NaN/inf. Returns its finding with the arguments to dump (None
+        for propagation) and whether its outputs' non-finite values descend from a finding (this one's
+        or an input's)."""
+        if info.masked_when is not None and any(n == info.masked_when and v is True for n, v in named):
+            return None, False  # the composite calling it zeroes its inf (NOTE: [masked by the composite])
         # (name, values as read or None, live values or None, the tensor as passed)
         inputs: list[tuple[str, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]] = []
         scalars: list[str] = []
@@ -501,18 +548,21 @@ class _LocateMode(TorchDispatchMode):
         blamed = [n for n in numbers
                   if n[2] and out_nan and not tensor_nan
                   or n[3] and not info.masking and (out_inf and not tensor_inf or out_nan and not tensor_nan)]
+        tainted = any(self.tainted(inputs[i][2]) for i, c in in_counts.items() if any(c))
+        dirty = [i for i, c in in_counts.items() if c[0] and self.from_outside(inputs[i][2])]
 
         if out_inf and not (tensor_nan or tensor_inf or numbers):
             kind, reason = "producer", "made non-finite values from finite inputs"
-        elif blamed:
+        elif tainted and not dirty:
+            return None, True  # propagates (inf * 0, inf - inf) what a finding made
+        elif blamed and not tainted:
             kind = "scalar"
             reason = "; ".join(f"its scalar argument `{name}` is {text}" for name, text, _, _ in blamed)
-        elif out_nan and not tensor_nan:  # (a NaN number with NaN out is blamed above)
+        elif out_nan and not tensor_nan and not tainted:  # (a NaN number with NaN out is blamed above)
             kind, reason = "producer", "made NaN from inputs without NaN"
         else:
-            dirty = [i for i, c in in_counts.items() if c[0] and self.from_outside(inputs[i][2])]
             if not dirty:
-                return  # propagates values that were already reported, or allowed
+                return None, False  # propagates values that were allowed (infinite masks, data)
             kind = "input"
             names = ", ".join(inputs[i][0] for i in dirty)
             reason = f"first op to consume NaN that no op under locate produced (input {names})"
@@ -534,16 +584,18 @@ class _LocateMode(TorchDispatchMode):
         names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
         output_infos = [info_of(n + (".values()" if r.is_nested else ""), t, c, None)
                         for n, r, t, c in zip(names, raw, outputs, out_counts)]
-        dump = self.owner._dump_path_for_next()
-        if dump is not None:
-            _save_repro(dump, info.name, named, before, info.out_args)
+        repro = (_repro(info.name, named, before, info.out_args)
+                 if self.owner._dump_path_for_next() is not None else None)
+        diagnosis = None
+        if kind != "input":
+            as_read = {name: before.get(id(value), value) if isinstance(value, torch.Tensor) else value
+                       for name, value in named if name not in info.out_args}
+            diagnosis = diagnose(info.name, as_read, outputs)
         finding = LocateFinding(
             kind, info.name, producer.phase, producer.node, source,
             producer.source if producer.phase == "backward" else None, reason,
-            tuple(output_infos), tuple(input_infos), tuple(scalars), dump)
-        self.owner.findings.append(finding)
-        if self.owner.action == "raise":
-            raise NonFiniteError(finding, str(finding))
+            tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis)
+        return (finding, repro), True
 
 
 def _outputs(info: _OpInfo, out: Any, args: tuple, kwargs: dict) -> tuple[list, list[torch.Tensor]]:
@@ -606,10 +658,12 @@ def _load_value(value: Any) -> Any:
     return value
 
 
-def _save_repro(path: str, op: str, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
-                out_args: frozenset[str]) -> None:
+def _repro(op: str, named: list[tuple[str, Any]], before: dict[int, torch.Tensor],
+           out_args: frozenset[str]) -> dict[str, Any]:
+    """What a dump holds: the op and copies of its arguments as it read them (taken at the op: a
+    backward finding is saved only once its node is judged, when they may be gone)."""
     arguments = {name: _dump_value(value, before) for name, value in named if name not in out_args}
-    torch.save({"op": op, "arguments": arguments}, path)
+    return {"op": op, "arguments": arguments}
 
 
 def _resolve_op(name: str):
@@ -640,6 +694,10 @@ class Locate(contextlib.ContextDecorator):
         self.action = action
         self.dump = os.fspath(dump) if dump is not None else None
         self.findings: list[LocateFinding] = []
+        # Producers inside a backward node that what the node returned does not confirm (its gradients
+        # were finite, or it received non-finite ones): torch's formulas masking 0/0, or propagation
+        # (NOTE: [masked inside a node]). Debug notes, never raised.
+        self.masked: list[LocateFinding] = []
         self._mode: Optional[_LocateMode] = None
         self._hook: Optional[Any] = None
         self._lock = threading.Lock()
@@ -652,6 +710,15 @@ class Locate(contextlib.ContextDecorator):
     def _dump_path_for_next(self) -> Optional[str]:
         return self.dump if self.dump is not None and not self.findings else None
 
+    def _report(self, finding: LocateFinding, repro: Optional[dict[str, Any]]) -> None:
+        path = self._dump_path_for_next()
+        if path is not None and repro is not None:
+            torch.save(repro, path)
+            finding = dataclasses.replace(finding, dump=path)
+        self.findings.append(finding)
+        if self.action == "raise":
+            raise NonFiniteError(finding, str(finding))
+
     def __enter__(self) -> Locate:
         with self._lock:
             if self._mode is not None:
@@ -659,6 +726,7 @@ class Locate(contextlib.ContextDecorator):
                                    "use a new nanfast.locate() for a nested or concurrent region")
             self._mode = _LocateMode(self)
         self.findings = []
+        self.masked = []
         self._hook = _forward_source_recorder()
         self._hook.__enter__()
         self._mode.__enter__()
@@ -666,6 +734,7 @@ class Locate(contextlib.ContextDecorator):
 
     def __exit__(self, *exc) -> None:
         try:
+            self._mode.nodes.close()
             self._mode.__exit__(*exc)
         finally:
             self._hook.__exit__(*exc)
@@ -679,7 +748,10 @@ def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = N
     from outside (dirty data). Use as ``with nanfast.locate():`` or as a decorator ``@nanfast.locate()``.
 
     action="raise" (default) raises NonFiniteError(finding) at that op, with the op's report as message;
-    action="record" runs on and collects every finding in ``.findings``. dump="path.pt" saves the first
+    action="record" runs on and collects every finding in ``.findings``. An op inside a backward node is
+    reported only if the node returns a non-finite gradient from finite ones (else it goes to ``.masked``:
+    torch masks 0/0 in norms, std, atan2, ...); ``finding.diagnosis`` says the pattern in words where
+    one is recognized (nanfast.diagnosis). dump="path.pt" saves the first
     reported op's inputs for nanfast.replay(path). Run forward and backward inside it: a backward node's
     forward line is known only for nodes created inside. Each checked op costs one fused check and, on
     CUDA, one host sync."""

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from . import _C, distributed, scaler_hook
+from .agreement import disagreement
 from .check import uncompiled
 from .clip import check_norm_type, scale_grads_, total_norm
 from .ops import combine_norms
@@ -106,6 +107,8 @@ class Event:
     # on_event="locate": what the re-run of the step under nanfast.locate found (a LocateFinding), or
     # None when the re-run stayed finite or was not made.
     located: Optional[Any] = None
+    # Why `located` names another place than `first`, or None when they agree (nanfast.agreement).
+    located_differs: Optional[str] = None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -158,6 +161,7 @@ class Event:
             head += f" (ranks that saw non-finite values: {list(self.ranks)})"
         if self.located is not None:
             head += f"; located: {self.located.summary()}"
+            head += f" ({self.located_differs})" if self.located_differs else ""
         if not self.later:
             return f"nanfast.watch: {head}"
         named = "; ".join(p.where() for p in self.later[:_MAX_NAMED_IN_SUMMARY])
@@ -824,7 +828,10 @@ class Watch:
         if event is None:
             return  # only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
         if self.on_event == "locate":
-            event = dataclasses.replace(event, located=self._locate())
+            located = self._locate()
+            differs = None if located is None else disagreement(
+                self.model, event.first.phase, event.first.name, event.first.where(), located)
+            event = dataclasses.replace(event, located=located, located_differs=differs)
         self.events.append(event)
         self.last = event
         self._act(event, scaler_skipped, before_step=read.host is None)

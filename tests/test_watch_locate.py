@@ -78,6 +78,7 @@ def test_bad_step_is_located_and_skipped():
     assert finding.op == "aten.div.Tensor" and finding.phase == "forward"
     assert finding.where.filename == __file__ and "centered.std" in open(__file__).read().splitlines()[finding.where.lineno - 1]
     assert "located: nanfast.locate: aten.div.Tensor" in event.summary()
+    assert event.located_differs is None  # the div ran in Standardize.forward: the places agree
 
 
 def test_locate_needs_rerun_and_eager_sync():

@@ -1,0 +1,230 @@
+"""The reason in words for a locate finding: recognizable patterns, keyed on the op, read from the op's
+inputs as it read them ("row 5 of 32 is fully masked", "divides by exact zeros"). Runs only once a
+finding is made, so it may look at every element."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["DIAGNOSES", "diagnose"]
+
+Args = dict[str, Any]  # the op's arguments by schema name, tensors as the op read them
+
+
+def _tensor(args: Args, name: str) -> Optional[torch.Tensor]:
+    t = args.get(name)
+    usable = isinstance(t, torch.Tensor) and t.layout == torch.strided and not (t.is_meta or t.is_nested)
+    return t if usable else None
+
+
+def _count(mask: torch.Tensor) -> int:
+    return int(mask.sum().item())
+
+
+def _of(n: int, t: torch.Tensor) -> str:
+    return f"{n} of {t.numel()} element{'s' if t.numel() != 1 else ''}"
+
+
+def _fully_masked_rows(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x, dim = _tensor(args, "self"), args.get("dim")
+    if x is None or not isinstance(dim, int) or x.dim() == 0:
+        return None
+    dim %= x.dim()
+    rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    full = (rows == -math.inf).all(dim=-1)
+    n = _count(full)
+    if n == 0:
+        return None
+    first = int(full.nonzero()[0, 0].item())
+    more = f" ({n} rows in all)" if n > 1 else ""
+    return (f"row {first} of {rows.shape[0]} along dim {dim} is fully masked (every entry -inf){more}: "
+            f"softmax of it is 0/0")
+
+
+def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    divisor = args.get("other")
+    if isinstance(divisor, (int, float)):
+        return "divides by the number 0" if divisor == 0 else None
+    if _tensor(args, "other") is None or divisor.is_complex():
+        return None
+    zeros = divisor == 0
+    n = _count(zeros)
+    if n == 0:
+        return None
+    text = f"divides by exact zeros: {_of(n, divisor)} of the divisor `other` are 0"
+    numerator = _tensor(args, "self")
+    if numerator is not None and not numerator.is_complex():
+        both = _count(torch.broadcast_tensors(numerator == 0, zeros)[0] & zeros)
+        if both:
+            text += f" ({both} of them 0/0)"
+    return text
+
+
+def _reciprocal_of_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x = _tensor(args, "self")
+    if x is None or x.is_complex():
+        return None
+    n = _count(x == 0)
+    return f"1/x of exact zeros: {_of(n, x)} of `self` are 0" if n else None
+
+
+def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str) -> Callable:
+    """A diagnosis for an op defined on part of the real line: names how many inputs lie outside."""
+
+    def diagnose_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        x = _tensor(args, "self")
+        if x is None or x.is_complex():
+            return None
+        outside = below(x)
+        n = _count(outside)
+        if n == 0:
+            return None
+        values = x[outside]
+        return (f"{name} at the edge of its domain: {_of(n, x)} of `self` are {edge} "
+                f"(min {values.min().item():.6g}, max {values.max().item():.6g})")
+
+    return diagnose_domain
+
+
+def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    base, exponent = _tensor(args, "self"), args.get("exponent")
+    if base is None or base.is_complex() or not isinstance(exponent, (int, float)):
+        return None
+    if exponent < 0 and _count(base == 0):
+        return f"pow of 0 to the negative exponent {exponent}: {_of(_count(base == 0), base)} of `self` are 0"
+    if exponent != int(exponent) and _count(base < 0):
+        n = _count(base < 0)
+        return f"pow of negative values to the fractional exponent {exponent}: {_of(n, base)} of `self` are < 0"
+    return None
+
+
+def _exp_overflow(log_of_base: float) -> Callable:
+    def diagnose_exp(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        x = _tensor(args, "self")
+        if x is None or not x.is_floating_point() or not outputs:
+            return None
+        limit = math.log(torch.finfo(outputs[0].dtype).max) / log_of_base
+        finite = x[torch.isfinite(x)]
+        if finite.numel() == 0 or finite.max().item() <= limit:
+            return None
+        return (f"exp overflow: the largest input {finite.max().item():.6g} exceeds "
+                f"{limit:.6g}, the largest whose exp {outputs[0].dtype} holds")
+
+    return diagnose_exp
+
+
+def _loss_over_nothing(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    target, ignore = _tensor(args, "target"), args.get("ignore_index")
+    if target is None or not isinstance(ignore, int) or args.get("reduction") != 1:  # 1: Reduction::Mean
+        return None
+    if target.numel() == 0:
+        return "a mean loss over zero elements (the batch is empty)"
+    if bool((target == ignore).all().item()):
+        return f"a mean loss over zero elements: every one of the {target.numel()} targets is ignore_index ({ignore})"
+    return None
+
+
+def _mean_of_nothing(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x = _tensor(args, "self")
+    return "a mean over zero elements (the tensor is empty)" if x is not None and x.numel() == 0 else None
+
+
+def _impossible_alignments(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    targets, log_probs = args.get("targets"), _tensor(args, "log_probs")
+    input_lengths, target_lengths = args.get("input_lengths"), args.get("target_lengths")
+    if not isinstance(targets, torch.Tensor) or log_probs is None:
+        return None
+    input_lengths = torch.as_tensor(input_lengths).tolist()
+    target_lengths = torch.as_tensor(target_lengths).tolist()
+    batched = log_probs.dim() == 3
+    impossible = []
+    offset = 0
+    for b, (t_in, t_len) in enumerate(zip(input_lengths, target_lengths)):
+        if targets.dim() == 2:
+            labels = targets[b, :t_len]
+        else:  # concatenated targets
+            labels = targets[offset:offset + t_len]
+            offset += t_len
+        repeats = int((labels[1:] == labels[:-1]).sum().item()) if t_len > 1 else 0
+        if t_len + repeats > t_in:
+            impossible.append((b, t_len, repeats, t_in))
+    if not impossible:
+        return None
+    b, t_len, repeats, t_in = impossible[0]
+    sample = f"sample {b}" if batched else "the sample"
+    more = f" ({len(impossible)} samples in all)" if len(impossible) > 1 else ""
+    return (f"CTC with impossible alignments: {sample} needs at least {t_len + repeats} frames ({t_len} labels, "
+            f"{repeats} repeated) but its input length is {t_in}{more}")
+
+
+# (matmul, linear and einsum reach ATen as these)
+_MATMUL_INPUTS = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", "mat2"),
+                  "baddbmm": ("batch1", "batch2")}
+
+
+def _matmul_overflow(args: Args, outputs: list[torch.Tensor], packet: str) -> Optional[str]:
+    if not outputs or outputs[0].dtype not in (torch.float16, torch.bfloat16):
+        return None
+    a, b = (_tensor(args, n) for n in _MATMUL_INPUTS[packet])
+    if a is None or b is None:
+        return None
+    limit = torch.finfo(outputs[0].dtype).max
+    a_max, b_max = a.abs().max().item(), b.abs().max().item()
+    return (f"{outputs[0].dtype} overflow in a matmul: the inputs' max |x| are {a_max:.6g} and {b_max:.6g} "
+            f"over {a.shape[-1]} terms, while {outputs[0].dtype} holds at most {limit:.6g}")
+
+
+def _cast_overflow(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x = _tensor(args, "self")
+    if x is None or not outputs or not outputs[0].is_floating_point() or not x.is_floating_point():
+        return None
+    limit = torch.finfo(outputs[0].dtype).max
+    largest = x.abs().max().item()
+    if largest <= limit:
+        return None
+    return f"cast overflow: the largest |x| {largest:.6g} exceeds {limit:.6g}, the most {outputs[0].dtype} holds"
+
+
+# The table: ATen op (overload packet) -> diagnosis. Each returns a sentence, or None when the op's
+# inputs do not show its pattern.
+DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
+    "_softmax": _fully_masked_rows, "_log_softmax": _fully_masked_rows,
+    "div": _division_by_zero, "div_": _division_by_zero, "reciprocal": _reciprocal_of_zero,
+    "log": _domain("log", lambda x: x <= 0, "<= 0"), "log2": _domain("log2", lambda x: x <= 0, "<= 0"),
+    "log10": _domain("log10", lambda x: x <= 0, "<= 0"),
+    "log1p": _domain("log1p", lambda x: x <= -1, "<= -1"),
+    "sqrt": _domain("sqrt", lambda x: x < 0, "< 0"), "rsqrt": _domain("rsqrt", lambda x: x <= 0, "<= 0"),
+    "acos": _domain("acos", lambda x: x.abs() > 1, "outside [-1, 1]"),
+    "asin": _domain("asin", lambda x: x.abs() > 1, "outside [-1, 1]"),
+    "atanh": _domain("atanh", lambda x: x.abs() >= 1, "outside (-1, 1)"),
+    "pow": _pow_domain,
+    "exp": _exp_overflow(1.0), "exp_": _exp_overflow(1.0), "expm1": _exp_overflow(1.0),
+    "exp2": _exp_overflow(math.log(2.0)),
+    "nll_loss_forward": _loss_over_nothing, "nll_loss2d_forward": _loss_over_nothing,
+    "mean": _mean_of_nothing,
+    "_ctc_loss": _impossible_alignments,
+    "_to_copy": _cast_overflow,
+    **{packet: (lambda args, outputs, packet=packet: _matmul_overflow(args, outputs, packet))
+       for packet in _MATMUL_INPUTS},
+}
+
+
+def diagnose(op: str, args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    """The reason in words for a finding at `op` ("aten.div.Tensor"), from its arguments as it read them
+    and its outputs; None when the op has no entry or its inputs do not show the pattern.
+
+    Args:
+        op: the op's full name, namespace.packet.overload.
+        args: its arguments by schema name (tensors as the op read them: in-place ops' before the op).
+        outputs: its checked outputs.
+
+    Returns:
+        A sentence, or None.
+    """
+    packet = op.split(".")[1] if op.count(".") >= 2 else op
+    entry = DIAGNOSES.get(packet)
+    return entry(args, outputs) if entry is not None else None

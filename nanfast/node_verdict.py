@@ -1,0 +1,83 @@
+"""Judging an autograd node by the gradients it returns: locate's findings inside a backward node wait
+until the node has returned, and stand only if a returned gradient is non-finite while the gradients it
+received were finite."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["NodeVerdicts"]
+
+# NOTE: [masked inside a node]
+# torch's backward formulas often make 0/0 or x/0 on purpose and mask it before returning: norms and
+# F.normalize of a zero vector, std of a constant row, atan2(0, 0), cdist(x, x), pow(0, p) with a
+# learnable p, p-norms of pruned weights. An op-by-op check sees a producer there; the model is healthy.
+# So a finding inside a node is held until the node's post hook sees what it returns: a non-finite
+# returned gradient made from finite incoming ones confirms the node's first held finding; otherwise
+# they are notes. AccumulateGrad returns nothing (it writes .grad): it is judged per op, at once.
+_JUDGED_PER_OP = frozenset(("AccumulateGrad",))
+
+
+class NodeVerdicts:
+    """The findings held per running backward node.
+
+    Args:
+        any_nonfinite: whether a list of tensors (any dtype, Nones removed) holds NaN/inf.
+        report: called with the held item (a finding and its dump) that a node confirmed.
+        note: called with each held item a node did not confirm.
+    """
+
+    def __init__(self, any_nonfinite: Callable[[list[torch.Tensor]], bool], report: Callable[[Any], None],
+                 note: Callable[[Any], None]):
+        self._any_nonfinite = any_nonfinite
+        self._report = report
+        self._note = note
+        self._pending: dict[int, tuple[list[Any], Any]] = {}  # id(node) -> (items, hook handle)
+        self._lock = threading.Lock()  # CUDA backward runs nodes on worker threads
+
+    def defer(self, node: Any, item: Any) -> bool:
+        """Holds `item` until `node` returns. Returns False when the node cannot be judged by what it
+        returns (AccumulateGrad, a node without post hooks): the caller reports at once."""
+        if type(node).__name__ in _JUDGED_PER_OP:
+            return False
+        with self._lock:
+            entry = self._pending.get(id(node))
+            if entry is not None:
+                entry[0].append(item)
+                return True
+            items, key = [item], id(node)
+
+            def judge(grad_inputs: tuple, grad_outputs: tuple) -> None:  # holds the key, not the node
+                self._judge(key, grad_inputs, grad_outputs)
+
+            try:
+                handle = node.register_hook(judge)
+            except (AttributeError, RuntimeError, TypeError):
+                return False
+            self._pending[key] = (items, handle)
+        return True
+
+    def _judge(self, key: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        with self._lock:
+            items, handle = self._pending.pop(key)
+        handle.remove()  # a retained graph run again is judged again, from scratch
+        returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
+        received = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
+        confirmed = self._any_nonfinite(returned) and not self._any_nonfinite(received)
+        for item in items[1:] if confirmed else items:
+            self._note(item)
+        if confirmed:
+            self._report(items[0])
+
+    def close(self) -> None:
+        """Drops what nodes that never returned (their backward raised) held, as notes."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for items, handle in pending.values():
+            handle.remove()
+            for item in items:
+                self._note(item)

@@ -1,0 +1,115 @@
+"""The diagnosis table (nanfast.diagnosis.DIAGNOSES): each entry, on the op that shows its pattern,
+gives the finding its reason in words; ops that show no known pattern get none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast.diagnosis import DIAGNOSES
+
+INF = float("inf")
+
+
+def _masked_rows():
+    x = torch.randn(32, 4)
+    x[5] = -INF  # a mask made before locate: allowed
+    x[9] = -INF
+    return x
+
+
+def _ctc():
+    log_probs = torch.randn(2, 1, 5).log_softmax(-1)
+    return lambda: F.ctc_loss(log_probs, torch.tensor([[1, 1, 2]]), torch.tensor([2]), torch.tensor([3]))
+
+
+def _half(value, *shape):
+    return torch.full(shape, value, dtype=torch.float16)
+
+
+CASES = [
+    # (op packet, what runs under locate, the op reported, words the diagnosis holds)
+    ("_softmax", lambda x=_masked_rows(): F.softmax(x, dim=-1), "aten._softmax.default",
+     "row 5 of 32 along dim 1 is fully masked (every entry -inf) (2 rows in all)"),
+    ("_log_softmax", lambda x=_masked_rows(): F.log_softmax(x, dim=1), "aten._log_softmax.default",
+     "row 5 of 32 along dim 1 is fully masked"),
+    ("div", lambda: torch.tensor([0.0, 1.0, 2.0]) / torch.tensor([0.0, 0.0, 1.0]), "aten.div.Tensor",
+     "divides by exact zeros: 2 of 3 elements of the divisor `other` are 0 (1 of them 0/0)"),
+    ("div_", lambda: torch.tensor([1.0, 2.0]).div_(torch.tensor([1.0, 0.0])), "aten.div_.Tensor",
+     "divides by exact zeros: 1 of 2 elements"),
+    ("reciprocal", lambda: torch.tensor([0.0, 2.0]).reciprocal(), "aten.reciprocal.default",
+     "1/x of exact zeros: 1 of 2 elements of `self` are 0"),
+    ("log", lambda: torch.log(torch.tensor([1.0, -2.0, 0.0])), "aten.log.default",
+     "log at the edge of its domain: 2 of 3 elements of `self` are <= 0 (min -2, max 0)"),
+    ("log2", lambda: torch.log2(torch.tensor([0.0, 1.0])), "aten.log2.default", "log2 at the edge"),
+    ("log10", lambda: torch.log10(torch.tensor([-1.0, 1.0])), "aten.log10.default", "log10 at the edge"),
+    ("log1p", lambda: torch.log1p(torch.tensor([-1.0, 1.0])), "aten.log1p.default", "are <= -1"),
+    ("sqrt", lambda: torch.sqrt(torch.tensor([4.0, -9.0])), "aten.sqrt.default",
+     "sqrt at the edge of its domain: 1 of 2 elements of `self` are < 0 (min -9, max -9)"),
+    ("rsqrt", lambda: torch.rsqrt(torch.tensor([0.0, 4.0])), "aten.rsqrt.default", "rsqrt at the edge"),
+    ("acos", lambda: torch.acos(torch.tensor([0.5, 1.5])), "aten.acos.default", "outside [-1, 1] (min 1.5"),
+    ("asin", lambda: torch.asin(torch.tensor([-2.0, 0.5])), "aten.asin.default", "outside [-1, 1]"),
+    ("atanh", lambda: torch.atanh(torch.tensor([1.0, 0.5])), "aten.atanh.default", "outside (-1, 1)"),
+    ("pow", lambda: torch.tensor([0.0, 2.0]).pow(-1), "aten.pow.Tensor_Scalar",
+     "pow of 0 to the negative exponent -1: 1 of 2 elements of `self` are 0"),
+    ("exp", lambda: torch.exp(torch.tensor([1.0, 100.0])), "aten.exp.default",
+     "exp overflow: the largest input 100 exceeds 88.7228, the largest whose exp torch.float32 holds"),
+    ("exp_", lambda: torch.tensor([1.0, 100.0]).exp_(), "aten.exp_.default", "exp overflow"),
+    ("expm1", lambda: torch.expm1(torch.tensor([90.0])), "aten.expm1.default", "largest input 90"),
+    ("exp2", lambda: torch.exp2(torch.tensor([130.0])), "aten.exp2.default", "exceeds 128"),
+    ("nll_loss_forward", lambda: F.cross_entropy(torch.randn(4, 3), torch.full((4,), -100)),
+     "aten.nll_loss_forward.default",
+     "a mean loss over zero elements: every one of the 4 targets is ignore_index (-100)"),
+    ("nll_loss2d_forward",
+     lambda: F.cross_entropy(torch.randn(2, 3, 4, 4), torch.full((2, 4, 4), 255), ignore_index=255),
+     "aten.nll_loss2d_forward.default", "every one of the 32 targets is ignore_index (255)"),
+    ("mean", lambda: torch.empty(0).mean(), "aten.mean.default", "a mean over zero elements"),
+    ("_ctc_loss", _ctc(), "aten._ctc_loss.Tensor",
+     "CTC with impossible alignments: sample 0 needs at least 4 frames (3 labels, 1 repeated) but its input "
+     "length is 2"),
+    ("_to_copy", lambda: torch.tensor([1e5, 1.0]).half(), "aten._to_copy.default",
+     "cast overflow: the largest |x| 100000 exceeds 65504"),
+    ("mm", lambda: _half(300, 2, 4) @ _half(300, 4, 2), "aten.mm.default",
+     "torch.float16 overflow in a matmul: the inputs' max |x| are 300 and 300 over 4 terms, while torch.float16 "
+     "holds at most 65504"),
+    ("bmm", lambda: torch.bmm(_half(300, 1, 2, 4), _half(300, 1, 4, 2)), "aten.bmm.default", "over 4 terms"),
+    ("addmm", lambda: F.linear(_half(300, 2, 4), _half(300, 2, 4), _half(0, 2)), "aten.addmm.default",
+     "float16 overflow in a matmul"),
+    ("baddbmm", lambda: torch.baddbmm(_half(0, 1, 2, 2), _half(300, 1, 2, 4), _half(300, 1, 4, 2)),
+     "aten.baddbmm.default", "float16 overflow in a matmul"),
+]
+
+
+@pytest.mark.parametrize("packet, run, op, words", CASES, ids=[c[0] for c in CASES])
+def test_each_diagnosis_names_its_pattern(packet, run, op, words):
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            run()
+    finding = raised.value.report
+    assert finding.op == op
+    assert finding.diagnosis is not None and words in finding.diagnosis, finding.diagnosis
+    assert finding.diagnosis in finding.summary() and finding.to_dict()["diagnosis"] == finding.diagnosis
+
+
+def test_every_table_entry_has_a_test():
+    assert set(DIAGNOSES) == {c[0] for c in CASES}
+
+
+def test_a_finding_without_a_known_pattern_has_no_diagnosis():
+    # An overflowing elementwise multiply of finite values is in no table entry.
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            torch.tensor([0.0, 1.0]) * torch.tensor([1e38, 1e38]) * 10
+    assert raised.value.report.op == "aten.mul.Tensor" and raised.value.report.diagnosis is None
+
+
+def test_a_backward_finding_gets_its_diagnosis():
+    x = torch.tensor([0.0, 4.0], requires_grad=True)
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            torch.sqrt(x).sum().backward()
+    finding = raised.value.report
+    assert (finding.op, finding.node) == ("aten.div.Tensor", "SqrtBackward0")
+    assert "divides by exact zeros: 1 of 2 elements of the divisor `other` are 0" in finding.diagnosis
