@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast import watch_state
+from nanfast.watch import forwards
 from op_recorder import OpRecorder
 from test_watch import MLP, Magnitude, batch
 
@@ -278,7 +278,7 @@ def test_gradient_accumulation_without_optimizer_does_not_warn():
 
 
 def test_forwards_without_a_step_are_bounded_even_when_parameters_never_change(monkeypatch):
-    monkeypatch.setattr(watch_state, "MAX_FORWARDS_PER_STEP", 8)
+    monkeypatch.setattr(forwards, "MAX_FORWARDS_PER_STEP", 8)
     model = MLP()
     w = nanfast.watch(model)
     x, y = batch()

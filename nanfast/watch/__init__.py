@@ -13,14 +13,15 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from . import _C, distributed, scaler_hook
-from .check import uncompiled
-from .clip import check_norm_type, scale_grads_, total_norm
-from .ops import combine_norms
-from .recompute import REENTRANT, UNPACK, recomputation
-from .report import NonFiniteError
+from .. import _C, distributed
+from ..check import uncompiled
+from ..clip import check_norm_type, scale_grads_, total_norm
+from ..ops import combine_norms
+from ..recompute import REENTRANT, UNPACK, recomputation
+from ..report import NonFiniteError
+from . import scaler_hook
+from .forwards import StepState
 from .restore import BufferUndo, lacks_state
-from .watch_state import StepState
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
 # unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
@@ -516,7 +517,7 @@ class Watch:
         if self._undo is not None and self._microbatch == 0:
             self._undo.begin()
         if self.on_event == "locate" and self._microbatch == 0:
-            from .locate import StepState
+            from ..locate import StepState
 
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
@@ -852,7 +853,7 @@ class Watch:
         see the same verdict), so the collectives of a DDP backward match."""
         if self._step_state is None:
             return None
-        from .locate import locate_step
+        from ..locate import locate_step
 
         active, self._active = self._active, False
         try:
