@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .watch import watch
+from .watch import Watch, fused_pass, watch
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
 
@@ -190,9 +190,8 @@ def _timed_watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> It
     totals so far: seconds inside the watch ("hooks": its Python entry points and its gradient checks),
     seconds in its fused kernels ("kernels") and the bytes they read ("bytes"), and the part of those
     in the step's fused pass over parameters and gradients ("pass", "pass_bytes")."""
-    module = sys.modules[watch.__module__]  # nanfast.watch, the module (the package exports the function)
-    saved = [(module.Watch, name, getattr(module.Watch, name)) for name in _WATCH_ENTRY_POINTS]
-    saved.append((module, "_stats_on", module._stats_on))
+    saved = [(Watch, name, getattr(Watch, name)) for name in _WATCH_ENTRY_POINTS]
+    saved.append((fused_pass, "_stats_on", fused_pass._stats_on))
     clock = {"hooks": 0.0, "pass": 0.0, "pass_bytes": 0}
 
     def timed(fn: Callable, key: str) -> Callable:
@@ -204,15 +203,15 @@ def _timed_watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> It
                 clock[key] += time.perf_counter() - start
         return wrapper
 
-    stats_on = timed(module._stats_on, "pass")
+    stats_on = timed(fused_pass._stats_on, "pass")
 
-    def fused_pass(tensors, device):
+    def counted_pass(tensors, device):
         clock["pass_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
         return stats_on(tensors, device)
 
     for owner, name, fn in saved[:-1]:
         setattr(owner, name, timed(fn, "hooks"))
-    module._stats_on = fused_pass
+    fused_pass._stats_on = counted_pass
     try:
         with watch(model, optimizer) as w:  # made after the wrapping: its hooks bind the wrapped methods
             def totals() -> dict:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import nanfast
 from nanfast import bench, bench_watch, cli
+from nanfast.watch import Watch, fused_pass
 
 
 def test_core_benchmark_writes_every_method(tmp_path, capsys):
@@ -53,9 +54,8 @@ def test_benchmarks_script_is_the_cli(tmp_path):
 
 
 def test_timed_watch_counts_the_watch_and_restores_it():
-    watch_module = sys.modules[nanfast.watch.__module__]
-    before = {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS}
-    stats_on_before = watch_module._stats_on
+    before = {name: getattr(Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS}
+    stats_on_before = fused_pass._stats_on
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(5, 8)
@@ -74,8 +74,8 @@ def test_timed_watch_counts_the_watch_and_restores_it():
     assert clock["bytes"] == 4 * (activations + input_grads + 2 * params)
     assert after_backward["pass_bytes"] == 0 and clock["pass_bytes"] == 4 * 2 * params
     assert clock["hooks"] >= clock["kernels"] > clock["pass"] > 0
-    assert {name: getattr(watch_module.Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS} == before
-    assert watch_module._stats_on is stats_on_before
+    assert {name: getattr(Watch, name) for name in bench_watch._WATCH_ENTRY_POINTS} == before
+    assert fused_pass._stats_on is stats_on_before
 
 
 def test_median_interval_is_the_binomial_order_statistics():
