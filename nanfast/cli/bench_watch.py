@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .watch import Watch, fused_pass, watch
+from ..watch import Watch, fused_pass, watch
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
 
