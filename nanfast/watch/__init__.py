@@ -15,10 +15,11 @@ from ..clip import check_norm_type, scale_grads_, total_norm
 from . import agree, scaler_hook, step as steps
 from .actions import Actions
 from .events import PHASES, Event, Place
-from .fused_pass import Pass, run as run_fused_pass
 from .forwards import StepState
+from .fused_pass import Pass, run as run_fused_pass
 from .hooks import Hooks, floating_tensors
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
+from .profile import Profile
 from .restore import BufferUndo
 from .step import SUMMARY, Read, Step
 
@@ -49,6 +50,7 @@ class Watch(Hooks, Actions):
         process_group: Optional[Any] = None,
         on_event: Optional[str] = None,
         rerun: Optional[Callable[[], Any]] = None,
+        profile: bool = False,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
@@ -87,7 +89,8 @@ class Watch(Hooks, Actions):
         self._handles: list = []
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
-        self._recorder = _C.WatchRecorder(self._device)
+        self._recorder = _C.WatchRecorder(self._device, profile)
+        self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}
         self._scaler_shared: Optional[Any] = None
@@ -249,7 +252,22 @@ class Watch(Hooks, Actions):
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
         else:
             params = list(self.model.parameters())
-        return run_fused_pass(params, self._param_names, self._sharded, self._device)
+        return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile)
+
+    def costs(self) -> dict[str, float]:
+        """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
+        its gradient checks, reads included), seconds in its fused kernels ("kernels") and the bytes they
+        read ("bytes"), and the part of those in the step's pass over parameters and gradients ("pass",
+        "pass_bytes").
+
+        Returns:
+            The totals since the watch was made, as a dict with those five keys.
+
+        Raises:
+            RuntimeError: the watch was made without profile=True (it measures nothing)."""
+        if self._profile is None:
+            raise RuntimeError("Watch.costs: this watch measures nothing; make it with nanfast.watch(..., profile=True)")
+        return self._profile.totals(self._recorder)
 
     # ---- numbers for a logger ----
 
@@ -292,5 +310,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     torch.distributed is initialised: the step's flag is all-reduced, so every rank takes the same
     action in the same step, and events name the ranks that saw the fault), ``on_event="locate"`` with
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
-    is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager")."""
+    is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
+    ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
+    watch reads no clock)."""
     return Watch(model, optimizer, **options)

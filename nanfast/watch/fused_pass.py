@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _C, distributed
+from .profile import Profile
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
 # unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
@@ -38,14 +39,16 @@ def entries(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device) -> Optional[Pass]:
+def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
+        profile: Optional[Profile] = None) -> Optional[Pass]:
     """One fused call over `params` and their gradients; None without parameters.
 
     Args:
         params: the parameters, in the optimizer's order (or the model's).
         param_names: id(parameter) -> its name in the model; the others are named "param[i]".
         sharded: the parameters are DTensors: their local shards are read.
-        device: where the results land."""
+        device: where the results land.
+        profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch])."""
     # NOTE: [Parameters and gradients in one pass]
     # At the read, before the optimizer step, one fused call covers every parameter (as the previous
     # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
@@ -60,5 +63,6 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
     grads = [entries(g) for g in grads]
     with torch.no_grad():
-        counts, norm, absmax = _stats_on(params + grads, device)
+        stats_on = _stats_on if profile is None else profile.counted_pass(_stats_on)
+        counts, norm, absmax = stats_on(params + grads, device)
     return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))

@@ -42,24 +42,28 @@ class Hooks:
     def _site(self, name: str, module_class: str) -> Site:
         return Site(name, module_class, ignored(self.ignore, name))
 
+    def _hook(self, fn: Any) -> Any:
+        """What is registered for `fn`: itself, or timed in a profiled watch (see NOTE: [Profiling the watch])."""
+        return fn if self._profile is None else self._profile.timed(fn)
+
     def _install(self) -> None:
-        model = self.model
-        self._handles.append(model.register_forward_pre_hook(self._before_model, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._after_model))
+        model, hook = self.model, self._hook
+        self._handles.append(model.register_forward_pre_hook(hook(self._before_model), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(hook(self._after_model)))
         # Registered after _after_model, and also called when the forward raises.
-        self._handles.append(model.register_forward_hook(self._after_model_raised, always_call=True))
+        self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
         if self._check_activations or self._check_grads:
             for name, module in model.named_modules():
                 if module is model or isinstance(module, self.pass_through):
                     continue
                 site = self._site(name, type(module).__name__)
-                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before_module, site)))
+                self._handles.append(module.register_forward_pre_hook(hook(functools.partial(self._before_module, site))))
                 if self._check_activations:
-                    self._handles.append(module.register_forward_hook(functools.partial(self._after_module, site)))
+                    self._handles.append(module.register_forward_hook(hook(functools.partial(self._after_module, site))))
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action == "skip":
-                self._handles.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+                self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
         if self.scaler is not None:
             # NOTE: [AMP and GradScaler]
             # A GradScaler multiplies the loss by its scale, so gradients (phases loss, backward, grad)
