@@ -17,7 +17,7 @@ from .actions import Actions
 from .events import PHASES, Event, Place
 from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
-from .hooks import Hooks, floating_tensors
+from .hooks import Hooks
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
 from .profile import Profile
 from .restore import BufferUndo
@@ -148,32 +148,6 @@ class Watch(Hooks, Actions):
         self._recorder.forget()
         self._step = Step()
         self._steps.reset()
-
-    def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
-        """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
-        with finite gradients (a mean over no elements: cross-entropy whose targets are all
-        ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
-        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
-
-        Args:
-            value: the loss tensor (any floating tensor: each of its elements is checked).
-            name: how events name it (several losses: "ce", "aux"; matched by ``ignore``).
-
-        Returns:
-            ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
-
-        Raises:
-            TypeError: value is not a tensor."""
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
-        if self._active and self._check_loss and not torch.compiler.is_compiling():
-            site = self._loss_sites.get(name)
-            if site is None:
-                site = self._loss_sites[name] = self._site(name, "")
-            tensors = floating_tensors(value)
-            if tensors and not site.ignored:
-                self._record("loss_value", site, 1, self._step.microbatch, tensors)
-        return value
 
     def step(self) -> None:
         """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
@@ -312,5 +286,19 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
-    watch reads no clock)."""
+    watch reads no clock).
+
+    Args:
+        model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
+        optimizer: the optimizer whose step ends each step (None: call ``w.step()``, or inference).
+        **options: the options above, by keyword.
+
+    Returns:
+        The installed `Watch`.
+
+    Raises:
+        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
+        ValueError: an option out of its allowed values, or a combination the watch cannot honour
+            (action="skip" without an optimizer, with LBFGS, or lagged with a non-fused optimizer;
+            on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
     return Watch(model, optimizer, **options)

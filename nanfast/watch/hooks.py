@@ -1,6 +1,6 @@
 """The watch's hooks: installing them on the model and optimizer, and what each does per call (records
-the fused checks of the tensors it sees in a slot of the step; see NOTE: [The watch's recorder]). The
-hot path: one Python call and one fused op each."""
+the fused checks of the tensors it sees in a slot of the step; see NOTE: [The watch's recorder]), and
+`Watch.loss`, the one check the loop calls itself. The hot path: one Python call and one fused op each."""
 
 from __future__ import annotations
 
@@ -118,6 +118,32 @@ class Hooks:
             return
         if not site.ignored:
             self._record(phase, site, site.calls, self._step.microbatch, tensors)
+
+    def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
+        """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
+        with finite gradients (a mean over no elements: cross-entropy whose targets are all
+        ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
+        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
+
+        Args:
+            value: the loss tensor (any floating tensor: each of its elements is checked).
+            name: how events name it (several losses: "ce", "aux"; matched by ``ignore``).
+
+        Returns:
+            ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
+
+        Raises:
+            TypeError: value is not a tensor."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if self._active and self._check_loss and not torch.compiler.is_compiling():
+            site = self._loss_sites.get(name)
+            if site is None:
+                site = self._loss_sites[name] = self._site(name, "")
+            tensors = floating_tensors(value)
+            if tensors and not site.ignored:
+                self._record("loss_value", site, 1, self._step.microbatch, tensors)
+        return value
 
     # NOTE: [The watch and torch.compile]
     # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
