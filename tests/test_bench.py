@@ -1,4 +1,4 @@
-"""The benchmark runs (the README's main job) and its watch instrumentation measures and cleans up.
+"""The benchmark runs (the README's main job) and the watch's public profiling hook (Watch.costs()) measures.
 Speed itself is not asserted here: it is measured by the benchmark, never in tests."""
 
 from __future__ import annotations
