@@ -32,7 +32,13 @@ class Site:
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
-    return [t for t in _tree.leaves(obj) if isinstance(t, torch.Tensor)
+    if isinstance(obj, torch.Tensor):
+        found: Any = (obj,)
+    elif type(obj) is tuple and all(isinstance(t, torch.Tensor) for t in obj):
+        found = obj  # a module's usual arguments: the walk would yield them as they are, slower (a hook per call)
+    else:
+        found = _tree.leaves(obj)
+    return [t for t in found if isinstance(t, torch.Tensor)
             and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
 
 
