@@ -1,14 +1,13 @@
-"""`python -m nanfast scan FILE...` checks checkpoints (.pt/.pth/.bin, .safetensors) for NaN/inf
-without running pickled code: exit code 0 clean (every tensor read), 1 non-finite values found,
-2 an input could not be read whole (refused, unreadable, or some of its tensors not checked)."""
+"""Checking checkpoints (.pt/.pth/.bin, .safetensors) for NaN/inf without running pickled code:
+`scan_file`, and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean
+(every tensor read), 1 non-finite values found, 2 an input could not be read whole (refused,
+unreadable, or some of its tensors not checked)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import pickle
 import pickletools
@@ -24,7 +23,6 @@ import torch
 from ._tree import named_leaves
 from .check import check_all
 from .ops import reads_dtype
-from .progress import byte_progress
 from .report import Entry, Report
 
 __all__ = ["FileScan", "scan_file"]
@@ -250,37 +248,3 @@ def format_scan(scan: FileScan) -> str:
     for r in [header] + rows:
         lines.append("  " + "  ".join(c.ljust(w) if k < 3 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE", help=".pt/.pth/.bin (torch.save) or .safetensors files")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-
-
-def _scan_all(paths: list[str]) -> list[FileScan]:
-    sizes = [os.stat(p).st_size if os.path.isfile(p) else 0 for p in paths]
-    scans = []
-    with byte_progress(sum(sizes), desc="nanfast scan") as bar:
-        for path, size in zip(paths, sizes):
-            left = size
-
-            def advance(nbytes: int) -> None:  # tensor bytes stand for file bytes, up to the file's size
-                nonlocal left
-                step = min(nbytes, left)
-                left -= step
-                bar.update(step)
-
-            scans.append(scan_file(path, advance))
-            advance(left)
-    return scans
-
-
-def run(args: argparse.Namespace) -> int:
-    scans = _scan_all(args.files)
-    code = exit_code(scans)
-    if args.json:
-        print(json.dumps({"files": [s.to_dict() for s in scans], "exit_code": code}, indent=2))
-    else:
-        for s in scans:
-            print(format_scan(s))
-    return code

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import nanfast
 from op_recorder import OpRecorder
 from reference import torch_total_norm
-from nanfast.bench_watch import BasicBlock
+from nanfast.cli.bench_watch import BasicBlock
 
 NAN, INF = float("nan"), float("inf")
 
@@ -373,13 +373,13 @@ def test_context_manager_removes_on_error_and_hooks_left_in_the_graph_are_inert(
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(KeyError):
-        with nanfast.watch(model, opt) as w:
+        with nanfast.watch(model, opt, profile=True) as w:
             loss = F.mse_loss(model(batch()[0]), batch()[1])
             raise KeyError
     assert not model.l1._forward_hooks and not opt._optimizer_step_pre_hooks
-    costs = w._recorder.costs()
+    costs = w.costs()
     loss.backward()  # the gradient checks of that forward fire into a removed watch
-    assert w.events == [] and w._recorder.take()[1] == [] and w._recorder.costs() == costs
+    assert w.events == [] and w._recorder.take()[1] == [] and w.costs() == costs
 
 
 def test_no_activation_outlives_the_step():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast import watch_state
+from nanfast.watch import forwards
 from op_recorder import OpRecorder
 from test_watch import MLP, Magnitude, batch
 
@@ -251,8 +251,8 @@ def test_a_loop_that_never_calls_step_warns_once_and_keeps_no_more_than_a_step()
             F.mse_loss(model(batch(seed=s)[0]), y).backward()
             opt.step()
             if s == 1:
-                per_step = len(w._slot_info)
-    assert len(w._slot_info) <= per_step
+                per_step = len(w._step.slots)
+    assert len(w._step.slots) <= per_step
     assert len(w._recorder.take()[1]) <= per_step  # the records of one step, not of 40
     unclosed = [c for c in caught if "w.step()" in str(c.message)]
     assert len(unclosed) == 1 and unclosed[0].category is UserWarning
@@ -278,14 +278,14 @@ def test_gradient_accumulation_without_optimizer_does_not_warn():
 
 
 def test_forwards_without_a_step_are_bounded_even_when_parameters_never_change(monkeypatch):
-    monkeypatch.setattr(watch_state, "MAX_FORWARDS_PER_STEP", 8)
+    monkeypatch.setattr(forwards, "MAX_FORWARDS_PER_STEP", 8)
     model = MLP()
     w = nanfast.watch(model)
     x, y = batch()
     with pytest.warns(UserWarning, match="w.step()"):
         for _ in range(20):
             F.mse_loss(model(x), y).backward()
-    assert w._forwards <= 8
+    assert w._step.forwards <= 8
     w.remove()
     # Forwards under no_grad (a long validation loop between two optimizer steps) do not count.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

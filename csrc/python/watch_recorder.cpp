@@ -38,24 +38,24 @@ using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
 // autograd engine thread (one per CUDA device) and which live as long as their graph.
 struct Records {
-  explicit Records(at::Device device) : device(device) {}
+  Records(at::Device device, bool profiled) : device(device), profiled(profiled) {}
 
   // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
   void add(at::TensorList tensors, int64_t slot, bool grad_check) {
-    const auto start = Clock::now();
+    const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
     at::Tensor counts = std::get<0>(stats_on(tensors, device));
-    int64_t read = 0;
-    for (const at::Tensor& t : tensors) {
-      read += t.numel() * t.element_size();
-    }
     const std::lock_guard<std::mutex> lock(mutex);
     entries.emplace_back(std::move(counts), slot);
-    const auto spent = Clock::now() - start;
-    kernel_time += spent;
-    if (grad_check) {
-      check_time += spent;
+    if (profiled) {
+      const auto spent = Clock::now() - start;
+      kernel_time += spent;
+      if (grad_check) {
+        check_time += spent;
+      }
+      for (const at::Tensor& t : tensors) {
+        bytes += t.numel() * t.element_size();
+      }
     }
-    bytes += read;
   }
 
   // NOTE: [A backward that raised]
@@ -81,6 +81,10 @@ struct Records {
   }
 
   const at::Device device;
+  // NOTE: [Profiling the watch]
+  // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
+  // the benchmark reads): an ordinary watch reads no clock on its hot path.
+  const bool profiled;
   std::atomic<bool> enabled{true};  // false once the watch is removed: hooks left on a graph do nothing
   // Bumped when the records are dropped (a step ended): gradient checks placed before then do nothing
   // (see NOTE: [Gradient checks outliving their step]).
@@ -88,7 +92,7 @@ struct Records {
   std::mutex mutex;
   std::vector<std::pair<at::Tensor, int64_t>> entries;  // counts [rows, 3] on `device`, slot id
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
-  // What the checks cost, for benchmarks (under `mutex`): time in the kernel calls, the part of it
+  // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read.
   Clock::duration kernel_time{0};
   Clock::duration check_time{0};
@@ -150,7 +154,8 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
 
 class WatchRecorder {
  public:
-  explicit WatchRecorder(at::Device device) : records_(std::make_shared<Records>(device)) {}
+  WatchRecorder(at::Device device, bool profiled)
+      : records_(std::make_shared<Records>(device, profiled)) {}
 
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`.
   void record(py::handle tensors, int64_t slot) {
@@ -242,7 +247,8 @@ class WatchRecorder {
     return failed;
   }
 
-  // Seconds in kernel calls, the part of them in gradient checks, bytes read: totals since the recorder began.
+  // Seconds in kernel calls, the part of them in gradient checks, bytes read: totals since the recorder began
+  // (zeros unless profiled).
   std::tuple<double, double, int64_t> costs() {
     const std::lock_guard<std::mutex> lock(records_->mutex);
     return {std::chrono::duration<double>(records_->kernel_time).count(),
@@ -277,7 +283,7 @@ class WatchRecorder {
 void bind_watch_recorder(py::module_& m) {
   py::class_<WatchRecorder>(m, "WatchRecorder",
                             "Where nanfast.watch's hooks leave a step's counts (see NOTE: [The watch's recorder]).")
-      .def(py::init<at::Device>(), py::arg("device"))
+      .def(py::init<at::Device, bool>(), py::arg("device"), py::arg("profiled") = false)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"))
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("forget", &WatchRecorder::forget)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -15,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .watch import watch
+from ..watch import watch
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
 
@@ -179,57 +178,11 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return xs[max(j - 1, 0)], xs[n - max(j, 1)]
 
 
-# The watch's Python entry points: everything it runs in a step starts in one of these, or in the gradient
-# checks its recorder placed on the autograd graph (C++, which times them itself).
-_WATCH_ENTRY_POINTS = ("_before_model", "_after_model", "_before_module", "_after_module", "_before_optimizer_step")
-
-
-@contextlib.contextmanager
-def _timed_watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[Callable[[], dict]]:
-    """A watch on model and optimizer whose entry points are timed; yields a function that returns the
-    totals so far: seconds inside the watch ("hooks": its Python entry points and its gradient checks),
-    seconds in its fused kernels ("kernels") and the bytes they read ("bytes"), and the part of those
-    in the step's fused pass over parameters and gradients ("pass", "pass_bytes")."""
-    module = sys.modules[watch.__module__]  # nanfast.watch, the module (the package exports the function)
-    saved = [(module.Watch, name, getattr(module.Watch, name)) for name in _WATCH_ENTRY_POINTS]
-    saved.append((module, "_stats_on", module._stats_on))
-    clock = {"hooks": 0.0, "pass": 0.0, "pass_bytes": 0}
-
-    def timed(fn: Callable, key: str) -> Callable:
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                clock[key] += time.perf_counter() - start
-        return wrapper
-
-    stats_on = timed(module._stats_on, "pass")
-
-    def fused_pass(tensors, device):
-        clock["pass_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-        return stats_on(tensors, device)
-
-    for owner, name, fn in saved[:-1]:
-        setattr(owner, name, timed(fn, "hooks"))
-    module._stats_on = fused_pass
-    try:
-        with watch(model, optimizer) as w:  # made after the wrapping: its hooks bind the wrapped methods
-            def totals() -> dict:
-                kernel_s, grad_checks_s, recorded_bytes = w._recorder.costs()
-                return {"hooks": clock["hooks"] + grad_checks_s, "kernels": clock["pass"] + kernel_s,
-                        "bytes": clock["pass_bytes"] + recorded_bytes, "pass": clock["pass"],
-                        "pass_bytes": clock["pass_bytes"]}
-            yield totals
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
-
-
 def _measure_inside(device: str, steps: int = 6) -> list[dict]:
     """Per step: the time spent inside the watch (hooks and read) and in its kernels, and the bytes they
     read, with the part of them in the fused pass over parameters and gradients (what the watch reads
-    every step whatever the batch: a floor on its cost). Measured within the same steps, so it does
+    every step whatever the batch: a floor on its cost), as a watch made with profile=True counts them
+    (Watch.costs(), the public hook: no patching). Measured within the same steps, so it does
     not move with the machine's load as the difference of two step times does; it leaves out
     nn.Module's slower call path once hooks exist."""
     rows = []
@@ -238,11 +191,11 @@ def _measure_inside(device: str, steps: int = 6) -> list[dict]:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         _step(model, optimizer, *batch())
         plain = statistics.median(_timed_step(model, optimizer, batch, device) for _ in range(steps))
-        with _timed_watch(model, optimizer) as totals:
+        with watch(model, optimizer, profile=True) as w:
             _step(model, optimizer, *batch())
-            start = totals()
+            start = w.costs()
             watched = sum(_timed_step(model, optimizer, batch, device) for _ in range(steps)) / steps
-            spent = {key: (value - start[key]) / steps for key, value in totals().items()}
+            spent = {key: (value - start[key]) / steps for key, value in w.costs().items()}
         rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": watched * 1e3,
                      "inside_ms": spent["hooks"] * 1e3, "kernels_ms": spent["kernels"] * 1e3,
                      "mb_read": spent["bytes"] / 1e6, "pass_ms": spent["pass"] * 1e3,

@@ -1,0 +1,304 @@
+"""`watch`: always-on NaN/inf checks for a training loop. Hooks enqueue fused checks whose counts stay
+on the device; the host reads them once per step; a non-finite value gives an `Event` that names the
+first place, in execution order, where it appeared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
+
+import torch
+
+from .. import _C, distributed
+from ..check import uncompiled
+from ..clip import check_norm_type, scale_grads_, total_norm
+from . import agree, scaler_hook, step as steps
+from .actions import Actions
+from .events import PHASES, Event, Place
+from .forwards import StepState
+from .fused_pass import Pass, run as run_fused_pass
+from .hooks import Hooks
+from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
+from .profile import Profile
+from .restore import BufferUndo
+from .step import SUMMARY, Read, Step
+
+__all__ = ["ACTIONS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
+
+
+class Watch(Hooks, Actions):
+    """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`. The facade:
+    the hooks (hooks.py), the step's read (step.py), the actions (actions.py) are its parts."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        inputs: bool = True,
+        activations: bool = True,
+        grads: bool = True,
+        params: bool = True,
+        loss: bool = True,
+        action: Union[str, Callable[[Event], Any]] = "raise",
+        every: int = 1,
+        sync: str = "eager",
+        ignore: Union[str, Iterable[str]] = (),
+        nan_only: bool = False,
+        scaler: Optional[Any] = None,
+        pass_through: tuple[type, ...] = PASS_THROUGH,
+        process_group: Optional[Any] = None,
+        on_event: Optional[str] = None,
+        rerun: Optional[Callable[[], Any]] = None,
+        profile: bool = False,
+    ):
+        self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
+        model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.action = action
+        self.every = every
+        self.sync = sync
+        self.nan_only = nan_only
+        self.pass_through = tuple(pass_through)
+        self.ignore = patterns(ignore)
+        self.process_group = process_group
+        self.on_event = on_event
+        self.rerun = rerun
+        self._step_state: Optional[Any] = None  # locate.StepState of the current step (on_event="locate")
+        self._check_inputs = inputs
+        self._check_activations = activations
+        self._check_grads = grads
+        self._check_params = params
+        self._check_loss = loss
+
+        self.events: list[Event] = []
+        self.last: Optional[Event] = None
+        self.skipped_steps = 0
+        self.scaler_skipped_steps = 0
+        self.step_count = 0  # steps ended so far (the number of the current step)
+
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        # FSDP2 / tensor parallel: the fused pass reads the local shards (the op has no DTensor rule).
+        self._sharded = distributed.has_dtensor(list(model.parameters()))
+        first = next(model.parameters(), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        self._root = self._site("", type(model).__name__)
+        self._input = self._site("input", "")
+        self._handles: list = []
+        # The step's counts, in execution order; the Step says what each slot id stands for (see
+        # NOTE: [The watch's recorder]).
+        self._recorder = _C.WatchRecorder(self._device, profile)
+        self._profile: Optional[Profile] = Profile() if profile else None
+        self._steps = StepState(model)
+        self._loss_sites: dict[str, Any] = {}
+        self._scaler_shared: Optional[Any] = None
+        self._installed = True
+        self._forward_id = 0
+        self._stepped = False
+        self._skip_now = False
+        self._held_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._found: Optional[torch.Tensor] = None
+        self._saved_found_inf: Optional[torch.Tensor] = None
+        # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before
+        # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
+        undoes = optimizer is not None and (action == "skip" or (action == "raise" and sync == "eager"))
+        self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
+        self._reset_step()
+        self._pending: Optional[Read] = None
+        self._summary: Optional[torch.Tensor] = None
+        self._summary_values: Optional[list[float]] = None
+        self._summary_step = -1
+        self._install()
+
+    def remove(self) -> None:
+        """Removes every hook and restores the optimizer and scaler exactly. Results of a lagged read
+        still pending are dropped: call flush() first to act on them (the context manager does)."""
+        if not self._installed:
+            return
+        self._installed = False
+        self._active = False
+        self._recorder.disable()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._scaler_shared is not None:
+            scaler_hook.detach(self.scaler, self._scaler_shared, self)
+            self._scaler_shared = None
+        self._reset_step()
+        self._pending = None
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.flush()
+        finally:
+            self.remove()
+
+    def _reset_step(self) -> None:
+        """A new step: its records cleared, a new Step."""
+        if self._undo is not None:
+            self._undo.close()
+        self._active = self._installed and self.step_count % self.every == 0
+        self._recorder.clear()
+        self._recorder.forget()
+        self._step = Step()
+        self._steps.reset()
+
+    def step(self) -> None:
+        """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
+        step's results. (With an optimizer, optimizer.step() does this.)"""
+        self._steps.ended_by_user = True
+        self._end_step()
+
+    def _scaler_step_begins(self) -> None:
+        self._stepped = False
+
+    def _scaler_step_ended(self, optimizer: torch.optim.Optimizer) -> None:
+        # The GradScaler skipped the step without calling optimizer.step() (see NOTE: [AMP and GradScaler]).
+        if optimizer is self.optimizer and not self._stepped:
+            self._end_step(scaler_skipped=True)
+
+    def flush(self) -> None:
+        """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._evaluate(pending)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the watched parameters' gradients to total norm `max_norm` (as
+        torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
+        the step's check makes anyway: call it right before optimizer.step(). No host sync; norms are of
+        the finite elements (finite gradients never become NaN); non-finite gradients are reported by
+        the watch (phase grad)."""
+        norm_type = check_norm_type(norm_type, "Watch.clip_grad_norm_")
+        if self._sharded:
+            raise NotImplementedError("Watch.clip_grad_norm_: the watch reads sharded (DTensor) parameters' local shards, "
+                                      "so its norms are this rank's; use torch.nn.utils.clip_grad_norm_, which reduces "
+                                      "DTensor norms over their mesh")
+        with torch.no_grad():
+            fused = self._fused_pass()
+            if fused is None or not fused.grads:
+                return torch.zeros(())
+            n = fused.n_params
+            total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
+            scale_grads_(fused.grads, total, max_norm)
+        self._step.clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
+        return total.to(fused.grads[0].dtype)
+
+    def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
+                  scaler_skipped: bool = False, fused_pass: bool = True) -> Optional[Read]:
+        """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
+        unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
+        (lagged), and acts. Returns this step's packed read if the step was checked."""
+        self._skip_now = False
+        self._drop_failed_backward()
+        read = None
+        if self._active:
+            fused = None
+            if fused_pass and (self._check_params or self._check_grads):
+                fused = self._step.clipped or self._fused_pass()
+            read = self._step.pack(*self._recorder.take(), fused, params=self._check_params, grads=self._check_grads,
+                                   ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
+                                   grad_scale=grad_scale, device=self._device, step=self.step_count,
+                                   scaler_skipped=scaler_skipped)
+            agree.start(read, self.process_group)
+        self.step_count += 1
+        self._reset_step()
+        if self.sync == "lagged" and not (read is not None and self._needs_host_verdict()):
+            if read is not None:
+                agree.wait(read)
+                steps.start_copy(read)
+            pending, self._pending = self._pending, read
+            if pending is not None:
+                self._evaluate(pending)
+        elif read is not None:
+            self.flush()  # lagged: the previous step's read comes first
+            self._evaluate(read)
+        return read
+
+    def _fused_pass(self) -> Optional[Pass]:
+        if self.optimizer is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        else:
+            params = list(self.model.parameters())
+        return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile)
+
+    def costs(self) -> dict[str, float]:
+        """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
+        its gradient checks, reads included), seconds in its fused kernels ("kernels") and the bytes they
+        read ("bytes"), and the part of those in the step's pass over parameters and gradients ("pass",
+        "pass_bytes").
+
+        Returns:
+            The totals since the watch was made, as a dict with those five keys.
+
+        Raises:
+            RuntimeError: the watch was made without profile=True (it measures nothing)."""
+        if self._profile is None:
+            raise RuntimeError("Watch.costs: this watch measures nothing; make it with nanfast.watch(..., profile=True)")
+        return self._profile.totals(self._recorder)
+
+    # ---- numbers for a logger ----
+
+    def stats(self) -> dict[str, float]:
+        """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
+        |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
+        the first checked step. In an eager watch the first call after a step reads them (one transfer)."""
+        if self._summary_values is None:
+            if self._summary is None:
+                return {}
+            self._summary_values = self._summary.tolist()
+        values = dict(zip(SUMMARY, self._summary_values))
+        return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
+                "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
+                "neginf": values["neginf"]}
+
+    def __repr__(self) -> str:
+        state = "installed" if self._installed else "removed"
+        return (f"Watch({type(self.model).__name__}, step={self.step_count}, events={len(self.events)}, "
+                f"skipped_steps={self.skipped_steps}, {state})")
+
+
+def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **options: Any) -> Watch:
+    """Installs NaN/inf checks on `model` (and `optimizer`) and returns the `Watch` (also a context
+    manager; `remove()` restores the model and optimizer exactly). See docs/watch.md.
+
+    Checks (each a bool option, all on by default): ``inputs`` (tensors entering model.forward),
+    ``activations`` (every submodule's outputs), ``grads`` (gradients flowing out of each module in
+    backward, and every parameter's grad before the optimizer step), ``params`` (every parameter, as
+    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them,
+    and the loss value given to ``w.loss(loss)``).
+
+    Options: ``action`` ("raise", "warn", "skip" or a callable taking the Event), ``every`` (check one
+    step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
+    late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
+    non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
+    ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors),
+    ``pass_through`` (module types left unhooked because they cannot create non-finite values;
+    default PASS_THROUGH), ``process_group`` (the ranks that must agree; by default the world when
+    torch.distributed is initialised: the step's flag is all-reduced, so every rank takes the same
+    action in the same step, and events name the ranks that saw the fault), ``on_event="locate"`` with
+    ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
+    is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
+    ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
+    watch reads no clock).
+
+    Args:
+        model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
+        optimizer: the optimizer whose step ends each step (None: call ``w.step()``, or inference).
+        **options: the options above, by keyword.
+
+    Returns:
+        The installed `Watch`.
+
+    Raises:
+        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
+        ValueError: an option out of its allowed values, or a combination the watch cannot honour
+            (action="skip" without an optimizer, with LBFGS, or lagged with a non-fused optimizer;
+            on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
+    return Watch(model, optimizer, **options)

@@ -1,0 +1,135 @@
+"""What a watch does about a bad step: raise, warn, call the user's action, or skip the optimizer step
+(see NOTE: [Skipping a step]) leaving parameters, optimizer state and module buffers as they were; and,
+with on_event="locate", re-running the step under nanfast.locate first."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..agreement import disagreement
+from ..report import NonFiniteError
+from . import agree, step as steps
+from .events import Event
+from .restore import lacks_state
+
+
+class Actions:
+    """The actions of `Watch` (a part of it: the state they use is the Watch's)."""
+
+    def _evaluate(self, read: steps.Read) -> None:
+        """Reads a step's checks on the host and, if the step is bad, makes its event and acts on it."""
+        agree.wait(read)
+        bad, summary, rows = steps.verdict(read)
+        self._summary, self._summary_values = (read.summary, None) if summary is None else (None, summary)
+        self._summary_step = read.step
+        scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
+        if scaler_skipped:
+            self.scaler_skipped_steps += 1
+        if not bad:
+            return
+        event = agree.event(read.step, steps.places(rows, read.slots, scaler_skipped, self.nan_only), self.process_group)
+        if event is None:
+            return  # only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
+        if self.on_event == "locate":
+            located = self._locate()
+            differs = None if located is None else disagreement(
+                self.model, event.first.phase, event.first.name, event.first.where(), located)
+            event = dataclasses.replace(event, located=located, located_differs=differs)
+        self.events.append(event)
+        self.last = event
+        self._act(event, scaler_skipped, before_step=read.host is None)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # args: the step's own arguments, the optimizer first
+        if self.action == "skip" and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+            raise ValueError("nanfast.watch: action='skip' cannot skip optimizer.step(closure): the closure runs the "
+                             "step's forward and backward after the point where the watch decides; call backward "
+                             "before optimizer.step()")
+        self._stepped = True
+        read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
+        if self.action != "skip":
+            return
+        if self._skip_on_device and not self._skip_now:
+            if read is None:
+                return
+            found = (read.summary[0] > 0).to(torch.float32)
+            self._saved_found_inf = vars(optimizer).get("found_inf")
+            # A GradScaler's own flag (fused optimizers) is kept: either one skips.
+            optimizer.found_inf = found if self._saved_found_inf is None else torch.maximum(self._saved_found_inf, found)
+            self._found = found
+        elif self._skip_now:
+            self._held_grads = []
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._held_grads.append((p, p.grad))
+                        p.grad = None
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._skip_on_device and self._found is not None:
+            if self._saved_found_inf is None:
+                del optimizer.found_inf
+            else:
+                optimizer.found_inf = self._saved_found_inf
+            skip = self._found.bool()
+            if self._undo is not None:
+                self._undo.restore(where=skip)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.masked_fill_(skip, 0)
+            self._found = self._saved_found_inf = None
+        elif self._held_grads:
+            for p, grad in self._held_grads:
+                p.grad = grad.zero_()
+            self._held_grads = []
+
+    def _needs_host_verdict(self) -> bool:
+        """A lagged skip on the device cannot undo this step: it creates optimizer state (fused SGD makes
+        its momentum buffers before it looks at found_inf), or changed a buffer with no copy to restore it
+        from, or re-assigned one to a tensor of another shape. Such a step is read at once (a first step,
+        or a buffer seen changing for the first time)."""
+        return self._skip_on_device and (lacks_state(self.optimizer) or bool(self._undo.missed or self._undo.host_only))
+
+    def _locate(self) -> Optional[Any]:
+        """Re-runs the step (self.rerun) under nanfast.locate from the RNG states its first forward began
+        with; the watch's hooks stay idle meanwhile (the re-run is not a step). Every rank re-runs (all
+        see the same verdict), so the collectives of a DDP backward match."""
+        if self._step_state is None:
+            return None
+        from ..locate import locate_step
+
+        active, self._active = self._active, False
+        try:
+            return locate_step(self.rerun, self._step_state)
+        finally:
+            self._active = active
+            self._steps.reset()  # the re-run's forwards are not the next step's
+
+    def _act(self, event: Event, scaler_skipped: bool, before_step: bool) -> None:
+        """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
+        so a skip or a raise can still leave the model as the step found it."""
+        if callable(self.action):
+            self.action(event)
+        elif self.action == "warn":
+            warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
+        else:
+            missed = self._undo.restore() if before_step and self._undo is not None else []
+            # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
+            unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
+                          "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""
+            if self.action == "raise":
+                raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
+            if event.phase == "param":
+                raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
+            if missed:
+                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped{unrestored}")
+            # The GradScaler already skipped it, or (lagged) the optimizer skips it on the device (found_inf).
+            self._skip_now = not scaler_skipped and before_step
+            self.skipped_steps += 1
+            warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
+                          "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=2)

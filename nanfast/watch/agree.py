@@ -1,0 +1,48 @@
+"""Agreeing across ranks (see NOTE: [Agreeing across ranks]): every rank reads the same verdict for a
+step, and a bad step's event names the earliest place over all ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .. import distributed
+from .events import Event, phase_order
+from .step import Read
+
+
+def start(read: Read, process_group: Optional[Any]) -> None:
+    """Starts the all-reduce of the read's flag over the ranks (nothing in a single process)."""
+    group = distributed.default_group(process_group)
+    if group is not None:
+        # NOTE: [Agreeing across ranks]
+        # The flag (summary[0]) becomes the MAX over the ranks, in place and asynchronously: every
+        # rank reads the same verdict at its one read and takes the same action in the same step, so
+        # no rank waits in a collective (DDP's next gradient reduction, this all-reduce) that another
+        # rank left by raising. The Work is waited on right before the flag is used; only a bad step,
+        # which all ranks know to be bad, gathers the ranks' places. Counts and norms stay local.
+        read.agreeing = distributed.all_reduce_flag_async(read.summary[:1], group)
+
+
+def wait(read: Read) -> None:
+    """Waits for the flag's all-reduce (on NCCL this orders the stream after it; the host waits at the
+    read that follows, the one it makes anyway)."""
+    if read.agreeing is not None:
+        read.agreeing.wait()
+        read.agreeing = None
+
+
+def event(step: int, places: list, process_group: Optional[Any]) -> Optional[Event]:
+    """The event of a bad step, the same on every rank: each rank's places gathered, the first place the
+    earliest over the ranks (ties: the lowest rank). In a single process, the first of `places`. None
+    if no rank has a place to report."""
+    group = distributed.default_group(process_group)
+    if group is None:
+        return Event(step, places[0], tuple(places[1:])) if places else None
+    import torch.distributed as dist
+
+    gathered = distributed.gather_objects((dist.get_rank(), tuple(places)), group)
+    by_rank = tuple((rank, p) for rank, p in gathered if p)
+    if not by_rank:
+        return None
+    rank, first_places = min(by_rank, key=lambda item: (phase_order(item[1][0]), item[0]))
+    return Event(step, first_places[0], first_places[1:], rank=rank, by_rank=by_rank)

@@ -1,0 +1,139 @@
+"""What a watch reports: a `Place` (where, within a step, non-finite values were seen) and the step's
+`Event` (the first place in execution order and those after it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+# Phases in the order their values arise within a step.
+PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
+_MAX_NAMED_IN_SUMMARY = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where, within a step, non-finite values were seen.
+
+    ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
+    phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
+    input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
+    several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
+    within the step (gradient accumulation)."""
+
+    phase: str
+    name: str
+    module_class: str
+    nan: int
+    posinf: int
+    neginf: int
+    call: int = 1
+    microbatch: int = 0
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.posinf + self.neginf
+
+    def where(self) -> str:
+        module = f"{self.name or '<model>'} ({self.module_class})" + (f" call {self.call}" if self.call > 1 else "")
+        return {
+            "param": f"parameter {self.name}",
+            "input": "the input batch",
+            "forward": f"output of {module}",
+            "loss_value": f"value of {self.name!r} passed to Watch.loss",
+            "loss": f"gradient of the loss w.r.t. the output of {module}",
+            "backward": f"gradient flowing out of {module} in backward",
+            "grad": f"gradient of parameter {self.name}",
+        }[self.phase] + (f" [microbatch {self.microbatch}]" if self.microbatch else "")
+
+    def describe(self) -> str:
+        return f"{self.where()} (nan={self.nan}, +inf={self.posinf}, -inf={self.neginf})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a watch found in one step: the first place in execution order where a non-finite value
+    appeared (the producer) and the places hit after it (where it propagated)."""
+
+    step: int
+    first: Place
+    later: tuple[Place, ...]
+    # Distributed (see NOTE: [Agreeing across ranks]): the rank whose place is `first` (the earliest
+    # over all ranks), and every rank that saw non-finite values with its places.
+    rank: Optional[int] = None
+    by_rank: tuple[tuple[int, tuple[Place, ...]], ...] = ()
+    # on_event="locate": what the re-run of the step under nanfast.locate found (a LocateFinding), or
+    # None when the re-run stayed finite or was not made.
+    located: Optional[Any] = None
+    # Why `located` names another place than `first`, or None when they agree (nanfast.agreement).
+    located_differs: Optional[str] = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks that saw non-finite values in this step (empty in a single process)."""
+        return tuple(rank for rank, _ in self.by_rank)
+
+    @property
+    def phase(self) -> str:
+        return self.first.phase
+
+    @property
+    def name(self) -> str:
+        return self.first.name
+
+    @property
+    def module_class(self) -> str:
+        return self.first.module_class
+
+    @property
+    def nan(self) -> int:
+        return self.first.nan
+
+    @property
+    def posinf(self) -> int:
+        return self.first.posinf
+
+    @property
+    def neginf(self) -> int:
+        return self.first.neginf
+
+    @property
+    def dirty_input(self) -> bool:
+        """The batch itself held non-finite values: bad data, not a fault of the model."""
+        return self.first.phase == "input"
+
+    @property
+    def places(self) -> tuple[Place, ...]:
+        return (self.first, *self.later)
+
+    def summary(self) -> str:
+        on = f" on rank {self.rank}" if self.rank is not None else ""
+        if self.dirty_input:
+            head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"
+        elif self.first.phase == "param":
+            head = (f"step {self.step} began with non-finite values{on} in {self.first.describe()}: made by the previous "
+                    "optimizer step (or whatever last wrote the parameters)")
+        else:
+            head = f"step {self.step}: non-finite values first appeared{on} in the {self.first.describe()}"
+        if self.by_rank:
+            head += f" (ranks that saw non-finite values: {list(self.ranks)})"
+        if self.located is not None:
+            head += f"; located: {self.located.summary()}"
+            head += f" ({self.located_differs})" if self.located_differs else ""
+        if not self.later:
+            return f"nanfast.watch: {head}"
+        named = "; ".join(p.where() for p in self.later[:_MAX_NAMED_IN_SUMMARY])
+        more = f"; and {len(self.later) - _MAX_NAMED_IN_SUMMARY} more" if len(self.later) > _MAX_NAMED_IN_SUMMARY else ""
+        return f"nanfast.watch: {head}; then propagated to {len(self.later)} places: {named}{more}"
+
+    __str__ = summary
+
+
+def phase_order(place: Place) -> tuple[int, int]:
+    """Where a place comes in a step, comparable across ranks: parameters first, then each microbatch's
+    forward and backward, the parameters' gradients last."""
+    if place.phase == "param":
+        return (-1, 0)
+    if place.phase == "grad":
+        return (1 << 30, 0)
+    return (place.microbatch, PHASES.index(place.phase))

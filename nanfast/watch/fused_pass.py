@@ -1,0 +1,68 @@
+"""The fused pass over every parameter and gradient at the step's end (see NOTE: [Parameters and
+gradients in one pass]): their NaN/+inf/-inf counts and norms, from one call."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _C, distributed
+from .profile import Profile
+
+# torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
+# unboxed (see NOTE: [Unboxed entry points]). The hooks are idle under torch.compile, which could not
+# trace it.
+_stats_on = _C.stats_on
+
+
+class Pass(NamedTuple):
+    """The pass's results: counts, norms and max |x| of the parameters, then of the gradients."""
+
+    param_names: list
+    grad_names: list
+    grads: list
+    counts: torch.Tensor  # int64 [params + grads, 3]
+    norm: torch.Tensor
+    absmax: torch.Tensor
+    n_params: int
+
+
+def entries(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse gradient (nn.Embedding(sparse=True)), which scaling them in place
+    scales; a strided one as it is. Duplicates of a COO gradient stay uncoalesced (coalescing syncs
+    the host on CUDA): every non-finite entry is counted, and the norm is that of the entries."""
+    if grad.layout == torch.sparse_coo:
+        return grad._values()
+    if grad.layout != torch.strided:
+        return grad.values()  # CSR, CSC, BSR, BSC
+    return grad
+
+
+def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
+        profile: Optional[Profile] = None) -> Optional[Pass]:
+    """One fused call over `params` and their gradients; None without parameters.
+
+    Args:
+        params: the parameters, in the optimizer's order (or the model's).
+        param_names: id(parameter) -> its name in the model; the others are named "param[i]".
+        sharded: the parameters are DTensors: their local shards are read.
+        device: where the results land.
+        profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch])."""
+    # NOTE: [Parameters and gradients in one pass]
+    # At the read, before the optimizer step, one fused call covers every parameter (as the previous
+    # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
+    # read at step N+1, before anything else of that step) and every gradient. The same pass gives
+    # w.stats() and w.clip_grad_norm_ their norms.
+    names = [param_names.get(id(p)) or f"param[{i}]" for i, p in enumerate(params)]
+    with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
+    grads = [g for _, g in with_grad]
+    if not params:
+        return None
+    if sharded:
+        params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
+    grads = [entries(g) for g in grads]
+    with torch.no_grad():
+        stats_on = _stats_on if profile is None else profile.counted_pass(_stats_on)
+        counts, norm, absmax = stats_on(params + grads, device)
+    return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))

@@ -1,0 +1,238 @@
+"""The watch's hooks: installing them on the model and optimizer, and what each does per call (records
+the fused checks of the tensors it sees in a slot of the step; see NOTE: [The watch's recorder]), and
+`Watch.loss`, the one check the loop calls itself. The hot path: one Python call and one fused op each."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .. import _tree
+from ..recompute import REENTRANT, UNPACK, recomputation
+from . import scaler_hook
+from .forwards import Forward
+from .options import ignored
+
+
+class Site:
+    """A place that records slots: a watched module (or the input / the model), with its call count in
+    the current forward."""
+
+    __slots__ = ("name", "module_class", "ignored", "calls", "forward_id")
+
+    def __init__(self, name: str, module_class: str, ignored: bool):
+        self.name = name
+        self.module_class = module_class
+        self.ignored = ignored
+        self.calls = 0
+        self.forward_id = -1
+
+
+def floating_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
+    if isinstance(obj, torch.Tensor):
+        found: Any = (obj,)
+    elif type(obj) is tuple and all(isinstance(t, torch.Tensor) for t in obj):
+        found = obj  # a module's usual arguments: the walk would yield them as they are, slower (a hook per call)
+    else:
+        found = _tree.leaves(obj)
+    return [t for t in found if isinstance(t, torch.Tensor)
+            and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
+
+
+class Hooks:
+    """The hooks of `Watch` (a part of it: the state they use is the Watch's)."""
+
+    def _site(self, name: str, module_class: str) -> Site:
+        return Site(name, module_class, ignored(self.ignore, name))
+
+    def _hook(self, fn: Any) -> Any:
+        """What is registered for `fn`: itself, or timed in a profiled watch (see NOTE: [Profiling the watch])."""
+        return fn if self._profile is None else self._profile.timed(fn)
+
+    def _install(self) -> None:
+        model, hook = self.model, self._hook
+        self._handles.append(model.register_forward_pre_hook(hook(self._before_model), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(hook(self._after_model)))
+        # Registered after _after_model, and also called when the forward raises.
+        self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
+        if self._check_activations or self._check_grads:
+            for name, module in model.named_modules():
+                if module is model or isinstance(module, self.pass_through):
+                    continue
+                site = self._site(name, type(module).__name__)
+                self._handles.append(module.register_forward_pre_hook(hook(functools.partial(self._before_module, site))))
+                if self._check_activations:
+                    self._handles.append(module.register_forward_hook(hook(functools.partial(self._after_module, site))))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
+            if self.action == "skip":
+                self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
+        if self.scaler is not None:
+            # NOTE: [AMP and GradScaler]
+            # A GradScaler multiplies the loss by its scale, so gradients (phases loss, backward, grad)
+            # overflow now and then; it then skips the step and lowers the scale. In a step it skipped,
+            # those phases are not reported; unscaled phases (param, input, forward) still are. For a
+            # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
+            # a fused one gets `optimizer.found_inf`, which the read packs (see Step.pack).
+            self._scaler_shared = scaler_hook.attach(self.scaler, self)
+
+    def _forget_last(self) -> None:
+        # NOTE: [Checking each tensor once]
+        # A container returns its last child's output and passes its input on to its first child: the
+        # same tensor. The last output checked is remembered with its version counter, so the container
+        # reuses the child's slot (which names the innermost module) unless something changed it in place
+        # in between. Gradient hooks are keyed by (autograd node, output): a tensor taken by several
+        # modules (a container and its first child, a block's main path and its downsample) is hooked
+        # once, for the module that took it last. Both are dropped when the forward returns: no
+        # activation outlives its use.
+        self._step.forget_last()
+        self._recorder.forget()
+
+    def _record(self, phase: str, site: Site, call: int, microbatch: int, tensors: list) -> None:
+        self._recorder.record(tensors, self._step.slot(phase, site, call, microbatch))
+
+    def _hook_grads(self, args: Any, phase: str, site: Site, call: int) -> None:
+        # NOTE: [Where a gradient is checked]
+        # The gradient w.r.t. each input of a module is what the module's backward (and any other
+        # consumer of the tensor) produced. It is caught by a pre-hook on the autograd node that made the
+        # input (what a tensor hook does, for less), registered before the module runs: it sees the value
+        # the module received even when the module modifies it in place (ReLU(inplace=True)). Full
+        # backward hooks would wrap every module in an autograd Function and forbid in-place ops on module
+        # outputs. Leaves have no node (their gradients are the parameters', phase grad); the hooks go
+        # with the graph. The recorder places them (C++ pre-hooks, see NOTE: [The watch's recorder]).
+        tensors = floating_tensors(args)
+        if tensors:
+            self._recorder.hook_grads(tensors, self._step.slot(phase, site, call, self._step.microbatch))
+
+    def _enter(self, site: Site, args: Any, recomputed: bool = False) -> None:
+        if not recomputed:
+            if site.forward_id != self._forward_id:
+                site.forward_id = self._forward_id
+                site.calls = 0
+            site.calls += 1
+        if self._check_grads and not site.ignored and torch.is_grad_enabled():
+            self._hook_grads(args, "backward", site, site.calls)
+
+    def _check_output(self, phase: str, site: Site, output: Any) -> None:
+        tensors = floating_tensors(output)
+        if not tensors:
+            return
+        if len(tensors) == 1 and self._step.checked_before(tensors[0]):
+            return
+        if not site.ignored:
+            self._record(phase, site, site.calls, self._step.microbatch, tensors)
+
+    def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
+        """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
+        with finite gradients (a mean over no elements: cross-entropy whose targets are all
+        ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
+        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
+
+        Args:
+            value: the loss tensor (any floating tensor: each of its elements is checked).
+            name: how events name it (several losses: "ce", "aux"; matched by ``ignore``).
+
+        Returns:
+            ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
+
+        Raises:
+            TypeError: value is not a tensor."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if self._active and self._check_loss and not torch.compiler.is_compiling():
+            site = self._loss_sites.get(name)
+            if site is None:
+                site = self._loss_sites[name] = self._site(name, "")
+            tensors = floating_tensors(value)
+            if tensors and not site.ignored:
+                self._record("loss_value", site, 1, self._step.microbatch, tensors)
+        return value
+
+    # NOTE: [The watch and torch.compile]
+    # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
+    # while tracing): reading a tensor's grad_fn and keeping Python state per call would break the
+    # graph at every module. What runs compiled is therefore not checked module by module; the fused
+    # pass over parameters and gradients at optimizer.step(), outside the compiled region, still sees
+    # every non-finite value the step leaves in them, and anything run eagerly is hooked as usual.
+    # Activation checkpointing re-runs modules inside backward (nanfast/recompute.py): that is neither
+    # another call nor another forward, and its values were checked when the forward ran. Only with
+    # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.
+
+    def _before_module(self, site: Site, module: torch.nn.Module, args: tuple) -> None:
+        if self._active and not torch.compiler.is_compiling():
+            recomputed = recomputation()
+            if recomputed != UNPACK:
+                self._enter(site, args, recomputed == REENTRANT)
+
+    def _after_module(self, site: Site, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._active and not torch.compiler.is_compiling() and recomputation() is None:
+            self._check_output("forward", site, output)
+
+    def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling() or recomputation() is not None:
+            return
+        self._drop_failed_backward()
+        grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
+        if self._steps.unended(grad, has_optimizer):
+            self._reset_step()  # see NOTE: [Steps that never end]
+        self._steps.note_forward(grad, has_optimizer)
+        if not self._active:
+            return
+        step = self._step
+        self._steps.begin_forward(len(step.slots), step.forwards)
+        self._forward_id += 1
+        step.microbatch = step.forwards
+        step.forwards += 1
+        if self._undo is not None and step.microbatch == 0:
+            self._undo.begin()
+        if self.on_event == "locate" and step.microbatch == 0:
+            from ..locate import StepState
+
+            self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
+        if self._check_inputs and not self._input.ignored:
+            tensors = floating_tensors((args, kwargs))
+            if tensors:
+                self._record("input", self._input, 1, step.microbatch, tensors)
+        self._enter(self._root, args)
+
+    def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling() or recomputation() is not None:
+            return
+        self._steps.end_forward()
+        if self._active:
+            if self._check_loss:
+                self._check_output("forward", self._root, output)
+                if torch.is_grad_enabled() and not self._root.ignored:
+                    self._hook_grads(output, "loss", self._root, self._root.calls)
+            self._forget_last()
+        if self.optimizer is None and not torch.is_grad_enabled() and not self._steps.training:
+            # Inference: each forward is a step, of activations only; one inside a training step (an
+            # eval pass before w.step()) belongs to that step.
+            self._end_step(fused_pass=False)
+
+    def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        forward = self._steps.end_forward()
+        if forward is not None and not torch.compiler.is_compiling():
+            self._drop_forward(forward)
+
+    def _drop_failed_backward(self) -> None:
+        # See NOTE: [A backward that raised]. Only outside any backward: a checkpointed model runs its
+        # forward again inside one.
+        if torch._C._current_graph_task_id() < 0 and self._recorder.backward_failed() and self._steps.last is not None:
+            self._drop_forward(self._steps.last)
+
+    def _drop_forward(self, forward: Forward) -> None:
+        # NOTE: [A forward that raised]
+        # A forward that raised, or whose backward raised (an OOM caught by the loop, which goes on with
+        # the next batch), is forgotten: its records and the gradient checks it placed (made inert) go,
+        # with its references to activations, and the next forward takes its microbatch number. Earlier
+        # forwards of the step are kept.
+        self._recorder.discard(forward.first_slot)
+        del self._step.slots[forward.first_slot:]
+        self._step.forwards = forward.microbatch
+        self._steps.training = forward.training
+        self._steps.last = None
+        self._forget_last()

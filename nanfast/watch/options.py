@@ -1,0 +1,99 @@
+"""The watch's options: their allowed values, the modules left unhooked by default, and the checks that
+reject a combination the watch could not honour."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
+
+import torch
+
+ACTIONS = ("raise", "warn", "skip")
+ON_EVENT = (None, "locate")
+SYNC_MODES = ("eager", "lagged")
+
+# NOTE: [Modules that cannot make non-finite values]
+# These only select, zero, reorder or reshape their input, or (dropout) scale it by 1/(1-p): their
+# outputs and input gradients are non-finite only where their inputs are (a dropout could overflow only
+# values within 1/(1-p) of the dtype's maximum), so checking them would find propagation, never a
+# producer. They get no hooks: in a ResNet every ReLU re-reads the BatchNorm output it modified in place,
+# and in a transformer the dropouts are a third of all activation bytes. `pass_through=()` checks them too.
+PASS_THROUGH = (
+    torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten,
+    torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d,
+    torch.nn.AdaptiveMaxPool1d, torch.nn.AdaptiveMaxPool2d, torch.nn.AdaptiveMaxPool3d,
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+)
+
+
+def patterns(ignore: Union[str, Iterable[str]]) -> tuple[str, ...]:
+    """The `ignore` option as a tuple of fnmatch patterns (one string is one pattern)."""
+    return (ignore,) if isinstance(ignore, str) else tuple(ignore)
+
+
+def ignored(ignore: tuple[str, ...], name: str) -> bool:
+    """Whether `name` (a module, parameter or loss name, or "input") matches one of the patterns."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+
+
+def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: Any, sync: str, scaler: Optional[Any],
+             on_event: Optional[str], rerun: Optional[Callable]) -> bool:
+    """Rejects options the watch could not honour.
+
+    Args:
+        model, optimizer, action, every, sync, scaler, on_event, rerun: as given to `nanfast.watch`.
+
+    Returns:
+        Whether a skip happens on the device (see NOTE: [Skipping a step]): action "skip", sync
+        "lagged" and an optimizer that takes a `found_inf` tensor.
+
+    Raises:
+        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
+        ValueError: an option out of its allowed values, or a combination the watch cannot honour."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"nanfast.watch: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not callable(action) and action not in ACTIONS:
+        raise ValueError(f"nanfast.watch: action must be one of {ACTIONS} or a callable, got {action!r}")
+    if sync not in SYNC_MODES:
+        raise ValueError(f"nanfast.watch: sync must be one of {SYNC_MODES}, got {sync!r}")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"nanfast.watch: every must be an int >= 1, got {every!r}")
+    if scaler is not None and optimizer is None:
+        raise ValueError("nanfast.watch: scaler= needs the optimizer it steps")
+    if on_event not in ON_EVENT:
+        raise ValueError(f"nanfast.watch: on_event must be one of {ON_EVENT}, got {on_event!r}")
+    if on_event == "locate":
+        if not callable(rerun):
+            raise ValueError("nanfast.watch: on_event='locate' needs rerun=, a callable that runs the step's forward "
+                             "and backward again on the same batch (no optimizer step)")
+        if sync != "eager":
+            raise ValueError("nanfast.watch: on_event='locate' needs sync='eager': the step is re-run before the "
+                             "optimizer applies it")
+    # NOTE: [Skipping a step]
+    # A skipped step must leave parameters and optimizer state exactly as they were. With the host's
+    # verdict before the step (the eager read, made in the step pre-hook), the optimizer is given no
+    # gradients for that step: every torch optimizer leaves a parameter without a .grad, and its
+    # state, untouched (fused ones included: handed found_inf instead, a first step would still
+    # create their state, fused SGD's momentum buffers with empty_like). A lagged watch knows only on
+    # the device: optimizers that take a `found_inf` tensor (fused=True, the protocol GradScaler
+    # uses) get the flag of this step's checks and skip there; a step they could not undo that way
+    # (one that creates optimizer state) is read at once instead (see Watch._end_step).
+    skip_on_device = (action == "skip" and sync == "lagged"
+                      and bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
+    if action == "skip":
+        if optimizer is None:
+            raise ValueError("nanfast.watch: action='skip' needs the optimizer whose step it skips")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "nanfast.watch: action='skip' cannot skip LBFGS steps: LBFGS runs the forward and backward "
+                "inside optimizer.step(closure), after the point where the watch decides (the step pre-hook), "
+                "and updates the parameters between closure calls; use action='raise' (see docs/watch.md)")
+        if sync == "lagged" and not skip_on_device:
+            raise ValueError(
+                "nanfast.watch: action='skip' with sync='lagged' needs an optimizer that skips on the device "
+                f"(fused=True Adam, AdamW or SGD); {type(optimizer).__name__} needs the host's verdict before "
+                "its step: use sync='eager'")
+    return skip_on_device

@@ -1,0 +1,46 @@
+"""Measuring what a watch costs (see NOTE: [Profiling the watch]): a watch made with profile=True times
+its hooks and its fused pass, and its recorder times its kernels; `Watch.costs()` returns the totals.
+A watch made without it wraps nothing and reads no clock."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Profile:
+    """The totals of a profiled watch kept on the Python side: seconds in its hooks and in its fused pass
+    over parameters and gradients, and the bytes that pass read."""
+
+    def __init__(self) -> None:
+        self.seconds = {"hooks": 0.0, "pass": 0.0}
+        self.pass_bytes = 0
+
+    def timed(self, fn: Callable, key: str = "hooks") -> Callable:
+        """`fn`, its time added to seconds[key] at each call."""
+        @functools.wraps(fn)
+        def timed_fn(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+        return timed_fn
+
+    def counted_pass(self, stats_on: Callable) -> Callable:
+        """The fused pass's op, timed, with the bytes it reads counted."""
+        timed = self.timed(stats_on, "pass")
+
+        def counted(tensors: list, device: Any) -> Any:
+            self.pass_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return timed(tensors, device)
+        return counted
+
+    def totals(self, recorder: Any) -> dict[str, float]:
+        """Everything so far, with the recorder's part (its kernel calls, its gradient checks, which run
+        in C++ where no Python hook sees them)."""
+        kernel_s, grad_checks_s, recorded_bytes = recorder.costs()
+        return {"hooks": self.seconds["hooks"] + grad_checks_s, "kernels": self.seconds["pass"] + kernel_s,
+                "bytes": self.pass_bytes + recorded_bytes, "pass": self.seconds["pass"], "pass_bytes": self.pass_bytes}

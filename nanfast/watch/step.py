@@ -1,0 +1,163 @@
+"""One step of a watch: what its slots stand for and its forwards so far (a `Step`, made new at each
+step), and its read: the step's counts packed on the device with a summary (`Step.pack`), read by the
+host once (`verdict`) and turned into places."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from ..ops import combine_norms
+from .events import Place
+from .fused_pass import Pass
+from .options import ignored
+
+# Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
+SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
+# Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
+_SCALED_PHASES = frozenset(("loss", "backward", "grad"))
+
+
+@dataclasses.dataclass
+class Read:
+    """One step's checks, packed on the device, and where their host copy lands (lagged reads)."""
+
+    step: int
+    summary: torch.Tensor  # float64 [len(SUMMARY)] on the device
+    counts: torch.Tensor  # int64 [rows, 3] on the device
+    slots: list  # (phase, label, call, microbatch, rows) in row order
+    scaler_skipped: bool
+    agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
+    host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
+    copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
+
+
+class Step:
+    """The Python side of one step's records: what each slot id stands for (see NOTE: [The watch's
+    recorder]), the forwards so far and the last output checked. A new step is a new Step."""
+
+    __slots__ = ("slots", "forwards", "microbatch", "clipped", "_last_output", "_last_version")
+
+    def __init__(self) -> None:
+        self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
+        self.forwards = 0
+        self.microbatch = 0
+        self.clipped: Optional[Pass] = None  # the fused pass Watch.clip_grad_norm_ made
+        self.forget_last()
+
+    def slot(self, phase: str, site: Any, call: int, microbatch: int) -> int:
+        """A new slot id for records of `site` in `phase`."""
+        self.slots.append((phase, site, call, microbatch))
+        return len(self.slots) - 1
+
+    def forget_last(self) -> None:
+        self._last_output: Optional[torch.Tensor] = None
+        self._last_version = -1
+
+    def checked_before(self, t: torch.Tensor) -> bool:
+        """Whether `t` is the last output checked, unchanged since (see NOTE: [Checking each tensor
+        once]); else it becomes the last output."""
+        if t is self._last_output and t._version == self._last_version:
+            return True
+        self._last_output, self._last_version = t, t._version
+        return False
+
+    def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
+             ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
+             grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool) -> Read:
+        """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
+        and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]."""
+        counts = [recorded]
+        slots = [(*self.slots[slot], rows) for slot, rows in recorded_slots]
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        grad_norm = grad_max = param_norm = zero
+        with torch.no_grad():
+            if fused is not None:
+                n = fused.n_params
+                if params:
+                    _add_named("param", fused.param_names, fused.counts[:n], ignore, counts, slots, front=True)
+                if grads:
+                    _add_named("grad", fused.grad_names, fused.counts[n:], ignore, counts, slots, front=False)
+                param_norm = combine_norms(fused.norm[:n])
+                if fused.grads:
+                    grad_norm = combine_norms(fused.norm[n:])
+                    grad_max = fused.absmax[n:].max()
+                    if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
+                        inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
+                        grad_norm, grad_max = grad_norm * inv, grad_max * inv
+            packed = torch.cat(counts) if len(counts) > 1 else recorded
+            totals = packed.sum(0)
+            flag = totals[:1] if nan_only else totals.sum(0, keepdim=True)
+            found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)
+            summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found])])
+        return Read(step, summary, packed, slots, scaler_skipped)
+
+
+def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple[str, ...], all_counts: list,
+               slots: list, front: bool) -> None:
+    """Adds one row per named tensor (parameters or gradients), leaving out the ignored names."""
+    keep = [i for i, name in enumerate(names) if not ignored(ignore, name)] if ignore else None
+    if keep is not None and len(keep) < len(names):
+        names = [names[i] for i in keep]
+        counts = counts.index_select(0, torch.tensor(keep, device=counts.device))
+    if not names:
+        return
+    slot = (phase, tuple(names), 1, 0, len(names))
+    if front:
+        all_counts.insert(0, counts)
+        slots.insert(0, slot)
+    else:
+        all_counts.append(counts)
+        slots.append(slot)
+
+
+def start_copy(read: Read) -> None:
+    """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
+    flat = torch.cat([read.summary, read.counts.flatten().to(torch.float64)])
+    if flat.device.type == "cuda":
+        read.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        read.host.copy_(flat, non_blocking=True)
+        read.copied = torch.cuda.Event()
+        read.copied.record()
+    else:
+        read.host = flat
+
+
+def verdict(read: Read) -> tuple[bool, Optional[list[float]], list]:
+    """Reads a step on the host: whether it is bad, the summary's values (None if left on the device)
+    and, for a bad step, the rows of counts."""
+    if read.host is not None:  # lagged: the copy was enqueued a step ago
+        if read.copied is not None:
+            read.copied.synchronize()
+        values = read.host.tolist()
+        summary, flat = values[:len(SUMMARY)], values[len(SUMMARY):]
+        bad = summary[0] > 0
+        return bad, summary, [flat[i:i + 3] for i in range(0, len(flat), 3)] if bad else []
+    # NOTE: [One read per step]
+    # The one host sync of a checked step: a single .item() of the flag (the count of non-finite
+    # values that matter). Everything else stays on the device unless the step is bad.
+    if read.summary[0].item() > 0:
+        return True, read.summary.tolist(), read.counts.tolist()
+    return False, None, []
+
+
+def places(rows: list, slots: list, scaler_skipped: bool, nan_only: bool) -> list[Place]:
+    """The places of a bad step's rows, in execution order; with `scaler_skipped`, not the scaled
+    phases (see NOTE: [AMP and GradScaler])."""
+    found = []
+    i = 0
+    for phase, label, call, microbatch, n in slots:
+        if scaler_skipped and phase in _SCALED_PHASES:
+            pass
+        elif isinstance(label, tuple):  # one row per named parameter or gradient
+            for name, (nan, posinf, neginf) in zip(label, rows[i:i + n]):
+                if nan if nan_only else nan + posinf + neginf:
+                    found.append(Place(phase, name, "", int(nan), int(posinf), int(neginf)))
+        else:
+            nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
+            if nan if nan_only else nan + posinf + neginf:
+                found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch))
+        i += n
+    return found
