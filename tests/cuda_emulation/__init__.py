@@ -60,16 +60,17 @@ def _default_build_dir() -> Path:
     return Path.home() / ".cache" / "nanfast" / "cuda_emulation" / key
 
 
-def build(kernel_file: Path | None = None, build_dir: Path | None = None, name: str = "nanfast_cuda_emu",
+def build(kernel_file: Path | None = None, build_dir: Path | None = None, tsan: bool | None = None,
           verbose: bool = False) -> None:
     """Compiles `kernel_file` (default: csrc/cuda/stats_cuda.cu) with the emulation, warnings as errors,
-    and loads it, registering torch.ops.nanfast_emu (once per process).
+    and loads it, registering torch.ops.nanfast_emu (once per process). With `tsan` (default: the
+    environment's NANFAST_CUDA_EMU_TSAN=1) it is built for ThreadSanitizer, in a build folder of its own:
+    the process must have libtsan preloaded (tools/cuda_tsan does it).
 
     Raises:
         FileNotFoundError: the kernel file is missing (tests run outside the checkout: set NANFAST_CSRC).
         RuntimeError: the build failed.
     """
-    import torch
     import torch.utils.cpp_extension
 
     import nanfast._C
@@ -78,24 +79,42 @@ def build(kernel_file: Path | None = None, build_dir: Path | None = None, name: 
     if not kernel_file.is_file():
         raise FileNotFoundError(f"{kernel_file} not found: the CUDA emulation builds the kernels from the "
                                 "source tree (set NANFAST_CSRC to its csrc/ folder)")
+    if tsan is None:
+        tsan = os.environ.get("NANFAST_CUDA_EMU_TSAN") == "1"
     build_dir = Path(build_dir or os.environ.get("NANFAST_CUDA_EMU_BUILD") or _default_build_dir())
+    if tsan:
+        build_dir = build_dir.with_name(build_dir.name + "-tsan")
+        # See NOTE: [Volatile accesses under ThreadSanitizer] in emulator.cpp.
+        sanitize = ["-fsanitize=thread", "--param=tsan-distinguish-volatile=1", "-DCUDA_EMU_TSAN=1", "-g"]
+        link = ["-fsanitize=thread"]
+    else:
+        # A misaligned 16-byte load aborts, as it faults on a GPU.
+        sanitize = ["-fsanitize=alignment", "-fno-sanitize-recover=alignment"]
+        link = ["-fsanitize=alignment"]
     build_dir.mkdir(parents=True, exist_ok=True)
     generated = build_dir / "stats_cuda_emu.cpp"
     text = rewrite(kernel_file.read_text(), f"csrc/{KERNEL_FILE}")
     if not generated.is_file() or generated.read_text() != text:  # unchanged: ninja keeps the object
         generated.write_text(text)
     library = Path(nanfast._C.__file__).resolve()  # describe_inputs() and the other host helpers
-    torch.utils.cpp_extension.load(
-        name=name,
-        sources=[str(generated), str(HERE / "emulator.cpp")],
-        extra_cflags=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unknown-pragmas", "-Werror", "-U_FORTIFY_SOURCE",
-                      "-fsanitize=alignment", "-fno-sanitize-recover=alignment"],
-        extra_include_paths=[str(HERE / "include"), str(HERE), str(kernel_file.parent)],
-        extra_ldflags=["-fsanitize=alignment", str(library), f"-Wl,-rpath,{library.parent}"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    # The compiler must not inherit the libtsan preloaded into this process (it crashes).
+    preload = os.environ.pop("LD_PRELOAD", None) if tsan else None
+    try:
+        torch.utils.cpp_extension.load(
+            name="nanfast_cuda_emu_tsan" if tsan else "nanfast_cuda_emu",
+            sources=[str(generated), str(HERE / "emulator.cpp")],
+            # -U_FORTIFY_SOURCE: glibc's fortified longjmp refuses the jumps between fiber stacks (NOTE: [Fibers]).
+            extra_cflags=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unknown-pragmas", "-Werror",
+                          "-U_FORTIFY_SOURCE"] + sanitize,
+            extra_include_paths=[str(HERE / "include"), str(HERE), str(kernel_file.parent)],
+            extra_ldflags=link + [str(library), f"-Wl,-rpath,{library.parent}"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
 
 
 def ops():

@@ -11,7 +11,8 @@
 // earlier block cannot stand in for a missing barrier). Keywords are defined away; a block's threads
 // are fibers on the launching OS thread that switch only at __syncthreads(), which checks that every
 // thread of the block waits at the same one. Blocks run one after another, in the order chosen with
-// nanfast_emu::configure (forward, reverse or shuffled; threads too). Host-side rules are checked at
+// nanfast_emu::configure (forward, reverse or shuffled; threads too); built for ThreadSanitizer, in
+// waves of unordered OS threads (see NOTE: [CUDA emulation under ThreadSanitizer] in emulator.cpp). Host-side rules are checked at
 // each launch: launch limits, the 4 KB argument limit (at compile time), a launch check after each
 // launch, a CUDAGuard held, and the current stream taken under it.
 

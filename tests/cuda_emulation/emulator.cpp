@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -16,10 +17,73 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
+
+#ifdef CUDA_EMU_TSAN
+// ThreadSanitizer's fiber interface (sanitizer/tsan_interface.h, declared here: GCC ships no header).
+extern "C" {
+void* __tsan_get_current_fiber();
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+char __tsan_atomic8_load(const volatile char* a, int mo);
+char __tsan_atomic8_fetch_add(volatile char* a, char v, int mo);
+short __tsan_atomic16_load(const volatile short* a, int mo);
+short __tsan_atomic16_fetch_add(volatile short* a, short v, int mo);
+int __tsan_atomic32_load(const volatile int* a, int mo);
+int __tsan_atomic32_fetch_add(volatile int* a, int v, int mo);
+long __tsan_atomic64_load(const volatile long* a, int mo);
+long __tsan_atomic64_fetch_add(volatile long* a, long v, int mo);
+
+// NOTE: [Volatile accesses under ThreadSanitizer]
+// In CUDA's memory model a volatile access acts as a relaxed atomic one. Built with
+// --param=tsan-distinguish-volatile=1, the compiler reports each volatile access here, and ThreadSanitizer
+// records it as a relaxed atomic access of the same bytes (the access itself follows, as compiled): two
+// volatile accesses do not race, a volatile and a plain one do.
+void __tsan_volatile_read1(void* a) { __tsan_atomic8_load(static_cast<volatile char*>(a), 0); }
+void __tsan_volatile_read2(void* a) { __tsan_atomic16_load(static_cast<volatile short*>(a), 0); }
+void __tsan_volatile_read4(void* a) { __tsan_atomic32_load(static_cast<volatile int*>(a), 0); }
+void __tsan_volatile_read8(void* a) { __tsan_atomic64_load(static_cast<volatile long*>(a), 0); }
+void __tsan_volatile_write1(void* a) { __tsan_atomic8_fetch_add(static_cast<volatile char*>(a), 0, 0); }
+void __tsan_volatile_write2(void* a) { __tsan_atomic16_fetch_add(static_cast<volatile short*>(a), 0, 0); }
+void __tsan_volatile_write4(void* a) { __tsan_atomic32_fetch_add(static_cast<volatile int*>(a), 0, 0); }
+void __tsan_volatile_write8(void* a) { __tsan_atomic64_fetch_add(static_cast<volatile long*>(a), 0, 0); }
+}
+#endif
 
 namespace cuda_emu {
 namespace {
+
+// NOTE: [CUDA emulation under ThreadSanitizer]
+// Built with CUDA_EMU_TSAN (tools/cuda_tsan), each fiber is a ThreadSanitizer fiber and switches
+// synchronize, so the threads of a block are ordered as by their barriers and more; but the blocks of
+// a grid run in waves of kTsanWave, each block of a wave on a worker thread of its own, with nothing
+// ordering the blocks of a wave: a race between blocks on global memory is reported, as it would be a race on a GPU.
+#ifdef CUDA_EMU_TSAN
+constexpr size_t kTsanWave = 8;
+void* tsan_current_fiber() {
+  return __tsan_get_current_fiber();
+}
+void* tsan_create_fiber() {
+  return __tsan_create_fiber(0);
+}
+void tsan_destroy_fiber(void* fiber) {
+  __tsan_destroy_fiber(fiber);
+}
+void tsan_switch_to(void* fiber) {
+  __tsan_switch_to_fiber(fiber, 0);
+}
+#else
+void* tsan_current_fiber() {
+  return nullptr;
+}
+void* tsan_create_fiber() {
+  return nullptr;
+}
+void tsan_destroy_fiber(void* /*fiber*/) {}
+void tsan_switch_to(void* /*fiber*/) {}
+#endif
 
 // A kernel thread's stack; the page below each is a guard page, so an overflow faults.
 constexpr size_t kStackBytes = 64 << 10;
@@ -89,6 +153,7 @@ struct Fiber {
 
 struct Block {
   jmp_buf scheduler;
+  void* scheduler_fiber = nullptr;  // ThreadSanitizer's
   std::vector<Fiber> fibers;
   size_t current = 0;
   const std::function<void()>* body = nullptr;
@@ -98,6 +163,14 @@ struct Block {
 struct Slot {
   jmp_buf parked;
   ucontext_t context;
+  void* stack = nullptr;  // the mapping, guard page included
+  void* tsan_fiber = nullptr;
+  ~Slot() {
+    if (tsan_fiber != nullptr) {
+      tsan_destroy_fiber(tsan_fiber);
+    }
+    munmap(stack, kStackBytes + static_cast<size_t>(sysconf(_SC_PAGESIZE)));
+  }
 };
 
 thread_local Block* running = nullptr;
@@ -105,6 +178,7 @@ thread_local dim3 this_thread, this_block, this_block_dim, this_grid_dim;
 thread_local std::vector<std::pair<void*, size_t>> shared_arrays;
 thread_local std::vector<std::unique_ptr<Slot>> slots;
 thread_local ucontext_t creator;
+thread_local void* creator_fiber = nullptr;
 thread_local Slot* starting = nullptr;
 
 [[noreturn]] void run_thread() {
@@ -117,12 +191,14 @@ thread_local Slot* starting = nullptr;
     }
   }
   block.fibers[block.current].state = State::kDone;
+  tsan_switch_to(block.scheduler_fiber);
   _longjmp(block.scheduler, 1);
 }
 
 void fiber_main() {
   Slot* const slot = starting;
   if (_setjmp(slot->parked) == 0) {
+    tsan_switch_to(creator_fiber);
     setcontext(&creator);  // parked; a later _longjmp(parked) starts a thread
   }
   run_thread();
@@ -135,18 +211,23 @@ void fiber_main() {
   TORCH_CHECK(memory != MAP_FAILED, "CUDA emulation: cannot map a thread's stack");
   TORCH_CHECK(mprotect(memory, page, PROT_NONE) == 0, "CUDA emulation: cannot protect a stack's guard page");
   auto slot = std::make_unique<Slot>();
+  slot->stack = memory;
   getcontext(&slot->context);
   slot->context.uc_stack.ss_sp = static_cast<char*>(memory) + page;
   slot->context.uc_stack.ss_size = kStackBytes;
   slot->context.uc_link = nullptr;
   makecontext(&slot->context, fiber_main, 0);
   starting = slot.get();
+  slot->tsan_fiber = tsan_create_fiber();
+  creator_fiber = tsan_current_fiber();
+  tsan_switch_to(slot->tsan_fiber);
   swapcontext(&creator, &slot->context);
   slots.push_back(std::move(slot));
 }
 
-[[gnu::noinline]] void switch_to(jmp_buf save, jmp_buf target) {
+[[gnu::noinline]] void switch_to(jmp_buf save, jmp_buf target, void* target_fiber) {
   if (_setjmp(save) == 0) {
+    tsan_switch_to(target_fiber);
     _longjmp(target, 1);
   }
 }
@@ -178,6 +259,7 @@ void run_block(Block& block, const dim3& dims, Order kind, const std::string& la
   while (slots.size() < n) {
     create_slot();
   }
+  block.scheduler_fiber = tsan_current_fiber();
   for (size_t t = 0; t < n; ++t) {
     block.fibers[t].state = State::kNew;
     block.fibers[t].index = dim3(t % dims.x, t / dims.x % dims.y, t / (dims.x * dims.y));
@@ -194,7 +276,7 @@ void run_block(Block& block, const dim3& dims, Order kind, const std::string& la
       this_thread = fiber.index;
       const bool start = fiber.state == State::kNew;
       fiber.state = State::kRunnable;
-      switch_to(block.scheduler, start ? slots[t]->parked : fiber.resume);
+      switch_to(block.scheduler, start ? slots[t]->parked : fiber.resume, slots[t]->tsan_fiber);
       if (block.error) {
         std::rethrow_exception(block.error);
       }
@@ -221,6 +303,63 @@ void run_block(Block& block, const dim3& dims, Order kind, const std::string& la
   }
 }
 
+#ifdef CUDA_EMU_TSAN
+// kTsanWave worker threads, kept for the whole process with their fibers (ThreadSanitizer never quite
+// frees a finished thread: a thread per block runs out of memory). Only the launching thread, through
+// the mutex, orders one wave's workers after the last wave's.
+class Wave {
+ public:
+  static Wave& instance() {
+    static Wave* wave = new Wave;  // never destroyed: the workers wait until the process ends
+    return *wave;
+  }
+
+  // Runs job(i) on worker i for i < count, and waits for them.
+  void run(size_t count, const std::function<void(size_t)>& job) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    job_ = &job;
+    count_ = count;
+    pending_ = count;
+    ++generation_;
+    start_.notify_all();
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+ private:
+  Wave() {
+    for (size_t i = 0; i < kTsanWave; ++i) {
+      std::thread([this, i] { work(i); }).detach();
+    }
+  }
+
+  void work(size_t i) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      start_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (i >= count_) {
+        continue;
+      }
+      const std::function<void(size_t)>& job = *job_;
+      lock.unlock();
+      job(i);
+      lock.lock();
+      if (--pending_ == 0) {
+        done_.notify_one();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  const std::function<void(size_t)>* job_ = nullptr;
+  size_t count_ = 0;
+  size_t pending_ = 0;
+  uint64_t generation_ = 0;
+};
+#endif
+
 void poison(const std::pair<void*, size_t>& array) {
   std::memset(array.first, 0xFF, array.second);  // NaN in every float, -1 in every integer
 }
@@ -245,7 +384,7 @@ void syncthreads(const char* file, int line) {
   Fiber& fiber = running->fibers[running->current];
   fiber.state = State::kAtBarrier;
   fiber.barrier = Site{file, line, nullptr};
-  switch_to(fiber.resume, running->scheduler);
+  switch_to(fiber.resume, running->scheduler, running->scheduler_fiber);
 }
 
 void shared_declared(void* data, size_t bytes) {
@@ -308,27 +447,51 @@ void run_grid(const Site& site, dim3 grid, dim3 block_dims, size_t shared_bytes,
   const size_t num_blocks = size_t{grid.x} * grid.y * grid.z;
   std::vector<size_t> block_order(num_blocks);
   arrange(block_order, settings.order);
-  Block block;
-  block.fibers.resize(threads);
-  block.body = &thread_body;
-  this_grid_dim = grid;
-  this_block_dim = block_dims;
-  struct Running {  // running is reset however the grid ends
-    explicit Running(Block* b) {
-      running = b;
+  host.blocks += static_cast<int64_t>(num_blocks);
+  // Runs block_order[first, last) on this OS thread.
+  const auto run_blocks = [&](size_t first, size_t last) {
+    Block block;
+    block.fibers.resize(threads);
+    block.body = &thread_body;
+    this_grid_dim = grid;
+    this_block_dim = block_dims;
+    struct Running {  // running is reset however the blocks end
+      explicit Running(Block* b) {
+        running = b;
+      }
+      ~Running() {
+        running = nullptr;
+      }
+    } guard(&block);
+    for (size_t i = first; i < last; ++i) {
+      const size_t b = block_order[i];
+      this_block = dim3(b % grid.x, b / grid.x % grid.y, b / (size_t{grid.x} * grid.y));
+      for (const auto& array : shared_arrays) {
+        poison(array);
+      }
+      run_block(block, block_dims, settings.order, launch);
     }
-    ~Running() {
-      running = nullptr;
+  };
+#ifdef CUDA_EMU_TSAN
+  for (size_t first = 0; first < num_blocks; first += kTsanWave) {
+    const size_t count = std::min(num_blocks - first, kTsanWave);
+    std::vector<std::exception_ptr> errors(count);
+    Wave::instance().run(count, [&](size_t i) {
+      try {
+        run_blocks(first + i, first + i + 1);
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    });
+    for (const std::exception_ptr& error : errors) {
+      if (error) {
+        std::rethrow_exception(error);
+      }
     }
-  } guard(&block);
-  for (size_t b : block_order) {
-    this_block = dim3(b % grid.x, b / grid.x % grid.y, b / (size_t{grid.x} * grid.y));
-    for (const auto& array : shared_arrays) {
-      poison(array);
-    }
-    ++host.blocks;
-    run_block(block, block_dims, settings.order, launch);
   }
+#else
+  run_blocks(0, num_blocks);
+#endif
 }
 
 void KernelTable::impl(const char* name, StatsKernel kernel) {
