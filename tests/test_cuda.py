@@ -79,7 +79,8 @@ def emulated(backend) -> Backend:
     if backend.name != "emulated":
         pytest.skip("observes the emulation")
     yield backend
-    torch.ops.nanfast_emu.configure("forward", 0)
+    order, seed = os.environ.get("NANFAST_CUDA_EMU_ORDER", "forward"), os.environ.get("NANFAST_CUDA_EMU_SEED", "0")
+    torch.ops.nanfast_emu.configure(order, int(seed))  # the order the run was started with
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

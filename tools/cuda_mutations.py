@@ -35,7 +35,8 @@ class Mutant:
 MUTANTS = (
     Mutant("first barrier of block_reduce removed", "  shared[tid] = value;\n  __syncthreads();\n",
            "  shared[tid] = value;\n"),
-    Mutant("barrier of the reduction loop removed", "      combine(shared[tid], shared[tid + width]);\n    }\n    __syncthreads();\n",
+    Mutant("barrier of the reduction loop removed",
+           "      combine(shared[tid], shared[tid + width]);\n    }\n    __syncthreads();\n",
            "      combine(shared[tid], shared[tid + width]);\n    }\n"),
     Mutant("barrier in a non-uniform branch (rescaled pass)", "if (needs_rescale(total)) {",
            "if (needs_rescale(total) && threadIdx.x % 2 == 0) {"),
@@ -49,9 +50,11 @@ MUTANTS = (
            "numel - begin < kChunkElements ? numel - begin - 1"),
     Mutant("default stream", "<<<num_blocks, kThreads, 0, stream>>>", "<<<num_blocks, kThreads>>>"),
     Mutant("missing device guard (stats)",
-           "  const std::vector<int64_t> piece_base = piece_bases(runs);\n\n  const c10::cuda::CUDAGuard device_guard(tensors[0].device());\n  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();\n  const at::TensorOptions",
-           "  const std::vector<int64_t> piece_base = piece_bases(runs);\n\n  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();\n  const at::TensorOptions"),
-    Mutant("unaligned 16-byte loads", "if (reinterpret_cast<uintptr_t>(data) % sizeof(Packet<T>) == 0) {", "if (true) {"),
+           "  const c10::cuda::CUDAGuard device_guard(tensors[0].device());\n"
+           "  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();\n  const at::TensorOptions",
+           "  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();\n  const at::TensorOptions"),
+    Mutant("unaligned 16-byte loads", "if (reinterpret_cast<uintptr_t>(data) % sizeof(Packet<T>) == 0) {",
+           "if (true) {"),
     Mutant("kernel arguments over 4 KB (file's own check removed)",
            "constexpr int64_t kFinishTensors = 480;", "constexpr int64_t kFinishTensors = 512;"),
     Mutant("32-bit chunk offsets (dense kernel)",
@@ -101,8 +104,9 @@ def check(mutant: Mutant, work: Path) -> tuple[str, str]:
         env["NANFAST_TEST_HUGE"] = "1"
     for order in ("forward", "reverse", "shuffled"):
         env["NANFAST_CUDA_EMU_ORDER"] = order
-        tested = run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                      "-k", selection], env)
+        # --capture=sys: UBSan's report on the process's stderr survives the abort
+        tested = run([sys.executable, "-m", "pytest", "-q", "-x", "--capture=sys", "-p", "no:cacheprovider",
+                      "tests/test_cuda.py", "-k", selection], env)
         if tested.returncode != 0:
             failed = re.search(r"^FAILED (\S+)", tested.stdout, re.MULTILINE)
             where = failed.group(1).split("::")[-1] if failed else f"pytest exit {tested.returncode}"
