@@ -195,7 +195,7 @@ struct FlagNonfinite {
     bool nonfinite = false;
     chunk.for_each([&](double x) { nonfinite |= is_nonfinite(x); });
     if (nonfinite) {
-      *found = true;
+      *static_cast<volatile bool*>(found) = true;  // volatile, as the read: blocks race on it by design
     }
   }
 };

@@ -1,0 +1,38 @@
+"""tools/gpu-check, the one command for a machine with a GPU: what can be checked without one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "gpu-check"
+
+pytestmark = pytest.mark.skipif(not TOOL.is_file(), reason="tools/ is not shipped: run from the checkout")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the tool runs the real check")
+def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
+    done = run(str(tmp_path / "report"))
+    assert done.returncode == 2
+    assert "no NVIDIA GPU is visible" in done.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def test_plan_covers_every_check(tmp_path):
+    done = run(str(tmp_path), "--plan")
+    assert done.returncode == 0, done.stderr
+    steps = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert list(steps) == ["install", "version", "cuda-tests", "sanitizer-memcheck", "sanitizer-racecheck",
+                           "sanitizer-synccheck", "sync-debug-watched-step", "cuda-graph", "bench-core"]
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        assert f"--tool {tool} --error-exitcode 1" in steps[f"sanitizer-{tool}"]
+        assert steps[f"sanitizer-{tool}"].endswith("gpu_check_cases.py hard-cases")
+    assert "bench --device cuda" in steps["bench-core"]
