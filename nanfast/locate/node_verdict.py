@@ -40,8 +40,15 @@ class NodeVerdicts:
         self._lock = threading.Lock()  # CUDA backward runs nodes on worker threads
 
     def defer(self, node: Any, item: Any) -> bool:
-        """Holds `item` until `node` returns. Returns False when the node cannot be judged by what it
-        returns (AccumulateGrad, a node without post hooks): the caller reports at once."""
+        """Holds `item` until `node` returns, to be reported or noted by what it returns.
+
+        Args:
+            node: the autograd node running the op.
+            item: what to report (or note) once the node is judged.
+        Returns:
+            True when held; False when the node cannot be judged by what it returns (AccumulateGrad, a
+            node without post hooks): the caller reports at once.
+        """
         if type(node).__name__ in _JUDGED_PER_OP:
             return False
         with self._lock:

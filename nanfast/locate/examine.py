@@ -1,0 +1,120 @@
+"""Judging one op whose outputs hold NaN/inf (NOTE: [what locate reports]): producer, scalar, input, or
+propagation, and the finding that describes it."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .diagnosis import diagnose
+from .findings import LocateFinding, Producer, TensorInfo
+from .provenance import _OUTSIDE, Provenance
+from .replay import _repro
+from .schema import _OpInfo
+from .source import SourceLine
+from .values import _counts, _dense, _finite_min_max, _scalar_nonfinite, _scalar_text, _values
+from .._tree import named_leaves
+
+
+def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
+            before: dict[int, torch.Tensor], raw: list[torch.Tensor], outputs: list[torch.Tensor],
+            producer: Producer, source: Optional[SourceLine]
+            ) -> tuple[Optional[tuple[LocateFinding, Optional[dict]]], bool]:
+    """Judges an op whose outputs hold NaN/inf.
+
+    Args:
+        provenance: the region's records (read for inputs; dirty inputs are marked reported).
+        dump_wanted: whether the finding's arguments are to be copied for a dump.
+        info: the op's schema facts.
+        named: the op's arguments as (name, value).
+        before: pre-op copies of the arguments it reads and overwrites, by id.
+        raw: its checked outputs as returned; outputs: their values.
+        producer: the op as a Producer; source: the user's line it ran at.
+    Returns:
+        (its finding with the arguments to dump, or None for propagation; whether its outputs'
+        non-finite values descend from a finding, this one's or an input's).
+    """
+    if info.masked_when is not None and any(n == info.masked_when and v is True for n, v in named):
+        return None, False  # the composite calling it zeroes its inf (NOTE: [masked by the composite])
+    # (name, values as read or None, live values or None, the tensor as passed)
+    inputs: list[tuple[str, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]] = []
+    scalars: list[str] = []
+    numbers: list[tuple[str, str, bool, bool]] = []  # the non-finite ones: (name, text, nan, inf)
+    for name, value in named:
+        if name in info.out_args:
+            continue
+        # Named by position in their list ("indices[1]"), Nones in a Tensor?[] counted.
+        tensors = [(label, t) for label, t in named_leaves(value, name, brackets=True)
+                   if isinstance(t, torch.Tensor)]
+        if tensors:
+            for label, t in tensors:
+                label += ".values()" if t.is_nested else ""
+                inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
+            continue
+        text = _scalar_text(value)
+        if text is not None:
+            scalars.append(f"{name}={text}")
+        nan, inf = _scalar_nonfinite(value)
+        if nan or inf:
+            numbers.append((name, text, nan, inf))
+
+    checked = [i for i, (_, t, _, _) in enumerate(inputs) if t is not None]
+    in_counts = dict(zip(checked, _counts([inputs[i][1] for i in checked]))) if checked else {}
+    out_counts = _counts(outputs)
+    out_nan = any(c[0] for c in out_counts)
+    out_inf = any(c[1] or c[2] for c in out_counts)
+    tensor_nan = any(c[0] for c in in_counts.values())
+    tensor_inf = any(c[1] or c[2] for c in in_counts.values())
+    blamed = [n for n in numbers
+              if n[2] and out_nan and not tensor_nan
+              or n[3] and not info.masking and (out_inf and not tensor_inf or out_nan and not tensor_nan)]
+    tainted = any(provenance.tainted(inputs[i][2]) for i, c in in_counts.items() if any(c))
+    dirty = [i for i, c in in_counts.items() if c[0] and provenance.from_outside(inputs[i][2])]
+
+    if out_inf and not (tensor_nan or tensor_inf or numbers):
+        kind, reason = "producer", "made non-finite values from finite inputs"
+    elif tainted and not dirty:
+        return None, True  # propagates (inf * 0, inf - inf) what a finding made
+    elif blamed and not tainted:
+        kind = "scalar"
+        reason = "; ".join(f"its scalar argument `{name}` is {text}" for name, text, _, _ in blamed)
+    elif out_nan and not tensor_nan and not tainted:  # (a NaN number with NaN out is blamed above)
+        kind, reason = "producer", "made NaN from inputs without NaN"
+    else:
+        if not dirty:
+            return None, False  # propagates values that were allowed (infinite masks, data)
+        kind = "input"
+        names = ", ".join(inputs[i][0] for i in dirty)
+        reason = f"first op to consume NaN that no op under locate produced (input {names})"
+
+    def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], record: Optional[tuple]) -> TensorInfo:
+        lo, hi = _finite_min_max(t)
+        prod = record[1] if record is not None and record[1] is not _OUTSIDE else None
+        return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), *counts,
+                          lo, hi, prod, record is not None and record[2])
+
+    input_infos = []
+    for i, (name, t, live, passed) in enumerate(inputs):
+        dense = t if t is not None else _dense(passed)
+        record = provenance.record(live) if live is not None else None
+        input_infos.append(info_of(name, dense, in_counts.get(i, (0, 0, 0)), record))
+    if kind == "input":
+        for i in dirty:  # report a dirty tensor once, at its first consumer
+            provenance.set_producer(inputs[i][2], _OUTSIDE)
+    names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
+    output_infos = [info_of(n + (".values()" if r.is_nested else ""), t, c, None)
+                    for n, r, t, c in zip(names, raw, outputs, out_counts)]
+    repro = (_repro(info.name, named, before, info.out_args)
+             if dump_wanted else None)
+    diagnosis = None
+    if kind != "input":
+        as_read = {name: before.get(id(value), value) if isinstance(value, torch.Tensor) else value
+                   for name, value in named if name not in info.out_args}
+        diagnosis = diagnose(info.name, as_read, outputs)
+    finding = LocateFinding(
+        kind, info.name, producer.phase, producer.node, source,
+        producer.source if producer.phase == "backward" else None, reason,
+        tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis)
+    return (finding, repro), True
+

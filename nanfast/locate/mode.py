@@ -1,0 +1,114 @@
+"""The TorchDispatchMode under `locate`: checks each op's outputs, records who wrote them, and hands
+an op whose outputs hold NaN/inf to `examine`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..recompute import recomputation_in
+from .examine import examine
+from .findings import Producer
+from .node_verdict import NodeVerdicts
+from .provenance import Provenance
+from .schema import _named_args, _op_info, _OpInfo
+from .source import _FORWARD_SOURCE_KEY, user_frame
+from .values import _any_nonfinite, _any_nonfinite_values, _tensors_in, _values
+
+if TYPE_CHECKING:
+    from .region import Locate
+
+# NOTE: [what locate reports]
+# Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
+# ops the autograd engine runs for backward nodes) is checked with one fused any_nonfinite over its
+# floating outputs (a nested tensor's values); views, in-place view ops and uninitialized outputs
+# (empty) are skipped, since their values are checked where they were made. Only when an output holds
+# NaN/inf are the inputs counted, and the first rule that fits says what the op is:
+#   - producer: an output holds inf and every input (tensors and numbers) is finite, or an output holds
+#     NaN and no input holds NaN (inf - inf, 0 * inf, softmax of a fully masked row).
+#   - scalar: a number argument made it: a NaN number and an output NaN where no tensor input held
+#     NaN (x * nan, full(..., nan)); or an infinite one, outside the masking ops (NOTE: [masking ops]),
+#     and an output inf where no tensor input held inf, or NaN where none held NaN (x + inf, x * inf).
+#   - input: an op consumes NaN that came from outside locate: dirty data, a NaN parameter. Infinities
+#     from outside are not reported: additive -inf attention masks are built before training.
+#   - otherwise the op propagates values already reported (or allowed), and says nothing; so does any op
+#     whose non-finite inputs descend from a finding (NOTE: [producer or propagation]).
+# In backward, a producer or scalar finding waits for its node's verdict (NOTE: [masked inside a node]).
+# The inputs of an in-place op are its arguments before the op: those it reads and writes are cloned
+# before it runs (out= arguments and self of copy_/fill_ are written only, and are outputs).
+# Provenance: each checked op's outputs' storages record the op and its user line, so an input is
+# traced to the op that last wrote its storage (see NOTE: [provenance on storages]).
+
+# NOTE: [producer or propagation]
+# A record carries `tainted`: the storage's non-finite values descend from a finding (this op was one,
+# or it read tainted non-finite values; NaN reported as `input` taints too). inf * 0 or inf - inf on a
+# tainted inf is the same fault again, not a new producer, in action="record" as in "raise". Allowed
+# infinities (masking ops, tensors from outside) are not tainted: the NaN they make is still a finding.
+
+
+class _LocateMode(TorchDispatchMode):
+    def __init__(self, owner: Locate):
+        super().__init__()
+        self.owner = owner
+        self.provenance = Provenance()
+        self.nodes = NodeVerdicts(_any_nonfinite_values, lambda item: owner._report(*item),
+                                  lambda item: owner.masked.append(item[0]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = _op_info(func)
+        if info.skip:
+            return func(*args, **kwargs)
+        # Pre-op copies of the arguments the op reads and overwrites.
+        before: dict[int, torch.Tensor] = {}
+        if info.read_write_args:
+            for name, value in _named_args(info, args, kwargs):
+                if name in info.read_write_args:
+                    for t in _tensors_in(value):
+                        if _values(t) is not None:
+                            before[id(t)] = t.clone()
+        out = func(*args, **kwargs)
+
+        raw, outputs = _outputs(info, out, args, kwargs)
+        if not outputs:
+            return out
+        node = torch._C._current_autograd_node()
+        if node is None:
+            producer = Producer(info.name, "forward", None, user_frame())
+        elif recomputation_in(node) is not None:  # checkpointing re-runs a forward op: its line is the user's
+            producer = Producer(info.name, "recompute", None, user_frame())
+        else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
+            producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
+        nonfinite = _any_nonfinite(outputs)
+        tainted = False
+        if nonfinite:
+            source = user_frame() if producer.phase == "backward" else producer.source
+            finding, tainted = examine(self.provenance, self.owner._dump_path_for_next() is not None, info,
+                                       _named_args(info, args, kwargs), before, raw, outputs, producer, source)
+            # A backward node's inner producer is judged by the gradients the node returns.
+            if finding is not None and not (producer.phase == "backward" and finding[0].kind != "input"
+                                            and self.nodes.defer(node, finding)):
+                self.owner._report(*finding)
+        if info.read_write_args or info.out_args:
+            for t in outputs:
+                self.provenance.record_write(t, producer, nonfinite, tainted)
+        else:
+            self.provenance.record_outputs(outputs, producer, tainted)
+        return out
+
+
+def _outputs(info: _OpInfo, out: Any, args: tuple, kwargs: dict) -> tuple[list, list[torch.Tensor]]:
+    """The op's outputs that locate checks: as returned (nested tensors whole), and their values."""
+    if isinstance(out, torch.Tensor):
+        values = _values(out)
+        return ([out], [values]) if values is not None else ([], [])
+    pairs = [(t, v) for t in _tensors_in(out) for v in (_values(t),) if v is not None]
+    if not pairs and (info.read_write_args or info.out_args):
+        # In-place ops that return nothing (_foreach_*_) changed their written arguments.
+        pairs = [(t, v) for name, value in _named_args(info, args, kwargs)
+                 if name in info.read_write_args or name in info.out_args
+                 for t in _tensors_in(value) for v in (_values(t),) if v is not None]
+    return [t for t, _ in pairs], [v for _, v in pairs]
+

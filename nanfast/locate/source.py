@@ -1,0 +1,76 @@
+"""Where an op ran: the innermost line of the user's code (outside torch and nanfast), and, for a
+backward op, the line where its autograd node's forward op ran."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import NamedTuple, Optional
+
+import torch
+
+_FORWARD_SOURCE_KEY = "nanfast.forward_source"
+
+
+class SourceLine(NamedTuple):
+    """A line of the user's code: the innermost frame outside torch and nanfast. (A NamedTuple, not a
+    dataclass: one is made per op, and a tuple is the cheapest object to make.)"""
+
+    filename: str
+    lineno: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANFAST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# NOTE: [demo code is user code]
+# The demo lives inside the package but plays the user: its model's lines are what a report should
+# point at, so it is the one nanfast file that user_frame does not skip.
+_USER_FILES_IN_PACKAGE = (os.path.join(_NANFAST_DIR, "demo.py"),)
+_internal_by_filename: dict[str, bool] = {}
+
+
+def _is_internal(filename: str) -> bool:
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    internal = (path.startswith(_TORCH_DIR) or path.startswith(_NANFAST_DIR)) and path not in _USER_FILES_IN_PACKAGE
+    _internal_by_filename[filename] = internal
+    return internal
+
+
+def user_frame() -> Optional[SourceLine]:
+    """The innermost frame of the calling thread outside torch and nanfast. Walks frames, never formats
+    a traceback: it runs per op.
+
+    Returns:
+        That frame's line, or None on threads that run no user code (the CUDA autograd workers).
+    """
+    frame = sys._getframe(1)
+    internal_by_filename = _internal_by_filename
+    while frame is not None:
+        code = frame.f_code
+        internal = internal_by_filename.get(code.co_filename)
+        if internal is None:
+            internal = _is_internal(code.co_filename)
+        if not internal:
+            return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def _record_forward_source(node) -> None:
+    # Runs once per autograd node created under locate, right after its forward op returned.
+    source = user_frame()
+    if source is not None:
+        node.metadata[_FORWARD_SOURCE_KEY] = source
+
+
+def _forward_source_recorder() -> contextlib.AbstractContextManager:
+    # torch.autograd.graph.node_creation_hook is recent; without it backward findings name the node
+    # but not its forward line.
+    hook = getattr(torch.autograd.graph, "node_creation_hook", None)
+    return hook(_record_forward_source) if hook is not None else contextlib.nullcontext()
+

@@ -1,0 +1,107 @@
+"""The values locate checks and counts: floating tensors (a nested tensor's values), their NaN/inf
+counts per device with nanfast's fused kernels, finite ranges, and number arguments."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from .. import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
+from .._tree import group_by_device, leaves
+
+
+# The dtypes that can hold NaN/inf and that the kernels read (float8_e8m0fnu from torch 2.7; packed
+# float4_e2m1fn_x2 values are all finite).
+_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
+                       torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.complex64,
+                       torch.complex128, *filter(None, (getattr(torch, "float8_e8m0fnu", None),))))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The strided tensor holding t's values: a nested tensor's values() (jagged: its values; strided:
+    its buffer), or t."""
+    return t.values() if t.is_nested else t
+
+
+def _values(t: Any) -> Optional[torch.Tensor]:
+    """What locate checks of `t`: its dense values when they can hold NaN/inf, else None (not a tensor,
+    an integer dtype, a sparse or meta tensor)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATING or t.is_meta:
+        return None
+    return _dense(t) if t.is_nested or t.layout == torch.strided else None
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's argument or output: a Tensor, a list of them, or a tuple of both."""
+    return (t for t in leaves(value) if isinstance(t, torch.Tensor))
+
+
+
+_any_nonfinite_op = torch.ops.nanfast.any_nonfinite.default
+_stats_op = torch.ops.nanfast.stats.default
+
+
+def _any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    # NOTE: [locate syncs]
+    # Reading the flag is a host sync per checked op on CUDA (free on CPU). locate is a debugging
+    # tool that must stop at the op itself, so it pays that; the always-on watch does not.
+    groups = list(group_by_device(tensors).values())
+    if len(groups) == 1:
+        return _any_nonfinite_op(tensors).item()
+    return any(_any_nonfinite_op([tensors[i] for i in group]).item() for group in groups)
+
+
+def _any_nonfinite_values(tensors: list[torch.Tensor]) -> bool:
+    """_any_nonfinite over the tensors' checked values (integer, sparse and meta ones left out)."""
+    values = [v for t in tensors for v in (_values(t),) if v is not None]
+    return bool(values) and _any_nonfinite(values)
+
+
+def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    rows: list[tuple[int, int, int]] = [(0, 0, 0)] * len(tensors)
+    for group in group_by_device(tensors).values():
+        counts = _stats_op([tensors[i] for i in group])[0].tolist()
+        for i, c in zip(group, counts):
+            rows[i] = tuple(c)
+    return rows
+
+
+def _finite_min_max(t: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
+    if t.is_complex() or t.numel() == 0 or t.layout != torch.strided or t.is_meta:
+        return None, None
+    if t.dtype == torch.bool or t.element_size() == 1 and t.is_floating_point():  # float8: no aminmax kernel
+        t = t.to(torch.float32 if t.is_floating_point() else torch.uint8)
+    values = t[torch.isfinite(t)] if t.is_floating_point() else t.reshape(-1)
+    if values.numel() == 0:
+        return None, None
+    lo, hi = torch.aminmax(values)
+    return float(lo), float(hi)
+
+
+def _scalar_text(value: Any) -> Optional[str]:
+    if isinstance(value, (bool, int, float, complex)):
+        return repr(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (bool, int, float)) for v in value):
+        return repr(list(value))
+    if isinstance(value, (torch.dtype, torch.device, str)):
+        return str(value)
+    return None
+
+
+def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
+    """(holds NaN, holds inf) for a non-tensor argument (a number or a list of numbers)."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    nan = inf = False
+    for v in values:
+        if isinstance(v, complex):
+            parts = (v.real, v.imag)
+        elif isinstance(v, float):
+            parts = (v,)
+        else:
+            continue
+        nan |= any(math.isnan(p) for p in parts)
+        inf |= any(math.isinf(p) for p in parts)
+    return nan, inf
