@@ -752,7 +752,7 @@ def test_locate_step_starts_from_no_grads_or_the_captured_ones(copy_grads):
 
 
 def test_demo_catches_skips_and_locates_the_planted_fault(capsys):
-    from nanfast import demo
+    from nanfast.cli import demo
 
     assert demo.run() == 0
     out = capsys.readouterr().out

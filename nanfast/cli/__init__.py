@@ -7,12 +7,12 @@ import importlib
 import sys
 from typing import Optional
 
-# command -> (the module with its add_arguments and run, one-line help). The demo stays at nanfast/demo.py
-# while nanfast/locate.py names that file as user code (see NOTE: [demo code is user code]).
+# command -> (the module with its add_arguments and run, one-line help). nanfast/locate/source.py names
+# cli/demo.py as user code (see NOTE: [demo code is user code]).
 COMMANDS = {
     "bench": ("nanfast.cli.bench", "benchmark nanfast against the pure-torch ways of finding NaN/inf"),
     "scan": ("nanfast.cli.scan", "check checkpoint files for NaN/inf without running pickled code"),
-    "demo": ("nanfast.demo", "train a small model with a planted fault: watch catches it, locate names the op"),
+    "demo": ("nanfast.cli.demo", "train a small model with a planted fault: watch catches it, locate names the op"),
 }
 
 

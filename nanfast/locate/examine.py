@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._tree import named_leaves
 from .diagnosis import diagnose
 from .findings import LocateFinding, Producer, TensorInfo
 from .provenance import _OUTSIDE, Provenance
@@ -14,7 +15,6 @@ from .replay import _repro
 from .schema import _OpInfo
 from .source import SourceLine
 from .values import _counts, _dense, _finite_min_max, _scalar_nonfinite, _scalar_text, _values
-from .._tree import named_leaves
 
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],

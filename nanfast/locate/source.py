@@ -30,7 +30,7 @@ _NANFAST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 # NOTE: [demo code is user code]
 # The demo lives inside the package but plays the user: its model's lines are what a report should
 # point at, so it is the one nanfast file that user_frame does not skip.
-_USER_FILES_IN_PACKAGE = (os.path.join(_NANFAST_DIR, "demo.py"),)
+_USER_FILES_IN_PACKAGE = (os.path.join(_NANFAST_DIR, "cli", "demo.py"),)
 _internal_by_filename: dict[str, bool] = {}
 
 

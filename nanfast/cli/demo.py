@@ -42,6 +42,11 @@ class Classifier(torch.nn.Module):
 
 
 def make_batches() -> list[dict[str, torch.Tensor]]:
+    """The synthetic batches, labelled by a random linear teacher; BAD_STEP's holds a constant sample.
+
+    Returns:
+        STEPS batches of {"features", "label"}.
+    """
     gen = torch.Generator().manual_seed(0)
     teacher = torch.randn(FEATURES, CLASSES, generator=gen)
     batches = []
@@ -54,6 +59,13 @@ def make_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def run(args: Optional[argparse.Namespace] = None) -> int:
+    """Trains the classifier for STEPS steps under a skipping watch and prints what each tool shows.
+
+    Args:
+        args: the parsed command line (the demo has no options).
+    Returns:
+        0.
+    """
     torch.manual_seed(0)
     model = Classifier()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -99,4 +111,8 @@ def run(args: Optional[argparse.Namespace] = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo takes no options."""
+    """The demo takes no options.
+
+    Args:
+        parser: its subcommand parser, left as it is.
+    """
