@@ -1,5 +1,5 @@
 // AVX-512 build of simd_body.h (see NOTE: [One SIMD body, several ISAs]).
-#include "run_kernels.h"
+#include "simd_kernels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

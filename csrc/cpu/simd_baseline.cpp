@@ -1,5 +1,5 @@
 // Baseline build of simd_body.h: 16-byte vectors, which every x86-64 (SSE2) and ARMv8 (NEON) has.
-#include "run_kernels.h"
+#include "simd_kernels.h"
 
 #define NANFAST_ISA baseline
 #define NANFAST_ISA_NAME "baseline"

@@ -13,7 +13,7 @@
 
 #include "../dtypes.h"
 #include "../ops.h"
-#include "run_kernels.h"
+#include "simd_kernels.h"
 
 namespace nanfast::cpu {
 

@@ -8,7 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 
-#include "../cpu/run_kernels.h"
+#include "../cpu/simd_kernels.h"
 
 namespace nanfast::python {
 

@@ -5,7 +5,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "run_kernels.h"
+#include "simd_kernels.h"
 
 namespace nanfast::cpu {
 namespace {
