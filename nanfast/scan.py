@@ -154,9 +154,7 @@ def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str
         if t.layout != torch.strided:
             return f"layout {t.layout}: nanfast cannot read it"
         if not reads_dtype(t.dtype):
-            if not t.is_floating_point():
-                return f"dtype {t.dtype}: nanfast cannot read it"
-            name, t = f"{name}.float()", t.float()  # float8_e8m0fnu: every value, NaN included, is exact in float32
+            return f"dtype {t.dtype}: nanfast cannot read it"
     except (RuntimeError, TypeError, NotImplementedError) as e:
         return f"its {str(t.dtype).removeprefix('torch.')} values could not be read: {_first_sentence(e)}"
     return name, t
