@@ -5,11 +5,11 @@ tensors in one pass; check_all, watch and locate build on them."""
 
 from .check import check_all, named_tensors
 from .clip import clip_grad_norm_
-from .locate import LocateFinding, StepState, locate, locate_step, replay
+from .locator import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
 from .batch import check_batch, checked
-from .watch import Event, Place, Watch, watch
+from .watcher import Event, Place, Watch, watch
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
            "LocateFinding", "StepState", "locate", "locate_step", "replay",

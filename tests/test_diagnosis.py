@@ -1,4 +1,4 @@
-"""The diagnosis table (nanfast.locate.diagnosis.DIAGNOSES): each entry, on the op that shows its pattern,
+"""The diagnosis table (nanfast.locator.diagnosis.DIAGNOSES): each entry, on the op that shows its pattern,
 gives the finding its reason in words; ops that show no known pattern get none."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast.locate.diagnosis import DIAGNOSES
+from nanfast.locator.diagnosis import DIAGNOSES
 
 INF = float("inf")
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast.locate import LocateFinding, StepState, locate_step
+from nanfast.locator import LocateFinding, StepState, locate_step
 
 INF = float("inf")
 NAN = float("nan")

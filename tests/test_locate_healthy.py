@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import nanfast
 from grounding import first_made
-from nanfast.locate import StepState, locate_step
+from nanfast.locator import StepState, locate_step
 
 
 def normalize_zero_vector():

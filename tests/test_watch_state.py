@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast.watch import forwards
+from nanfast.watcher import forwards
 from op_recorder import OpRecorder
 from test_watch import MLP, Magnitude, batch
 

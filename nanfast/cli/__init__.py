@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import Optional
 
-# command -> (the module with its add_arguments and run, one-line help). nanfast/locate/source.py names
+# command -> (the module with its add_arguments and run, one-line help). nanfast/locator/source.py names
 # cli/demo.py as user code (see NOTE: [demo code is user code]).
 COMMANDS = {
     "bench": ("nanfast.cli.bench", "benchmark nanfast against the pure-torch ways of finding NaN/inf"),

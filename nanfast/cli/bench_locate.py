@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..locate import locate
+from ..locator import locate
 
 METHODS = ("none", "nanfast.locate", "detect_anomaly")
 

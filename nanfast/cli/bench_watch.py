@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..watch import watch
+from ..watcher import watch
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
 

@@ -189,7 +189,7 @@ class Hooks:
         if self._undo is not None and step.microbatch == 0:
             self._undo.begin()
         if self.on_event == "locate" and step.microbatch == 0:
-            from ..locate import StepState
+            from ..locator import StepState
 
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:

@@ -86,7 +86,7 @@ def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = N
     action="record" runs on and collects every finding in ``.findings``. An op inside a backward node is
     reported only if the node returns a non-finite gradient from finite ones (else it goes to ``.masked``:
     torch masks 0/0 in norms, std, atan2, ...); ``finding.diagnosis`` says the pattern in words where
-    one is recognized (nanfast.locate.diagnosis). dump="path.pt" saves the first
+    one is recognized (nanfast.locator.diagnosis). dump="path.pt" saves the first
     reported op's inputs for nanfast.replay(path). Run forward and backward inside it: a backward node's
     forward line is known only for nodes created inside. Each checked op costs one fused check and, on
     CUDA, one host sync.

@@ -14,7 +14,7 @@ from ..check import uncompiled
 from ..clip import check_norm_type, scale_grads_, total_norm
 from . import agree, scaler_hook, step as steps
 from .actions import Actions
-from .events import PHASES, Event, Place
+from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
 from .hooks import Hooks
@@ -23,7 +23,7 @@ from .profile import Profile
 from .restore import BufferUndo
 from .step import SUMMARY, Read, Step
 
-__all__ = ["ACTIONS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
+__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
 
 
 class Watch(Hooks, Actions):

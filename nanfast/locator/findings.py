@@ -101,7 +101,7 @@ class LocateFinding:
     again in backward). `source` is where the op ran (in backward: the line that called backward, when
     the engine ran on a thread with Python frames); `forward_source` (backward only) is where the
     forward op of `node` ran. `diagnosis`: the pattern in words, where the op and its inputs show a
-    known one (nanfast.locate.diagnosis: a fully masked softmax row, division by exact zeros, ...), else None."""
+    known one (nanfast.locator.diagnosis: a fully masked softmax row, division by exact zeros, ...), else None."""
 
     kind: str
     op: str

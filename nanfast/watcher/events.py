@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 # Phases in the order their values arise within a step.
 PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
+# What an event reports: non-finite values (the watch's actions apply), or a warning about finite values
+# (overflow headroom running out, a spike in the loss or a gradient norm).
+KINDS = ("nonfinite", "headroom", "spike")
 _MAX_NAMED_IN_SUMMARY = 8
 
 
@@ -52,8 +55,10 @@ class Place:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What a watch found in one step: the first place in execution order where a non-finite value
-    appeared (the producer) and the places hit after it (where it propagated)."""
+    """What a watch found in one step. Kind "nonfinite": the first place in execution order where a
+    non-finite value appeared (the producer) and the places hit after it (where it propagated). Kinds
+    "headroom" and "spike": a warning about finite values at `first` (its counts are zeros), said in
+    `detail`."""
 
     step: int
     first: Place
@@ -67,6 +72,8 @@ class Event:
     located: Optional[Any] = None
     # Why `located` names another place than `first`, or None when they agree (nanfast.agreement).
     located_differs: Optional[str] = None
+    kind: str = "nonfinite"  # one of KINDS
+    detail: Optional[str] = None  # kinds headroom and spike: what was seen, in words
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -107,6 +114,8 @@ class Event:
         return (self.first, *self.later)
 
     def summary(self) -> str:
+        if self.kind != "nonfinite":
+            return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
         if self.dirty_input:
             head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..agreement import disagreement
+from .located_agrees import disagreement
 from ..report import NonFiniteError
 from . import agree, step as steps
 from .events import Event
@@ -101,7 +101,7 @@ class Actions:
         see the same verdict), so the collectives of a DDP backward match."""
         if self._step_state is None:
             return None
-        from ..locate import locate_step
+        from ..locator import locate_step
 
         active, self._active = self._active, False
         try:
