@@ -1,6 +1,9 @@
 #pragma once
 // The dtypes the kernels read: one list, used by the input checks and by every backend.
 
+#include <algorithm>
+#include <cstddef>
+
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
@@ -58,29 +61,25 @@
 
 namespace nanfast {
 
-#define NANFAST_DTYPE_LABEL(name) case c10::ScalarType::name:
+#define NANFAST_DTYPE_ENTRY(name) c10::ScalarType::name,
+inline constexpr c10::ScalarType kFloatingDtypes[] = {NANFAST_FOR_EACH_FLOATING_DTYPE(NANFAST_DTYPE_ENTRY)};
+inline constexpr c10::ScalarType kFiniteDtypes[] = {NANFAST_FOR_EACH_FINITE_DTYPE(NANFAST_DTYPE_ENTRY)};
+#undef NANFAST_DTYPE_ENTRY
 
-// true for the dtypes of NANFAST_FOR_EACH_DTYPE.
-inline bool supported_dtype(c10::ScalarType dtype) {
-  switch (dtype) {
-    NANFAST_FOR_EACH_DTYPE(NANFAST_DTYPE_LABEL)
-    return true;
-    default:
-      return false;
-  }
+template <size_t N>
+bool listed(const c10::ScalarType (&list)[N], c10::ScalarType dtype) {
+  return std::find(list, list + N, dtype) != list + N;
 }
 
 // true for the dtypes that can hold NaN or infinity (NANFAST_FOR_EACH_FLOATING_DTYPE).
 inline bool can_be_nonfinite(c10::ScalarType dtype) {
-  switch (dtype) {
-    NANFAST_FOR_EACH_FLOATING_DTYPE(NANFAST_DTYPE_LABEL)
-    return true;
-    default:
-      return false;
-  }
+  return listed(kFloatingDtypes, dtype);
 }
 
-#undef NANFAST_DTYPE_LABEL
+// true for the dtypes of NANFAST_FOR_EACH_DTYPE.
+inline bool supported_dtype(c10::ScalarType dtype) {
+  return can_be_nonfinite(dtype) || listed(kFiniteDtypes, dtype);
+}
 
 // Names a C++ type for the functions that visit_dtype() calls.
 template <typename T>
@@ -91,28 +90,28 @@ struct DtypeTag {
 #define NANFAST_DTYPE_CASE(name) \
   case c10::ScalarType::name:    \
     return fn(DtypeTag<c10::impl::ScalarTypeToCPPTypeT<c10::ScalarType::name>>{});
+#define NANFAST_FINITE_DTYPE_CASE(name)                                                 \
+  case c10::ScalarType::name:                                                           \
+    if constexpr (!kFloatingOnly) {                                                     \
+      return fn(DtypeTag<c10::impl::ScalarTypeToCPPTypeT<c10::ScalarType::name>>{}); \
+    }                                                                                   \
+    break;
 
-// Returns fn(DtypeTag<T>{}) with T the C++ type of `dtype`, one of NANFAST_FOR_EACH_DTYPE
-// (describe_inputs() has checked it).
-template <typename Fn>
+// Returns fn(DtypeTag<T>{}) with T the C++ type of `dtype`, one of NANFAST_FOR_EACH_DTYPE (describe_inputs()
+// has checked it); with kFloatingOnly, one of NANFAST_FOR_EACH_FLOATING_DTYPE, and fn is instantiated for
+// those only (any_nonfinite reads no other).
+template <bool kFloatingOnly = false, typename Fn>
 decltype(auto) visit_dtype(c10::ScalarType dtype, const Fn& fn) {
   switch (dtype) {
-    NANFAST_FOR_EACH_DTYPE(NANFAST_DTYPE_CASE)
-    default:
-      TORCH_INTERNAL_ASSERT(false, "nanfast: dtype ", dtype, " is not in NANFAST_FOR_EACH_DTYPE");
-  }
-}
-
-// As visit_dtype(), for a dtype of NANFAST_FOR_EACH_FLOATING_DTYPE (any_nonfinite reads no other).
-template <typename Fn>
-decltype(auto) visit_floating_dtype(c10::ScalarType dtype, const Fn& fn) {
-  switch (dtype) {
     NANFAST_FOR_EACH_FLOATING_DTYPE(NANFAST_DTYPE_CASE)
+    NANFAST_FOR_EACH_FINITE_DTYPE(NANFAST_FINITE_DTYPE_CASE)
     default:
-      TORCH_INTERNAL_ASSERT(false, "nanfast: dtype ", dtype, " is not in NANFAST_FOR_EACH_FLOATING_DTYPE");
+      break;
   }
+  TORCH_INTERNAL_ASSERT(false, "nanfast: dtype ", dtype, " is not one visit_dtype reads");
 }
 
+#undef NANFAST_FINITE_DTYPE_CASE
 #undef NANFAST_DTYPE_CASE
 
 }  // namespace nanfast

@@ -212,7 +212,7 @@ Partial stats_of_piece(const InputRun& run, int64_t begin, int64_t end) {
 }
 
 bool any_of_piece(const InputRun& run, int64_t begin, int64_t end) {
-  return visit_floating_dtype(run.dtype, [&](auto tag) {
+  return visit_dtype</*kFloatingOnly=*/true>(run.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return piece_any<T>(run, begin, end, simd_of<T>(simd_kernels()).any);
   });

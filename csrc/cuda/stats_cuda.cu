@@ -381,49 +381,52 @@ bool any_dtype(at::ScalarType /*dtype*/) {
   return true;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cuda(at::TensorList tensors) {
-  const char* op_name = "nanfast.stats";
-  const std::vector<InputRun> runs = describe_inputs(op_name, tensors);
-  const std::map<at::ScalarType, DtypeGroup> groups = group_by_dtype(op_name, runs, any_dtype);
-  const std::vector<int64_t> piece_base = piece_bases(runs);
+// What one op call launches: its inputs, those read grouped by dtype (`reads` picks the dtypes), and
+// where each tensor's pieces start.
+struct LaunchPlan {
+  LaunchPlan(const char* op, at::TensorList tensors, bool (*reads)(at::ScalarType))
+      : runs(describe_inputs(op, tensors)), groups(group_by_dtype(op, runs, reads)), piece_base(piece_bases(runs)) {}
 
+  const std::vector<InputRun> runs;
+  const std::map<at::ScalarType, DtypeGroup> groups;
+  const std::vector<int64_t> piece_base;
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cuda(at::TensorList tensors) {
+  const LaunchPlan plan("nanfast.stats", tensors, any_dtype);
   const c10::cuda::CUDAGuard device_guard(tensors[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions options = tensors[0].options();
-  const int64_t n = static_cast<int64_t>(runs.size());
+  const int64_t n = static_cast<int64_t>(plan.runs.size());
   at::Tensor counts = at::empty({n, 3}, options.dtype(at::kLong));
   at::Tensor norm = at::empty({n}, options.dtype(at::kDouble));
   at::Tensor absmax = at::empty({n}, options.dtype(at::kDouble));
-  at::Tensor pieces = at::empty({piece_base.back() * static_cast<int64_t>(sizeof(Partial))}, options.dtype(at::kByte));
+  at::Tensor pieces = at::empty({plan.piece_base.back() * static_cast<int64_t>(sizeof(Partial))}, options.dtype(at::kByte));
   Partial* pieces_data = static_cast<Partial*>(pieces.mutable_data_ptr());
 
-  for (const auto& entry : groups) {
+  for (const auto& entry : plan.groups) {
     visit_dtype(entry.first, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      launch_chunks<T>(runs, entry.second, piece_base, StatsOfChunk{pieces_data}, stream);
+      launch_chunks<T>(plan.runs, entry.second, plan.piece_base, StatsOfChunk{pieces_data}, stream);
     });
   }
-  launch_finish(piece_base, pieces_data, counts, norm, absmax, stream);
-  fix_negated_counts(runs, counts);
-  apply_repeats(runs, counts, norm);
+  launch_finish(plan.piece_base, pieces_data, counts, norm, absmax, stream);
+  fix_negated_counts(plan.runs, counts);
+  apply_repeats(plan.runs, counts, norm);
   return {counts, norm, absmax};
 }
 
 at::Tensor any_nonfinite_cuda(at::TensorList tensors) {
-  const char* op_name = "nanfast.any_nonfinite";
-  const std::vector<InputRun> runs = describe_inputs(op_name, tensors);
   // Integer and bool tensors are finite by definition: they are not read.
-  const std::map<at::ScalarType, DtypeGroup> groups = group_by_dtype(op_name, runs, can_be_nonfinite);
-  const std::vector<int64_t> piece_base = piece_bases(runs);
-
+  const LaunchPlan plan("nanfast.any_nonfinite", tensors, can_be_nonfinite);
   const c10::cuda::CUDAGuard device_guard(tensors[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor found = at::zeros({}, tensors[0].options().dtype(at::kBool));
   const FlagNonfinite flag{found.mutable_data_ptr<bool>()};
-  for (const auto& entry : groups) {
-    visit_floating_dtype(entry.first, [&](auto tag) {
+  for (const auto& entry : plan.groups) {
+    visit_dtype</*kFloatingOnly=*/true>(entry.first, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      launch_chunks<T>(runs, entry.second, piece_base, flag, stream);
+      launch_chunks<T>(plan.runs, entry.second, plan.piece_base, flag, stream);
     });
   }
   return found;

@@ -53,6 +53,11 @@ class Place:
         return f"{self.where()} (nan={self.nan}, +inf={self.posinf}, -inf={self.neginf})"
 
 
+def _of_first(field: str) -> property:
+    """A read-only property giving the event's first place's `field`."""
+    return property(lambda event: getattr(event.first, field), doc=f"The first place's {field}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What a watch found in one step. Kind "nonfinite": the first place in execution order where a
@@ -80,29 +85,13 @@ class Event:
         """The ranks that saw non-finite values in this step (empty in a single process)."""
         return tuple(rank for rank, _ in self.by_rank)
 
-    @property
-    def phase(self) -> str:
-        return self.first.phase
-
-    @property
-    def name(self) -> str:
-        return self.first.name
-
-    @property
-    def module_class(self) -> str:
-        return self.first.module_class
-
-    @property
-    def nan(self) -> int:
-        return self.first.nan
-
-    @property
-    def posinf(self) -> int:
-        return self.first.posinf
-
-    @property
-    def neginf(self) -> int:
-        return self.first.neginf
+    # The first place's fields, as the event's own (an event is mostly read for its producer).
+    phase = _of_first("phase")
+    name = _of_first("name")
+    module_class = _of_first("module_class")
+    nan = _of_first("nan")
+    posinf = _of_first("posinf")
+    neginf = _of_first("neginf")
 
     @property
     def dirty_input(self) -> bool:
