@@ -12,7 +12,7 @@ import torch
 
 from ._tree import group_by_device, named_leaves
 from .ops import reads_dtype
-from .report import NonFiniteError
+from .report import NonfiniteCounts, NonFiniteError
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
 
@@ -20,7 +20,7 @@ MAX_SAMPLES_IN_MESSAGE = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class BadField:
+class BadField(NonfiniteCounts):
     """A tensor of a batch that holds non-finite values, and the samples (indices along its first
     dimension) that hold them; `samples` is empty for a 0-dim tensor."""
 
@@ -31,9 +31,6 @@ class BadField:
     posinf: int
     neginf: int
     samples: tuple[int, ...]
-
-    def counts_text(self) -> str:
-        return f"nan={self.nan}, +inf={self.posinf}, -inf={self.neginf}"
 
     def describe(self) -> str:
         if not self.samples:
@@ -118,9 +115,17 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     (indices along the first dimension) that hold NaN or inf. A clean batch costs one fused check and
     one host sync per device; only a bad one is counted per field and per sample.
 
-    Raises NonFiniteError (carrying the BatchReport) if anything is non-finite and raise_on_nonfinite;
-    ValueError naming the field if one cannot be read by sample (sparse, nested, quantized, meta, or of
-    a dtype the kernels do not read)."""
+    Args:
+        batch: the batch, as a DataLoader yields it.
+        raise_on_nonfinite: raise on a batch holding NaN/inf (else return the report).
+
+    Returns:
+        A BatchReport: `ok`, the bad fields with their sample indices and counts.
+
+    Raises:
+        NonFiniteError: (carrying the BatchReport) something is non-finite and raise_on_nonfinite.
+        ValueError: naming the field, if one cannot be read by sample (sparse, nested, quantized, meta,
+            or of a dtype the kernels do not read)."""
     pairs = [(path, leaf) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
              if isinstance(leaf, torch.Tensor)]
     _validate(pairs)
@@ -174,5 +179,16 @@ def checked(loader: Iterable, *, action: str = "raise") -> Checked:
     """Wraps a DataLoader (or any iterable of batches) so that every batch is checked with
     check_batch before it is used. On a batch holding NaN/inf: action="raise" raises NonFiniteError
     naming the batch index, sample index and field; "warn" warns and yields it; "skip" drops it.
-    Batches found bad are kept in `.bad_batches`. Costs one host sync per batch and device."""
+    Batches found bad are kept in `.bad_batches`. Costs one host sync per batch and device.
+
+    Args:
+        loader: the DataLoader or iterable of batches.
+        action: "raise", "warn" or "skip".
+
+    Returns:
+        A Checked iterable (len() as the loader's), yielding the loader's batches.
+
+    Raises:
+        ValueError: action is not one of the three (raised here); NonFiniteError: while iterating,
+            a bad batch with action="raise"."""
     return Checked(loader, action)

@@ -19,7 +19,14 @@ from .report import Entry, NonFiniteError, Report
 
 def named_tensors(obj: Any, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs `check_all` checks in `obj` (see check_all for what each kind gives);
-    Python floats and numpy arrays come as CPU tensors."""
+    Python floats and numpy arrays come as CPU tensors.
+
+    Args:
+        obj: what check_all takes (a module, optimizer, state dict, container of tensors, ...).
+        grads: the parameters' gradients instead of the parameters (modules).
+
+    Returns:
+        An iterator over (name, tensor) pairs, in check_all's order."""
     return iter(_collect(obj, grads)[0])
 
 

@@ -68,14 +68,25 @@ def check_norm_type(norm_type: float, api: str) -> float:
 @torch.no_grad()
 def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 2.0, *,
                     error_if_nonfinite: bool = True) -> torch.Tensor:
-    """Clips the gradients of `parameters` (Tensors or (name, Tensor) pairs, e.g. model.named_parameters())
-    to total norm `max_norm`, as torch.nn.utils.clip_grad_norm_, from one fused pass over the gradients.
+    """Clips the gradients of `parameters` to total norm `max_norm`, as torch.nn.utils.clip_grad_norm_,
+    from one fused pass over the gradients. The norm is that of the finite elements, so finite gradients
+    never become NaN.
 
-    Returns the total norm before clipping (0-dim, in the first gradient's dtype and device). The norm is
-    that of the finite elements, so finite gradients never become NaN. With error_if_nonfinite (the
-    default here, unlike torch) one host read checks the counts and a non-finite gradient raises
-    NonFiniteError naming it; with error_if_nonfinite=False there is no host sync and non-finite
-    elements are left as they are (a `nanfast.watch` reports them)."""
+    Args:
+        parameters: Tensors or (name, Tensor) pairs (e.g. model.named_parameters()); those without a
+            gradient are left out.
+        max_norm: the largest total norm kept.
+        norm_type: 2 or inf (the max norm).
+        error_if_nonfinite: (the default here, unlike torch) one host read checks the counts and a
+            non-finite gradient raises NonFiniteError naming it; False: no host sync, and non-finite
+            elements are left as they are (a `nanfast.watch` reports them).
+
+    Returns:
+        The total norm before clipping (0-dim, in the first gradient's dtype and device).
+
+    Raises:
+        NonFiniteError: a gradient holds NaN/inf and error_if_nonfinite.
+        ValueError: norm_type is not 2 or inf (the fused pass computes 2-norms and max |x|)."""
     norm_type = check_norm_type(norm_type, "nanfast.clip_grad_norm_")
     named = _named_grads(parameters)
     if not named:

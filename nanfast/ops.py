@@ -181,6 +181,12 @@ def stats(tensors: TensorOrTensors) -> Stats:
     A nested tensor (torch.nested, strided or jagged) is one entry, read through its components
     (a jagged one made by torch.nested.narrow is split by torch on the host: one sync).
 
+    Args:
+        tensors: a Tensor, or a sequence of Tensors on one device, of any dtype the kernels read.
+
+    Returns:
+        A Stats: per-tensor NaN/+inf/-inf counts, L2 norm and max |x| of the finite elements.
+
     Raises:
         TypeError: `tensors` is not a Tensor or a sequence of Tensors (for a dict of tensors, use
             check_all), or an entry is not a Tensor (the message names it, as for the errors below).
@@ -206,8 +212,16 @@ def _dtensor_stats(tensors: tuple) -> Stats:
 def any_nonfinite(tensors: TensorOrTensors) -> torch.Tensor:
     """0-dim bool tensor on the tensors' device: does any element of any tensor hold NaN or ±inf.
     The cheapest check: no norms, and it stops reading once it has found one. For DTensors, true on
-    every rank of their mesh when any shard holds one (one MAX all-reduce). Takes what `stats` takes,
-    and raises the same errors."""
+    every rank of their mesh when any shard holds one (one MAX all-reduce).
+
+    Args:
+        tensors: what `stats` takes (integer and bool tensors are finite: not read).
+
+    Returns:
+        A 0-dim bool tensor on the tensors' device (no host sync).
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as `stats`, naming the offending entry."""
     tensors = _as_tuple(tensors, "nanfast.any_nonfinite")
     if not tensors:
         return torch.zeros((), dtype=torch.bool)

@@ -9,8 +9,28 @@ from typing import Any, Optional
 MAX_NAMED_IN_MESSAGE = 20
 
 
+class NonfiniteCounts:
+    """What a record with ``nan``, ``posinf`` and ``neginf`` fields says about them (Entry, the batch
+    check's BadField, the watch's Place)."""
+
+    __slots__ = ()
+    nan: int
+    posinf: int
+    neginf: int
+
+    @property
+    def nonfinite(self) -> int:
+        """NaN + inf + -inf."""
+        return self.nan + self.posinf + self.neginf
+
+    def counts_text(self) -> str:
+        """Returns:
+            The counts in words: "nan=N, +inf=P, -inf=M"."""
+        return f"nan={self.nan}, +inf={self.posinf}, -inf={self.neginf}"
+
+
 @dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NonfiniteCounts):
     """One checked tensor, with its counts read back to the host (a nested tensor's ragged
     dimensions are -1 in `shape`)."""
 
@@ -25,14 +45,9 @@ class Entry:
     norm: float
     absmax: float
 
-    @property
-    def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
-
-    def counts_text(self) -> str:
-        return f"nan={self.nan}, +inf={self.posinf}, -inf={self.neginf}"
-
     def to_dict(self) -> dict[str, Any]:
+        """Returns:
+            The fields as JSON-serialisable values (shape as a list)."""
         d = dataclasses.asdict(self)
         d["shape"] = list(self.shape)
         return d
@@ -75,7 +90,8 @@ class Report:
         return sum(e.numel for e in self.entries)
 
     def summary(self) -> str:
-        """One line: how many tensors are bad, and which (the first MAX_NAMED_IN_MESSAGE)."""
+        """Returns:
+            One line: how many tensors are bad, and which (the first MAX_NAMED_IN_MESSAGE)."""
         bad = self.bad
         if not bad:
             return f"all {self.num_tensors} tensors are finite ({self.num_elements:,} elements){self._unchecked_text()}"
@@ -106,7 +122,8 @@ class Report:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable (json.dumps writes a non-finite norm as NaN/Infinity)."""
+        """Returns:
+            The report as JSON-serialisable values (json.dumps writes a non-finite norm as NaN/Infinity)."""
         return {
             "ok": self.ok,
             "num_tensors": self.num_tensors,
@@ -120,7 +137,11 @@ class Report:
 
 class NonFiniteError(FloatingPointError):
     """Raised when a check finds NaN or infinity. `.report` holds what was found: a `Report`, or the
-    richer record of the tool that raised it (a watch `Event`, a `locate` finding)."""
+    richer record of the tool that raised it (a watch `Event`, a `locate` finding).
+
+    Args:
+        report: what was found (its ``summary()`` is the message unless `message` is given).
+        message: the message, when the report's summary is not the whole story."""
 
     def __init__(self, report: Any, message: Optional[str] = None):
         self.report = report

@@ -28,7 +28,13 @@ __all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES
 
 class Watch(Hooks, Actions):
     """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`. The facade:
-    the hooks (hooks.py), the step's read (step.py), the actions (actions.py) are its parts."""
+    the hooks (hooks.py), the step's read (step.py), the actions (actions.py) are its parts.
+
+    Args:
+        model, optimizer, and the options by keyword: as `nanfast.watch`, which documents them.
+
+    Raises:
+        TypeError, ValueError: as `nanfast.watch`."""
 
     def __init__(
         self,
@@ -174,7 +180,18 @@ class Watch(Hooks, Actions):
         torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
         the step's check makes anyway: call it right before optimizer.step(). No host sync; norms are of
         the finite elements (finite gradients never become NaN); non-finite gradients are reported by
-        the watch (phase grad)."""
+        the watch (phase grad).
+
+        Args:
+            max_norm: the largest total norm kept.
+            norm_type: 2 or inf.
+
+        Returns:
+            The total norm before clipping (0-dim, the gradients' dtype and device; zero without gradients).
+
+        Raises:
+            ValueError: norm_type is not 2 or inf.
+            NotImplementedError: the watched parameters are sharded DTensors (use torch's own clip)."""
         norm_type = check_norm_type(norm_type, "Watch.clip_grad_norm_")
         if self._sharded:
             raise NotImplementedError("Watch.clip_grad_norm_: the watch reads sharded (DTensor) parameters' local shards, "
@@ -248,7 +265,10 @@ class Watch(Hooks, Actions):
     def stats(self) -> dict[str, float]:
         """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
         |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
-        the first checked step. In an eager watch the first call after a step reads them (one transfer)."""
+        the first checked step. In an eager watch the first call after a step reads them (one transfer).
+
+        Returns:
+            A dict with keys step, grad_norm, param_norm, grad_max_abs, nan, posinf, neginf (floats)."""
         if self._summary_values is None:
             if self._summary is None:
                 return {}

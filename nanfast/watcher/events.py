@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from ..report import NonfiniteCounts
+
 # Phases in the order their values arise within a step.
 PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
 # What an event reports: non-finite values (the watch's actions apply), or a warning about finite values
@@ -15,7 +17,7 @@ _MAX_NAMED_IN_SUMMARY = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Place:
+class Place(NonfiniteCounts):
     """Where, within a step, non-finite values were seen.
 
     ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
@@ -33,11 +35,9 @@ class Place:
     call: int = 1
     microbatch: int = 0
 
-    @property
-    def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
-
     def where(self) -> str:
+        """Returns:
+            The place in words ("output of layer1 (Linear)", "gradient of parameter fc.weight", ...)."""
         module = f"{self.name or '<model>'} ({self.module_class})" + (f" call {self.call}" if self.call > 1 else "")
         return {
             "param": f"parameter {self.name}",
@@ -50,7 +50,9 @@ class Place:
         }[self.phase] + (f" [microbatch {self.microbatch}]" if self.microbatch else "")
 
     def describe(self) -> str:
-        return f"{self.where()} (nan={self.nan}, +inf={self.posinf}, -inf={self.neginf})"
+        """Returns:
+            The place and its counts in words."""
+        return f"{self.where()} ({self.counts_text()})"
 
 
 def _of_first(field: str) -> property:
@@ -103,6 +105,9 @@ class Event:
         return (self.first, *self.later)
 
     def summary(self) -> str:
+        """Returns:
+            The event in words: the first place (the producer), the ranks, the located op, and where it
+            propagated (the first few places)."""
         if self.kind != "nonfinite":
             return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
