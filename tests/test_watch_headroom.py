@@ -216,6 +216,35 @@ def test_one_host_read_per_checked_step(op_recorder, sync, per_step):
     assert len(headroom_events(w)) > 5  # the fractions were read: every place warned
 
 
+def test_a_float32_model_runs_the_same_ops_with_headroom_on_or_off(op_recorder):
+    ops = []
+    for headroom in (hr.DEFAULT_THRESHOLDS, None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with nanfast.watch(model, opt, headroom=headroom):
+            with op_recorder() as rec:
+                for _ in range(3):
+                    opt.zero_grad()
+                    model(torch.randn(4, 8)).sum().backward()
+                    opt.step()
+        ops.append(rec.counts)
+    assert ops[0] == ops[1]
+
+
+def test_a_place_is_its_largest_value_over_the_microbatches():
+    model = torch.nn.Sequential(torch.nn.Tanh()).half()
+    w = nanfast.watch(model, pass_through=(), headroom=(1.0,))
+    seen = capture_fractions(w)
+    small, large = torch.full((3,), 100.0).half(), torch.full((3,), 3000.0).half()
+    for x in (small, large, small):  # gradient accumulation: three forwards in one step
+        model(x.requires_grad_())
+    w.step()
+    w.remove()
+    inputs = {key: fraction for key, (fraction, _, _) in seen[0].items() if key[0] == "input"}
+    assert inputs == {("input", "input", "", 1): 3000 / 65504}
+
+
 # ---- GradScaler ----
 
 

@@ -214,7 +214,7 @@ class Watch(Hooks, Actions):
             if self._headroom is not None:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
-                    ignore=self.ignore, scale=getattr(self.scaler, "_scale", None) if self._scaling() else None,
+                    ignore=self.ignore, scale=getattr(self.scaler, "_scale", None),  # None until an enabled one scales
                     grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
             agree.start(read, self.process_group)
         self.step_count += 1
@@ -238,10 +238,6 @@ class Watch(Hooks, Actions):
             params = list(self.model.parameters())
         return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
                               headroom=self._headroom is not None)
-
-    def _scaling(self) -> bool:
-        """A GradScaler is watched and multiplies the loss (an enabled one, once it has a scale)."""
-        return self.scaler is not None and self.scaler.is_enabled()
 
     def costs(self) -> dict[str, float]:
         """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and

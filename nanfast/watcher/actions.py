@@ -51,7 +51,7 @@ class Actions:
         callable action too; never raises by itself."""
         self.events.append(event)
         self.last = event
-        warnings.warn(event.summary(), RuntimeWarning, stacklevel=3)
+        warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
         if callable(self.action):
             self.action(event)
 
