@@ -4,6 +4,7 @@ read with the step's one read."""
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
@@ -162,6 +163,19 @@ def test_thresholds_are_configurable_and_a_callable_action_receives_the_events()
     assert [(e.kind, e.step) for e in received] == [("headroom", next(i for i, f in enumerate(fractions) if f >= 0.2))]
     w, _, _ = growing_run(1.1, 0.95, headroom=None)
     assert headroom_events(w) == [] and w._headroom is None
+
+
+def test_trend_is_a_fit_over_the_recent_samples():
+    tracker = hr.Headroom((0.5,))
+    key = ("forward", "fc", "Linear", 1)
+    assert tracker.doubling_steps(key) is None
+    tracker._samples[key] = collections.deque(
+        [(step, math.log2(1e-3 * 2 ** (step / 40))) for step in range(0, 400, 4)], maxlen=hr.WINDOW)
+    assert tracker.doubling_steps(key) == pytest.approx(40)
+    assert hr._trend(40.4, 32) == "doubling every ~40 steps" and hr._trend(1.71, 32) == "doubling every ~1.7 steps"
+    tracker._samples[key] = collections.deque([(step, -3.0 - step / 100) for step in range(8)])
+    assert math.isinf(tracker.doubling_steps(key))
+    assert hr._trend(math.inf, 8) == "not growing over the last 8 checked steps"
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), "0.5", True, [0.5, 2]])
