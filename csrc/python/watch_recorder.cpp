@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -15,6 +16,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include "../dtypes.h"
 #include "bindings.h"
 
 namespace nanfast::python {
@@ -35,6 +37,63 @@ using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
 // are C++ pre-hooks on the autograd nodes, which the engine runs without the GIL. The watch takes
 // everything once per step.
 
+// NOTE: [Overflow headroom in the recorder]
+// The watch warns when a low-precision place's max |x| nears its dtype's largest finite value
+// (nanfast/watcher/headroom.py). The fused op computes every tensor's max |x| anyway; the recorder keeps
+// it, with that maximum, for the records that hold a float16, bfloat16 or float8 tensor, decided on the
+// host from the dtype when the record is made. A record of float32/float64 tensors keeps nothing more
+// than its counts, so a model without low-precision places pays nothing (take() returns None for it).
+
+// The largest finite value of `dtype` for the dtypes whose headroom is watched; 0 for the others
+// (float32 and float64 need no watching; integers and float4 saturate or cannot overflow).
+double max_finite(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf:
+      return static_cast<double>(std::numeric_limits<c10::Half>::max());
+    case at::kBFloat16:
+      return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+    case at::kFloat8_e5m2:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
+    case at::kFloat8_e4m3fn:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+    case at::kFloat8_e5m2fnuz:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e5m2fnuz>::max());
+    case at::kFloat8_e4m3fnuz:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fnuz>::max());
+#if NANFAST_HAS_FLOAT8_E8M0FNU
+    case at::kFloat8_e8m0fnu:
+      return static_cast<double>(std::numeric_limits<c10::Float8_e8m0fnu>::max());
+#endif
+    default:
+      return 0.0;
+  }
+}
+
+// One record: the counts [rows, 3] on the device and the slot id; for a record holding a low-precision
+// tensor, its max |x| per row (float64 [rows]) and each row's dtype's largest finite value (0 for a row
+// that needs none). See NOTE: [Overflow headroom in the recorder].
+struct Entry {
+  at::Tensor counts;
+  int64_t slot;
+  at::Tensor absmax;  // undefined unless `limits` is non-empty
+  std::vector<double> limits;
+};
+
+// The limits of `tensors` (see max_finite), or an empty vector when none of them needs one.
+std::vector<double> limits_of(at::TensorList tensors) {
+  std::vector<double> limits;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const double limit = max_finite(tensors[i].scalar_type());
+    if (limit > 0 && limits.empty()) {
+      limits.resize(tensors.size(), 0.0);
+    }
+    if (!limits.empty()) {
+      limits[i] = limit;
+    }
+  }
+  return limits;
+}
+
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
 // autograd engine thread (one per CUDA device) and which live as long as their graph.
 struct Records {
@@ -43,9 +102,13 @@ struct Records {
   // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
   void add(at::TensorList tensors, int64_t slot, bool grad_check) {
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
-    at::Tensor counts = std::get<0>(stats_on(tensors, device));
+    auto [counts, norm, absmax] = stats_on(tensors, device);
+    std::vector<double> limits = limits_of(tensors);
+    if (limits.empty()) {
+      absmax = at::Tensor();
+    }
     const std::lock_guard<std::mutex> lock(mutex);
-    entries.emplace_back(std::move(counts), slot);
+    entries.push_back(Entry{std::move(counts), slot, std::move(absmax), std::move(limits)});
     if (profiled) {
       const auto spent = Clock::now() - start;
       kernel_time += spent;
@@ -90,7 +153,7 @@ struct Records {
   // (see NOTE: [Gradient checks outliving their step]).
   std::atomic<int64_t> epoch{0};
   std::mutex mutex;
-  std::vector<std::pair<at::Tensor, int64_t>> entries;  // counts [rows, 3] on `device`, slot id
+  std::vector<Entry> entries;
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read.
@@ -194,27 +257,45 @@ class WatchRecorder {
     hooked_.clear();
   }
 
-  // The step's counts, packed in execution order ([rows, 3] int64 on the device), and (slot, rows) per
-  // record; the records are emptied.
-  std::pair<at::Tensor, std::vector<std::pair<int64_t, int64_t>>> take() {
-    std::vector<std::pair<at::Tensor, int64_t>> entries;
+  // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
+  // device); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
+  // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
+  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row.
+  py::tuple take() {
+    std::vector<Entry> entries;
     {
       const std::lock_guard<std::mutex> lock(records_->mutex);
       entries.swap(records_->entries);
     }
     std::vector<std::pair<int64_t, int64_t>> slots;
+    std::vector<std::pair<int64_t, double>> limited;
     std::vector<at::Tensor> counts;
+    std::vector<at::Tensor> absmax;
     slots.reserve(entries.size());
     counts.reserve(entries.size());
-    for (auto& [c, slot] : entries) {
-      slots.emplace_back(slot, c.size(0));
-      counts.push_back(std::move(c));
+    for (auto& entry : entries) {
+      slots.emplace_back(entry.slot, entry.counts.size(0));
+      counts.push_back(std::move(entry.counts));
+      if (!entry.limits.empty()) {
+        TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
+                              "nanfast.watch: a record's max |x| and its limits differ in length");
+        for (const double limit : entry.limits) {
+          limited.emplace_back(entry.slot, limit);
+        }
+        absmax.push_back(std::move(entry.absmax));
+      }
     }
-    py::gil_scoped_release no_gil;
-    if (counts.empty()) {
-      return {at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device)), std::move(slots)};
+    at::Tensor packed;
+    at::Tensor packed_absmax;
+    {
+      py::gil_scoped_release no_gil;
+      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
+                              : at::cat(counts);
+      if (!absmax.empty()) {
+        packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);
+      }
     }
-    return {at::cat(counts), std::move(slots)};
+    return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
   }
 
   // Drops the records; the gradient checks placed so far do nothing from now on.
@@ -234,7 +315,7 @@ class WatchRecorder {
     const std::lock_guard<std::mutex> lock(records_->mutex);
     auto& entries = records_->entries;
     entries.erase(std::remove_if(entries.begin(), entries.end(),
-                                 [first_slot](const auto& entry) { return entry.second >= first_slot; }),
+                                 [first_slot](const Entry& entry) { return entry.slot >= first_slot; }),
                   entries.end());
   }
 

@@ -17,6 +17,7 @@ from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
+from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .hooks import Hooks
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
 from .profile import Profile
@@ -57,6 +58,7 @@ class Watch(Hooks, Actions):
         on_event: Optional[str] = None,
         rerun: Optional[Callable[[], Any]] = None,
         profile: bool = False,
+        headroom: Union[None, float, Iterable[float]] = DEFAULT_THRESHOLDS,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
@@ -78,6 +80,8 @@ class Watch(Hooks, Actions):
         self._check_grads = grads
         self._check_params = params
         self._check_loss = loss
+        levels = thresholds(headroom)
+        self._headroom: Optional[Headroom] = Headroom(levels) if levels else None
 
         self.events: list[Event] = []
         self.last: Optional[Event] = None
@@ -219,10 +223,16 @@ class Watch(Hooks, Actions):
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
                 fused = self._step.clipped or self._fused_pass()
-            read = self._step.pack(*self._recorder.take(), fused, params=self._check_params, grads=self._check_grads,
+            recorded, recorded_slots, absmax, limited = self._recorder.take()
+            read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
                                    scaler_skipped=scaler_skipped)
+            if self._headroom is not None:
+                read.headroom = self._headroom.start(
+                    self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
+                    ignore=self.ignore, scale=getattr(self.scaler, "_scale", None),  # None until an enabled one scales
+                    grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
             agree.start(read, self.process_group)
         self.step_count += 1
         self._reset_step()
@@ -243,7 +253,8 @@ class Watch(Hooks, Actions):
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
         else:
             params = list(self.model.parameters())
-        return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile)
+        return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
+                              headroom=self._headroom is not None)
 
     def costs(self) -> dict[str, float]:
         """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
@@ -306,7 +317,9 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
-    watch reads no clock).
+    watch reads no clock), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
+    at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
+    per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).
 
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
@@ -318,7 +331,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
 
     Raises:
         TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
-        ValueError: an option out of its allowed values, or a combination the watch cannot honour
-            (action="skip" without an optimizer, with LBFGS, or lagged with a non-fused optimizer;
+        TypeError: headroom is not None, a number or numbers.
+        ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), or a
+            combination the watch cannot honour (action="skip" without an optimizer, with LBFGS, or lagged with a non-fused optimizer;
             on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
     return Watch(model, optimizer, **options)

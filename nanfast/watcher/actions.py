@@ -26,6 +26,9 @@ class Actions:
         bad, summary, rows = steps.verdict(read)
         self._summary, self._summary_values = (read.summary, None) if summary is None else (None, summary)
         self._summary_step = read.step
+        if self._headroom is not None:
+            for warning in self._headroom.observe(read.step, read.headroom):
+                self._warn(warning)
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:
             self.scaler_skipped_steps += 1
@@ -42,6 +45,15 @@ class Actions:
         self.events.append(event)
         self.last = event
         self._act(event, scaler_skipped, before_step=read.host is None)
+
+    def _warn(self, event: Event) -> None:
+        """A warning kind's event (headroom): recorded, warned once (a RuntimeWarning), and given to a
+        callable action too; never raises by itself."""
+        self.events.append(event)
+        self.last = event
+        warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
+        if callable(self.action):
+            self.action(event)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _C, distributed
+from .headroom import limits_of
 from .profile import Profile
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
@@ -26,6 +27,7 @@ class Pass(NamedTuple):
     norm: torch.Tensor
     absmax: torch.Tensor
     n_params: int
+    limits: list  # per row, the dtype's largest finite value for headroom (0: not watched); [] if not asked
 
 
 def entries(grad: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,7 @@ def entries(grad: torch.Tensor) -> torch.Tensor:
 
 
 def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
-        profile: Optional[Profile] = None) -> Optional[Pass]:
+        profile: Optional[Profile] = None, headroom: bool = False) -> Optional[Pass]:
     """One fused call over `params` and their gradients; None without parameters.
 
     Args:
@@ -48,7 +50,8 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         param_names: id(parameter) -> its name in the model; the others are named "param[i]".
         sharded: the parameters are DTensors: their local shards are read.
         device: where the results land.
-        profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch])."""
+        profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch]).
+        headroom: give each row's largest finite value, for the overflow headroom (watcher/headroom.py)."""
     # NOTE: [Parameters and gradients in one pass]
     # At the read, before the optimizer step, one fused call covers every parameter (as the previous
     # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
@@ -65,4 +68,5 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
     with torch.no_grad():
         stats_on = _stats_on if profile is None else profile.counted_pass(_stats_on)
         counts, norm, absmax = stats_on(params + grads, device)
-    return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params))
+    limits = limits_of(params + grads) if headroom else []
+    return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params), limits)

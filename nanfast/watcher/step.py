@@ -32,6 +32,7 @@ class Read:
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
     host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
     copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
+    headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
 
 
 class Step:

@@ -1,0 +1,304 @@
+"""nanfast.watch's overflow headroom (issue 18): per-place max |x| of float16/bfloat16/float8 places as a
+fraction of the dtype's largest finite value, warning events of kind "headroom" with the growth trend,
+read with the step's one read."""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+
+import pytest
+import torch
+
+import nanfast
+from nanfast.watcher import headroom as hr
+
+FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
+LOW = [torch.float16, torch.bfloat16, *FP8]
+
+
+def random_of(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    """Random finite values spread over the dtype's range (float8: within its largest finite value)."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.finfo(dtype).max
+    scale = min(top / 8, 1e4)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).clamp(-top, top).to(dtype)
+
+
+def headroom_events(w) -> list:
+    return [e for e in w.events if e.kind == "headroom"]
+
+
+def capture_fractions(w) -> list:
+    """Records, for each observed step, the per-place fractions the tracker was given."""
+    seen = []
+    observe = w._headroom.observe
+
+    def spy(step, pending):
+        seen.append(None if pending is None else pending.fractions())
+        return observe(step, pending)
+
+    w._headroom.observe = spy
+    return seen
+
+
+# ---- the recorder keeps max |x| and the dtype's limit per row ----
+
+
+def test_recorder_keeps_absmax_and_limit_per_low_precision_row():
+    rec = nanfast._C.WatchRecorder(torch.device("cpu"))
+    tensors = {dtype: random_of(dtype, (37, 5), seed=i) for i, dtype in enumerate(LOW)}
+    fp32 = torch.randn(11)
+    rec.record([fp32], 0)  # nothing kept for float32 rows
+    for slot, t in enumerate(tensors.values(), start=1):
+        rec.record([t], slot)
+    mixed = [fp32, tensors[torch.float16]]
+    rec.record(mixed, 9)
+    counts, slots, absmax, limited = rec.take()
+    assert counts.shape == (len(LOW) + 3, 3)
+    expected = [t.double().abs().max().item() for t in tensors.values()] + [fp32.double().abs().max().item(),
+                                                                            tensors[torch.float16].double().abs().max().item()]
+    limits = [torch.finfo(d).max for d in tensors] + [0.0, 65504.0]
+    assert absmax.dtype == torch.float64 and absmax.tolist() == expected  # exact: max |x| is a stored value
+    assert limited == [(slot, limit) for slot, limit in zip([*range(1, len(LOW) + 1), 9, 9], limits)]
+    assert [hr.LIMITS[d] for d in tensors] == limits[:len(LOW)]  # the recorder's table and the Python one agree
+
+    rec.record([fp32], 0)
+    assert rec.take()[2:] == (None, [])  # a step of float32 records keeps nothing more
+
+
+class EveryThird(torch.nn.Module):
+    def forward(self, x):
+        return x[1::3]  # a strided view: reads without a copy, in every dtype
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_watch_fractions_equal_a_float64_reference(dtype):
+    model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Flatten(0), EveryThird())
+    outputs = {}
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out.double().abs().max().item()))
+    w = nanfast.watch(model, params=False, grads=False, pass_through=(), headroom=(1.0,))
+    seen = capture_fractions(w)
+    x = random_of(dtype, (64, 3), seed=3)
+    x[0, 0] = torch.finfo(dtype).max  # EveryThird leaves it out
+    model(x)
+    w.step()
+    w.remove()
+    limit = torch.finfo(dtype).max
+    fractions = {key[:2]: fraction for key, (fraction, _, _) in seen[0].items()}
+    assert fractions[("input", "input")] == 1.0
+    assert outputs["2"] < limit
+    for name in "012":
+        assert fractions[("forward", name)] == outputs[name] / limit
+    assert w._headroom.last == (1.0, nanfast.Place("input", "input", "", 0, 0, 0))
+
+
+def test_fused_pass_rows_of_low_precision_parameters_and_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).to(torch.bfloat16)
+    model.weight.data[0, 0] = 3e37  # a fraction far from 0, so that the comparison means something
+    w = nanfast.watch(model, ignore=["bias"], headroom=(1.0,))
+    seen = capture_fractions(w)
+    model(torch.randn(2, 6, dtype=torch.bfloat16)).float().square().sum().backward()
+    w.step()
+    w.remove()
+    limit = torch.finfo(torch.bfloat16).max
+    fractions = {key[:2]: fraction for key, (fraction, _, _) in seen[0].items()}
+    assert fractions[("param", "weight")] == model.weight.double().abs().max().item() / limit
+    assert fractions[("grad", "weight")] == model.weight.grad.double().abs().max().item() / limit
+    assert ("param", "bias") not in fractions and ("grad", "bias") not in fractions  # ignored
+
+
+# ---- events ----
+
+
+def growing_run(factor: float, stop_at: float, **options):
+    """A float16 Linear whose weight is multiplied by `factor` each step; runs until its output reaches
+    `stop_at` of float16's max. Returns the watch and the reference max |output| / 65504 per step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False)).half()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(8, 8) * 2)
+    x = (torch.randn(16, 8) * 10).half()  # outputs far larger than the weight, which grows too
+    fractions = []
+    model[0].register_forward_hook(lambda m, a, out: fractions.append(out.double().abs().max().item() / 65504))
+    w = nanfast.watch(model, **{"action": "warn", **options})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while not fractions or fractions[-1] < stop_at:
+            model(x)
+            w.step()
+            with torch.no_grad():
+                model[0].weight.mul_(factor)
+        w.flush()
+    w.remove()
+    return w, fractions, caught
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_growing_float16_output_fires_once_per_threshold_at_the_crossing_step(sync):
+    w, fractions, caught = growing_run(1.1, 0.9, sync=sync)
+    assert fractions[0] < 0.01  # starts far from the thresholds
+    events = headroom_events(w)
+    assert [(e.step, e.phase, e.name) for e in events] == [
+        (next(i for i, f in enumerate(fractions) if f >= t), "forward", "0") for t in hr.DEFAULT_THRESHOLDS]
+    assert all(e.first.nonfinite == 0 and e.first.module_class == "Linear" for e in events)
+    assert not [e for e in w.events if e.kind != "headroom"]
+    truth = math.log(2) / math.log(1.1)  # 7.27 steps
+    for event, threshold in zip(events, hr.DEFAULT_THRESHOLDS):
+        assert f"of float16's max (threshold {100 * threshold:.0f}%)" in event.detail
+        doubling = float(event.detail.split("doubling every ~")[1].split(" steps")[0])
+        assert doubling == pytest.approx(truth, rel=0.05)
+        assert event.summary() == f"nanfast.watch: step {event.step}: {event.detail}"
+    messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+    assert messages == [e.summary() for e in events]  # each warned once
+    assert w._headroom.last[1].name == "0" and w._headroom.last[0] == pytest.approx(fractions[-1])
+
+
+def test_thresholds_are_configurable_and_a_callable_action_receives_the_events():
+    received = []
+    _, fractions, _ = growing_run(1.1, 0.3, headroom=0.2, action=received.append)
+    assert [(e.kind, e.step) for e in received] == [("headroom", next(i for i, f in enumerate(fractions) if f >= 0.2))]
+    w, _, _ = growing_run(1.1, 0.95, headroom=None)
+    assert headroom_events(w) == [] and w._headroom is None
+
+
+def test_trend_is_a_fit_over_the_recent_samples():
+    tracker = hr.Headroom((0.5,))
+    key = ("forward", "fc", "Linear", 1)
+    assert tracker.doubling_steps(key) is None
+    tracker._samples[key] = collections.deque(
+        [(step, math.log2(1e-3 * 2 ** (step / 40))) for step in range(0, 400, 4)], maxlen=hr.WINDOW)
+    assert tracker.doubling_steps(key) == pytest.approx(40)
+    assert hr._trend(40.4, 32) == "doubling every ~40 steps" and hr._trend(1.71, 32) == "doubling every ~1.7 steps"
+    tracker._samples[key] = collections.deque([(step, -3.0 - step / 100) for step in range(8)])
+    assert math.isinf(tracker.doubling_steps(key))
+    assert hr._trend(math.inf, 8) == "not growing over the last 8 checked steps"
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), "0.5", True, [0.5, 2]])
+def test_bad_thresholds_are_refused_naming_the_entry(bad):
+    with pytest.raises((ValueError, TypeError), match="headroom"):
+        nanfast.watch(torch.nn.Linear(2, 2), headroom=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_healthy_training_gives_no_headroom_event(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lasts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanfast.watch(model, opt) as w:
+            for _ in range(60):
+                x = torch.randn(8, 16, dtype=dtype)
+                opt.zero_grad()
+                model(x).float().square().mean().backward()
+                opt.step()
+                lasts.append(w._headroom.last)
+    assert w.events == []
+    if dtype == torch.float32:
+        assert lasts == [None] * 60  # nothing low-precision: nothing packed, nothing read
+    else:
+        assert all(0 < last[0] < 1e-30 for last in lasts)
+
+
+# ---- no extra host read ----
+
+
+@pytest.mark.parametrize("sync,per_step", [("eager", 1), ("lagged", 0)])
+def test_one_host_read_per_checked_step(op_recorder, sync, per_step):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = nanfast.watch(model, opt, sync=sync, headroom=(1e-9,), action="warn")  # every place crosses at once
+    counts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            with op_recorder() as rec:
+                opt.zero_grad()
+                model(torch.randn(4, 8).half()).float().sum().backward()
+                opt.step()
+            counts.append(rec.host_syncs)
+        w.flush()
+    w.remove()
+    assert counts == [per_step] * 4
+    assert len(headroom_events(w)) > 5  # the fractions were read: every place warned
+
+
+def test_a_float32_model_runs_the_same_ops_with_headroom_on_or_off(op_recorder):
+    ops = []
+    for headroom in (hr.DEFAULT_THRESHOLDS, None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with nanfast.watch(model, opt, headroom=headroom):
+            with op_recorder() as rec:
+                for _ in range(3):
+                    opt.zero_grad()
+                    model(torch.randn(4, 8)).sum().backward()
+                    opt.step()
+        ops.append(rec.counts)
+    assert ops[0] == ops[1]
+
+
+def test_a_place_is_its_largest_value_over_the_microbatches():
+    model = torch.nn.Sequential(torch.nn.Tanh()).half()
+    w = nanfast.watch(model, pass_through=(), headroom=(1.0,))
+    seen = capture_fractions(w)
+    small, large = torch.full((3,), 100.0).half(), torch.full((3,), 3000.0).half()
+    for x in (small, large, small):  # gradient accumulation: three forwards in one step
+        model(x.requires_grad_())
+    w.step()
+    w.remove()
+    inputs = {key: fraction for key, (fraction, _, _) in seen[0].items() if key[0] == "input"}
+    assert inputs == {("input", "input", "", 1): 3000 / 65504}
+
+
+# ---- GradScaler ----
+
+
+def scaled_run(headroom, scale=None):
+    """Two float16 autocast steps under a GradScaler; returns the watch, the fractions it was given, the
+    largest |gradient| flowing out of layer 1 (scaled) and the warnings."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, growth_interval=10 ** 6, enabled=scale is not None)
+    w = nanfast.watch(model, opt, scaler=scaler, headroom=headroom, action="warn")
+    seen = capture_fractions(w)
+    grads = []
+    model[1].register_full_backward_hook(lambda m, gi, go: grads.append(gi[0].double().abs().max().item()))
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    w.remove()
+    return w, seen, grads, [c for c in caught if issubclass(c.category, RuntimeWarning)]
+
+
+def test_scaled_gradients_are_measured_at_scale_one():
+    _, _, grads, _ = scaled_run(hr.DEFAULT_THRESHOLDS)  # no scaler: the unscaled gradient
+    scale = 2.0 ** math.floor(math.log2(0.5 * 65504 / grads[0]))  # scaled, it lands in [25%, 50%) of the max
+    w, seen, scaled, caught = scaled_run(hr.DEFAULT_THRESHOLDS, scale)
+    assert 0.25 <= scaled[0] / 65504 < 0.5  # near the top, as the scaler wants: not a warning
+    fraction, limit, unscaled = seen[0][("backward", "1", "Linear", 1)]
+    assert limit == 65504 and unscaled
+    assert fraction == scaled[0] / scale / 65504 == pytest.approx(grads[0] / 65504, rel=1e-2)
+    assert headroom_events(w) == [] and caught == []
+
+    w, seen, _, caught = scaled_run((1e-6,), scale)
+    fraction = seen[0][("backward", "1", "Linear", 1)][0]
+    event = next(e for e in headroom_events(w) if (e.phase, e.name) == ("backward", "1"))
+    assert f"before loss scaling (the largest GradScaler scale that fits is ~{1 / fraction:.3g})" in event.detail
+    assert [str(c.message) for c in caught] == [e.summary() for e in headroom_events(w)]
