@@ -195,3 +195,11 @@ def test_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "nanfast.integrations.lightning")
     with pytest.raises(ImportError, match=r"pip install 'nanfast\[lightning\]'"):
         importlib.import_module("nanfast.integrations.lightning")
+
+
+def test_refused_options_leave_no_hook(tmp_path):
+    module = Regression()
+    t = trainer(tmp_path, [NanfastCallback(action="skip", sync="lagged")])  # lagged skip needs a fused optimizer
+    with pytest.raises(ValueError, match="sync='lagged'"):
+        t.fit(module)
+    assert not t.optimizers[0]._optimizer_step_pre_hooks and hooks_of(module) == 0  # on_exception removed them
