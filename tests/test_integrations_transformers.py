@@ -153,6 +153,18 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     assert seen[2]["nanfast/posinf"] > 0
 
 
+def test_without_skip_the_clipped_nan_reaches_every_parameter(tmp_path):
+    # Why skip matters in HF's Trainer: max_grad_norm clipping makes every gradient NaN, and AdamW then
+    # every parameter; the next step begins with non-finite parameters, which no skip can undo.
+    model = tiny_gpt2()
+    plant_inf(model, at_forward=3)
+    callback = NanfastCallback(action="warn")
+    with pytest.warns(RuntimeWarning, match=BLOCK):
+        trainer(model, tmp_path, [callback], steps=4).train()
+    assert not any(torch.isfinite(p).any() for p in model.parameters())
+    assert [(e.step, e.phase) for e in callback.watch.events] == [(2, "forward"), (3, "param")]
+
+
 def test_gradient_accumulation(tmp_path):
     model = tiny_gpt2()
     plant_inf(model, at_forward=4)  # the second microbatch of the second step
