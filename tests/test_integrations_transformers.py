@@ -1,16 +1,15 @@
 """nanfast.integrations.transformers.NanfastCallback in the real HF Trainer: a tiny random-initialised
 GPT-2 on CPU, a fault planted in one block's output at a chosen forward; raise and skip behave as in a
 plain loop, gradient accumulation works, the statistics reach the logs. Offline: nothing is downloaded
-(the model is built from a config, no tokenizer)."""
+(the model is built from a config, no tokenizer), and the tests refuse any network connection."""
 
 from __future__ import annotations
 
 import importlib
-import os
+import socket
 import sys
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers reads it: any download attempt fails
-
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -20,6 +19,20 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from nanfast.integrations.transformers import NanfastCallback
 
 BLOCK = "transformer.h.1"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """HF_HUB_OFFLINE, and no socket may connect: another module may have imported huggingface_hub
+    (lightning does) before this one could set the variable, so the constant is patched too."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def refuse(*args, **kwargs):
+        raise OSError("test_integrations_transformers: no network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
