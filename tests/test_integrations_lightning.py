@@ -163,6 +163,28 @@ def test_gradient_accumulation(tmp_path):
     assert len([r for r in logged(t) if "nanfast/grad_norm" in r]) == 3  # once per optimizer step
 
 
+def test_validation_and_bf16_during_fit(tmp_path):
+    # Validation runs under inference_mode between training steps, with the watch on; bf16-mixed
+    # autocasts and steps through the closure (no GradScaler).
+    class WithValidation(Regression):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    module = WithValidation()
+    plant_inf(module, at_forward=3)
+    callback = NanfastCallback(action="skip")
+    t = trainer(tmp_path, [callback], steps=6, val_check_interval=2, limit_val_batches=2, precision="bf16-mixed")
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        t.fit(module)
+    assert t.global_step == 6 and callback.watch.skipped_steps == 1 and len(callback.watch.events) == 1
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert any("val_loss" in r for r in logged(t))
+
+
 def test_loss_goes_to_watch_loss(tmp_path):
     class NaNLoss(Regression):
         def training_step(self, batch, batch_idx):
