@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import nanfast
 from nanfast.integrations.lightning import NanfastCallback
+from training_state import clone, equal, hooks_of
 
 LAYER = "net.2"
 
@@ -84,26 +85,6 @@ class Snapshot(Callback):
         if self.before is not None and self.unchanged is None:
             self.unchanged = (equal(self.before[0], pl_module.state_dict())
                               and equal(self.before[1], trainer.optimizers[0].state_dict()["state"]))
-
-
-def clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    return obj
-
-
-def equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    return a == b
-
-
-def hooks_of(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def logged(trainer: Trainer) -> list[dict]:

@@ -17,6 +17,7 @@ import nanfast
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from nanfast.integrations.transformers import NanfastCallback
+from training_state import clone, equal, hooks_of
 
 BLOCK = "transformer.h.1"
 
@@ -99,26 +100,6 @@ class LogRecorder(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.logs.append(dict(logs))
-
-
-def clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone(v) for k, v in obj.items()}
-    return obj
-
-
-def equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    return a == b
-
-
-def hooks_of(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def test_raise_names_the_block(tmp_path):
