@@ -1,0 +1,82 @@
+"""What the framework callbacks share: the message of a missing extra, the torch optimizer a wrapper
+steps, the statistics they log, and the watch's end at the end of training."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..watcher import Watch
+
+PREFIX = "nanfast/"
+
+
+def missing_extra(package: str, extra: str) -> ImportError:
+    """The error of importing an integration whose framework is not installed.
+
+    Args:
+        package: the framework's import name ("transformers", "lightning").
+        extra: nanfast's extra that installs it.
+
+    Returns:
+        An ImportError naming the module and the pip command."""
+    return ImportError(f"nanfast.integrations.{extra} needs the {package} package, which is not installed: "
+                       f"pip install 'nanfast[{extra}]'")
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer whose step really runs: accelerate's AcceleratedOptimizer (which HF's Trainer
+    steps) and other wrappers keep it as `.optimizer`; the watch's step hooks must be on that one, since
+    a wrapper's own `step` calls the inner one's.
+
+    Args:
+        optimizer: a torch optimizer, or a wrapper holding one as `.optimizer`.
+
+    Returns:
+        The innermost torch.optim.Optimizer.
+
+    Raises:
+        TypeError: no torch.optim.Optimizer was found."""
+    seen = 0
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and seen < 8:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"nanfast.integrations: the trainer's optimizer is a {type(optimizer).__name__}, "
+                        "not a torch.optim.Optimizer nor a wrapper holding one as .optimizer")
+    return optimizer
+
+
+def metrics(watch: Watch) -> dict[str, float]:
+    """The watch's numbers as a trainer logs them: `w.stats()` of the last checked step (grad_norm,
+    param_norm, grad_max_abs, nan, posinf, neginf), and the run's totals so far (skipped_steps, events),
+    each key prefixed "nanfast/". Empty before the first checked step.
+
+    Args:
+        watch: the callback's watch.
+
+    Returns:
+        A dict of floats, keys prefixed with "nanfast/"."""
+    stats = watch.stats()
+    if not stats:
+        return {}
+    values = {PREFIX + key: value for key, value in stats.items() if key != "step"}
+    values[PREFIX + "skipped_steps"] = float(watch.skipped_steps)
+    values[PREFIX + "events"] = float(len(watch.events))
+    return values
+
+
+def finish(watch: Optional[Watch], flush: bool) -> None:
+    """Ends a callback's watch: reads a lagged watch's last step when `flush` (training ended normally;
+    a bad step there acts, so it may raise), then removes every hook.
+
+    Args:
+        watch: the callback's watch, or None.
+        flush: whether to read the results still pending."""
+    if watch is None:
+        return
+    try:
+        if flush:
+            watch.flush()
+    finally:
+        watch.remove()

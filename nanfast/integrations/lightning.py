@@ -1,0 +1,139 @@
+"""`NanfastCallback` for Lightning's `Trainer`: a `nanfast.watch` on the LightningModule (or a
+submodule) and its torch optimizer from the start of training to its end, with the watch's statistics
+logged through the module's logger. See docs/integrations.md."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import watcher
+from .common import finish, metrics, missing_extra
+
+try:
+    from lightning.pytorch import Callback
+except ImportError as error:  # an optional extra
+    raise missing_extra("lightning", "lightning") from error
+
+__all__ = ["NanfastCallback"]
+
+
+class NanfastCallback(Callback):
+    """Watches Lightning training with `nanfast.watch`: `Trainer(callbacks=[NanfastCallback(action="skip")])`.
+
+    At `on_train_start` it makes a watch on the LightningModule (or on its submodule named `module`)
+    and the trainer's one torch optimizer (the precision plugin's GradScaler is passed as `scaler=`
+    unless given), and removes it at `on_train_end` or `on_exception`. `options` go to `nanfast.watch`
+    unchanged (`action`, `sync`, `every`, `ignore`, `nan_only`, ...): a bad step raises `NonFiniteError`
+    out of `trainer.fit()`, or is skipped (parameters and optimizer state unchanged; an LR scheduler
+    still steps).
+
+    Lightning hands the torch optimizer a closure that runs training_step and backward inside
+    `optimizer.step(closure)`, after the point where the watch decides (its step pre-hook). The callback
+    therefore adds a step pre-hook of its own, ahead of the watch's, that runs the closure first and
+    passes the step on without it (see NOTE: [Lightning's closure]).
+
+    The loss given to backward goes to `w.loss` (`on_before_backward`; divided by
+    `accumulate_grad_batches` as Lightning does; not with a GradScaler, which has scaled it by then).
+
+    Logs: after each checked optimizer step, the watch's numbers (`w.stats()`, prefixed "nanfast/",
+    plus "nanfast/skipped_steps" and "nanfast/events") go to `pl_module.log_dict` (on_step), so they
+    reach the trainer's loggers.
+
+    Args:
+        module: the attribute path of the submodule to watch (e.g. "model") when training_step calls it
+            rather than the LightningModule's own forward; None: the LightningModule.
+        **options: keyword options of `nanfast.watch`.
+
+    Raises:
+        ValueError: (at on_train_start) the trainer has more than one optimizer, or none.
+
+    Attributes:
+        watch: the current `nanfast.Watch` (None before training; kept after it for `events`, `stats()`)."""
+
+    def __init__(self, module: Optional[str] = None, **options: Any):
+        self.module = module
+        self.options = options
+        self.watch: Optional[watcher.Watch] = None
+        self._closure_hook: Optional[Any] = None
+        self._scaled_loss = False
+        self._logged_step = -1.0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.remove()
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"nanfast.integrations.lightning: NanfastCallback watches one optimizer, the trainer has "
+                             f"{len(trainer.optimizers)}; with several, call nanfast.watch in the LightningModule "
+                             "(see docs/watch.md)")
+        optimizer = trainer.optimizers[0]
+        options = dict(self.options)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            options.setdefault("scaler", scaler)
+        self._scaled_loss = options.get("scaler") is not None
+        model = pl_module if self.module is None else pl_module.get_submodule(self.module)
+        if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS calls its closure many times
+            self._closure_hook = optimizer.register_step_pre_hook(run_closure_first)
+        self._logged_step = -1.0
+        self.watch = watcher.watch(model, optimizer, **options)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self.watch is not None and not self._scaled_loss:
+            self.watch.loss(loss)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.watch is None:
+            return
+        values = metrics(self.watch)
+        step = self.watch.stats().get("step", -1.0)
+        if values and step != self._logged_step:  # once per checked step (not per microbatch)
+            self._logged_step = step
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._remove_closure_hook()
+        finish(self.watch, flush=True)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Removes the watch's hooks (and the closure hook) now."""
+        self._remove_closure_hook()
+        finish(self.watch, flush=False)
+
+    def _remove_closure_hook(self) -> None:
+        if self._closure_hook is not None:
+            self._closure_hook.remove()
+            self._closure_hook = None
+
+
+def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """A step pre-hook: runs the step's closure now and passes the step on without it.
+
+    NOTE: [Lightning's closure]
+    Lightning steps `optimizer.step(closure=...)`, the closure running training_step, backward,
+    on_before_optimizer_step and gradient clipping. A torch optimizer calls it inside step(), after the
+    step pre-hooks, so the watch would read the step before its forward ran (and refuses to skip such a
+    step). Every torch optimizer but LBFGS calls the closure once, first thing in step(), under
+    enable_grad, and Lightning reads the closure's result from the closure object, not from step()'s
+    return value: running it here, before the watch's pre-hook, changes nothing else, and the watch sees
+    a complete step, as in a plain loop.
+
+    Args:
+        optimizer: the optimizer being stepped.
+        args: step()'s positional arguments, the optimizer first.
+        kwargs: step()'s keyword arguments.
+
+    Returns:
+        None when there is no closure; else step()'s arguments without it."""
+    if kwargs.get("closure") is not None:
+        closure, kwargs = kwargs["closure"], {k: v for k, v in kwargs.items() if k != "closure"}
+    elif len(args) > 1 and args[1] is not None:
+        closure, args = args[1], args[:1] + args[2:]
+    else:
+        return None
+    with torch.enable_grad():
+        closure()
+    return args, kwargs
