@@ -146,6 +146,15 @@ def test_linear_scale_when_the_loss_spans_less_than_a_decade_or_goes_negative(tm
     assert fig.axes[0].get_yscale() == "linear" and "log" not in fig.axes[0].get_ylabel()
 
 
+def test_a_zero_gradient_norm_is_a_gap_on_the_log_axis_and_the_label_says_so(tmp_path):
+    # A step whose gradients were all NaN has a norm of 0 over its finite elements.
+    records = [{"step": s, "grad_norm": 0.0 if s == 3 else 1.0 + s} for s in range(6)]
+    grad = plot.figure(read_timeline(_write(tmp_path / "z.jsonl", records))).axes[1]
+    assert grad.get_yscale() == "log" and grad.get_ylabel().endswith("log; 0 not drawn")
+    x, y = grad.lines[0].get_data()
+    assert list(x) == list(range(6)) and math.isnan(y[3]) and y[4] == 5.0
+
+
 def test_envelope_keeps_spikes_and_gaps_of_a_million_points():
     rng = np.random.default_rng(0)
     y = 1.0 + 0.01 * rng.random(1_000_000)

@@ -69,12 +69,16 @@ def envelope(x: Any, y: Any, max_points: int = MAX_POINTS) -> tuple[Any, Any]:
     return x[idx], y[idx]
 
 
-def _log_worthy(values: Any, min_ratio: float) -> bool:
-    """Log scale when every finite value is positive and the largest is at least min_ratio the smallest."""
+def _log_worthy(values: Any, min_ratio: float, zeros_allowed: bool) -> bool:
+    """Log scale when every finite value is positive (or zero, where allowed) and the largest positive
+    one is at least min_ratio times the smallest."""
     import numpy as np
 
     finite = values[np.isfinite(values)]
-    return finite.size > 0 and finite.min() > 0 and finite.max() >= min_ratio * finite.min()
+    positive = finite[finite > 0]
+    if not positive.size or finite.min() < 0 or (finite.min() == 0 and not zeros_allowed):
+        return False
+    return positive.max() >= min_ratio * positive.min()
 
 
 def _counts(timeline: Timeline) -> str:
@@ -153,15 +157,18 @@ def _draw_panel(ax: Any, panel: str, steps: Any, timeline: Timeline, max_points:
         ax.text(0.5, 0.5, missing, transform=ax.transAxes, ha="center", va="center", color="gray")
         ax.set_yticks([])
         return
-    x, y = envelope(steps, values, max_points)
-    ax.plot(x, y, color=colour, linewidth=1.0)
-    # The loss and the headroom go log when they span a decade; a gradient norm is always read on a
-    # log axis (it spans decades in any run with a spike), unless it holds zeros or negatives.
-    if _log_worthy(values, 1.0 if panel == "grad_norm" else 10.0):
+    # The loss and the headroom go log when they span a decade; a gradient norm is always read on a log
+    # axis (it spans decades in any run with a spike), even with zeros in it (a step whose gradients
+    # were all NaN has a norm of 0 over its finite elements): those are left out, and the label says so.
+    grad_norm = panel == "grad_norm"
+    if _log_worthy(values, 1.0 if grad_norm else 10.0, zeros_allowed=grad_norm):
         ax.set_yscale("log")
-        ax.set_ylabel(label + ", log", fontsize=9)
+        ax.set_ylabel(label + (", log; 0 not drawn" if (values == 0).any() else ", log"), fontsize=9)
         ax.yaxis.set_major_formatter(_plain_log_formatter())
         ax.yaxis.set_minor_formatter(_plain_log_formatter(minor_thresholds=(1, 0.5)))
+        values = np.where(values > 0, values, np.nan)  # a gap, not a line down to the axis's edge
+    x, y = envelope(steps, values, max_points)
+    ax.plot(x, y, color=colour, linewidth=1.0)
     if panel == "headroom":
         for fraction in _thresholds(timeline):
             ax.axhline(100 * fraction, color="tab:orange", linestyle="--", linewidth=0.8,
