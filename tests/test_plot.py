@@ -70,6 +70,7 @@ def _marks(ax) -> dict[str, list[float]]:
 def test_reads_columns_events_and_marks_tolerating_missing_and_extra_keys(run_file):
     t = read_timeline(run_file)
     assert t.header["model"] == "TinyMLP" and list(t.steps) == list(range(60))
+    assert t.headroom_thresholds == [0.5, 0.9]
     # Step 12 has no keys; the NaN loss is a value, the null grad norm is not.
     assert t.present == {"loss": 59, "grad_norm": 58, "headroom": 59}
     assert math.isnan(t.columns["loss"][NAN]) and math.isnan(t.columns["grad_norm"][NAN])
@@ -215,6 +216,14 @@ def test_a_bad_line_is_named_with_its_number_and_exit_code_2(tmp_path, capsys, l
     err = capsys.readouterr().err
     assert err.startswith(f"nanfast plot: {path}:3: {message}")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_bad_threshold_in_the_header_is_named(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\n{"nanfast": "0.1.0", "headroom_thresholds": [0.5, 50]}\n')
+    with pytest.raises(TimelineError, match=re.escape(f"{path}:2: 'headroom_thresholds' must be a list of "
+                                                      "fractions in (0, 1], not [0.5, 50]")):
+        read_timeline(str(path))
 
 
 @pytest.mark.parametrize("args, message", [

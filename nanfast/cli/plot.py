@@ -100,14 +100,6 @@ def default_title(timeline: Timeline) -> str:
     return f"{name}: {model}" if isinstance(model, str) and model else name
 
 
-def _thresholds(timeline: Timeline) -> list[float]:
-    """The headroom thresholds (fractions of the dtype's max) the file's header gives, if any."""
-    given = timeline.header.get("headroom_thresholds")
-    if not isinstance(given, list):
-        return []
-    return [float(t) for t in given if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 1]
-
-
 def figure(timeline: Timeline, title: Optional[str] = None, max_points: int = MAX_POINTS) -> Any:
     """The health timeline as a matplotlib Figure: one panel per quantity over a shared step axis (loss
     and gradient norm always, saying so when the file has none; headroom when the file has some), every
@@ -137,10 +129,12 @@ def figure(timeline: Timeline, title: Optional[str] = None, max_points: int = MA
     axes[-1].set_xlabel("step (optimizer steps, as counted by the watch)")
     axes[0].set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
     fig.suptitle(f"{title or default_title(timeline)}\n{_counts(timeline)}", fontsize=10)
-    handles = [h for h in axes[0].get_legend_handles_labels()[0]]
-    handles += [h for ax in axes[1:] for h in ax.get_legend_handles_labels()[0] if h.get_label().startswith("threshold")]
+    handles: dict[str, Any] = {}  # by label: each panel draws the same events and marks
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
     if handles:
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=8)
+        fig.legend(handles=list(handles.values()), loc="outside lower center", ncols=min(3, len(handles)), fontsize=8)
     return fig
 
 
@@ -170,7 +164,7 @@ def _draw_panel(ax: Any, panel: str, steps: Any, timeline: Timeline, max_points:
     x, y = envelope(steps, values, max_points)
     ax.plot(x, y, color=colour, linewidth=1.0)
     if panel == "headroom":
-        for fraction in _thresholds(timeline):
+        for fraction in timeline.headroom_thresholds:
             ax.axhline(100 * fraction, color="tab:orange", linestyle="--", linewidth=0.8,
                        label=f"threshold {100 * fraction:g}% (from the file's header)")
 

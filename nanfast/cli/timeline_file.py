@@ -31,6 +31,8 @@ class Timeline:
     Attributes:
         path: the file read.
         header: the first header line's object ({} when none).
+        headroom_thresholds: the header's "headroom_thresholds" (fractions of the dtype's largest
+            finite value at which the run warned; [] when not given).
         steps: the step of each record.
         columns: name in COLUMNS -> value per record (NaN where missing or null; a recorded NaN or
             inf is kept, and `present` tells it apart from a missing value).
@@ -40,6 +42,7 @@ class Timeline:
 
     path: str
     header: dict
+    headroom_thresholds: list[float]
     steps: array
     columns: dict[str, array]
     present: dict[str, int]
@@ -81,6 +84,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _thresholds(header: dict, where: str) -> list[float]:
+    given = header.get("headroom_thresholds")
+    if given is None:
+        return []
+    if not isinstance(given, list) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 1 for t in given):
+        raise TimelineError(f"{where}: 'headroom_thresholds' must be a list of fractions in (0, 1], not {_short(given)}")
+    return [float(t) for t in given]
+
+
 def _events(record: dict, step: int, where: str) -> list[tuple[int, str, str]]:
     events = record.get("events")
     if events is None:
@@ -112,6 +125,7 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
             has a value of the wrong type (named with its line number), or no record is left."""
     first, last = steps
     header: dict = {}
+    thresholds: list[float] = []
     step_col = array("q")
     columns = {name: array("d") for name in COLUMNS}
     present = dict.fromkeys(COLUMNS, 0)
@@ -130,7 +144,8 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
                 if not isinstance(record, dict):
                     raise TimelineError(f"{where}: expected a JSON object, not {_short(record)}")
                 if "step" not in record:
-                    header = header or record
+                    if not header:
+                        header, thresholds = record, _thresholds(record, where)
                     continue
                 step = record["step"]
                 if isinstance(step, bool) or not isinstance(step, int) or not -2**63 <= step < 2**63:
@@ -156,7 +171,7 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
     if not step_col:
         bounds = "" if steps == (None, None) else f" in steps {first if first is not None else ''}:{last if last is not None else ''}"
         raise TimelineError(f"{path}: no per-step records (objects with a 'step' key){bounds}")
-    timeline = Timeline(path, header, step_col, columns, present, marks, events)
+    timeline = Timeline(path, header, thresholds, step_col, columns, present, marks, events)
     _sort_by_step(timeline)
     return timeline
 
