@@ -140,6 +140,23 @@ def test_a_panel_without_data_says_so_and_headroom_is_drawn_only_when_present(tm
     assert fig.get_suptitle().startswith("g.jsonl\n0 events, 0 steps skipped") and not fig.legends
 
 
+def test_several_named_losses_are_drawn_each_so_that_the_one_that_went_nan_shows(tmp_path):
+    records = [{"step": s, "loss": 2.0 / (1 + s), "losses": {"ce": 2.0 / (1 + s), "aux": 0.5}} for s in range(8)]
+    records[4]["losses"]["aux"] = float("nan")
+    for s in range(5, 8):
+        records[s]["losses"]["reg"] = 0.01  # a name given only from step 5 on
+    t = read_timeline(_write(tmp_path / "named.jsonl", records))
+    assert list(t.losses) == ["ce", "aux", "reg"]
+    assert math.isnan(t.losses["aux"][4]) and [math.isnan(v) for v in t.losses["reg"]] == [True] * 5 + [False] * 3
+    fig = plot.figure(t)
+    loss = fig.axes[0]
+    lines = {line.get_label(): line.get_ydata() for line in loss.lines}
+    assert list(lines) == ["loss 'ce'", "loss 'aux'", "loss 'reg'"]
+    assert math.isnan(lines["loss 'aux'"][4]) and lines["loss 'ce'"][4] == pytest.approx(0.4)
+    assert loss.get_yscale() == "log"  # 0.01 to 2 over the names together
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["loss 'ce'", "loss 'aux'", "loss 'reg'"]
+
+
 def test_linear_scale_when_the_loss_spans_less_than_a_decade_or_goes_negative(tmp_path):
     records = [{"step": s, "loss": 1.0 + 0.1 * s, "grad_norm": 1.0} for s in range(5)]
     records[2]["loss"] = -0.5
@@ -206,6 +223,8 @@ def test_steps_out_of_order_are_drawn_by_step(tmp_path):
     ('{"step": 1, "skipped": "yes"}', "'skipped' must be true, false or null"),
     ('{"step": 1, "events": [{"phase": "forward"}]}', "events[0] must be an object with a string 'kind'"),
     ("[1, 2]", "expected a JSON object"),
+    ('{"step": 1, "losses": [0.5]}', "'losses' must be an object of name: number, not [0.5]"),
+    ('{"step": 1, "losses": {"ce": "x"}}', "'losses': 'ce' must be a number or null, not \"x\""),
 ])
 def test_a_bad_line_is_named_with_its_number_and_exit_code_2(tmp_path, capsys, line, message):
     path = tmp_path / "run.jsonl"

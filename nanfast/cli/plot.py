@@ -30,6 +30,8 @@ MARK_STYLE = {
     "rolled_back": ("X", "tab:brown", "rolled back to the last good state"),
     "scaler_skipped": ("|", "tab:gray", "step skipped by GradScaler (inf gradients)"),
 }
+# Named losses, when a run gives several (apart from the events' colours).
+LOSS_COLOURS = ("tab:blue", "tab:cyan", "navy", "tab:pink", "tab:olive", "tab:green")
 # panel -> (column, colour, y label, what to say when the file has none of it).
 PANELS = {
     "loss": ("loss", "tab:blue", "loss\n(value given to w.loss)", "no loss in this file (pass it to w.loss(...))"),
@@ -138,31 +140,46 @@ def figure(timeline: Timeline, title: Optional[str] = None, max_points: int = MA
     return fig
 
 
+def _series(panel: str, timeline: Timeline) -> list[tuple[Optional[str], Any]]:
+    """The lines of a panel, (legend label or None, values): the loss panel draws every name given to
+    w.loss when there are several (which term went wrong), else the one loss."""
+    import numpy as np
+
+    column = PANELS[panel][0]
+    if panel == "loss" and len(timeline.losses) > 1:
+        return [(f"loss {name!r}", np.frombuffer(values, dtype=np.float64)) for name, values in timeline.losses.items()]
+    values = np.frombuffer(timeline.columns[column], dtype=np.float64)
+    return [(None, values * 100.0 if panel == "headroom" else values)]
+
+
 def _draw_panel(ax: Any, panel: str, steps: Any, timeline: Timeline, max_points: int) -> None:
     import numpy as np
 
     column, colour, label, missing = PANELS[panel]
-    values = np.frombuffer(timeline.columns[column], dtype=np.float64)
-    if panel == "headroom":
-        values = values * 100.0
     ax.set_ylabel(label, fontsize=9)
     ax.grid(True, alpha=0.3)
     if not timeline.present[column]:
         ax.text(0.5, 0.5, missing, transform=ax.transAxes, ha="center", va="center", color="gray")
         ax.set_yticks([])
         return
+    series = _series(panel, timeline)
+    everything = np.concatenate([values for _, values in series])
     # The loss and the headroom go log when they span a decade; a gradient norm is always read on a log
     # axis (it spans decades in any run with a spike), even with zeros in it (a step whose gradients
     # were all NaN has a norm of 0 over its finite elements): those are left out, and the label says so.
     grad_norm = panel == "grad_norm"
-    if _log_worthy(values, 1.0 if grad_norm else 10.0, zeros_allowed=grad_norm):
+    log = _log_worthy(everything, 1.0 if grad_norm else 10.0, zeros_allowed=grad_norm)
+    if log:
         ax.set_yscale("log")
-        ax.set_ylabel(label + (", log; 0 not drawn" if (values == 0).any() else ", log"), fontsize=9)
+        ax.set_ylabel(label + (", log; 0 not drawn" if (everything == 0).any() else ", log"), fontsize=9)
         ax.yaxis.set_major_formatter(_plain_log_formatter())
         ax.yaxis.set_minor_formatter(_plain_log_formatter(minor_thresholds=(1, 0.5)))
-        values = np.where(values > 0, values, np.nan)  # a gap, not a line down to the axis's edge
-    x, y = envelope(steps, values, max_points)
-    ax.plot(x, y, color=colour, linewidth=1.0)
+    for k, (name, values) in enumerate(series):
+        if log:
+            values = np.where(values > 0, values, np.nan)  # a gap, not a line down to the axis's edge
+        x, y = envelope(steps, values, max_points)
+        ax.plot(x, y, color=colour if name is None else LOSS_COLOURS[k % len(LOSS_COLOURS)], linewidth=1.0,
+                label=name)
     if panel == "headroom":
         for fraction in timeline.headroom_thresholds:
             ax.axhline(100 * fraction, color="tab:orange", linestyle="--", linewidth=0.8,

@@ -37,6 +37,7 @@ class Timeline:
         columns: name in COLUMNS -> value per record (NaN where missing or null; a recorded NaN or
             inf is kept, and `present` tells it apart from a missing value).
         present: name in COLUMNS -> how many records give that key a number (not null).
+        losses: each name of the records' "losses" -> its value per record (NaN where missing).
         marks: name in MARKS -> the steps where it is true.
         events: (step, kind, summary) of every event, in file order."""
 
@@ -46,6 +47,7 @@ class Timeline:
     steps: array
     columns: dict[str, array]
     present: dict[str, int]
+    losses: dict[str, array]
     marks: dict[str, list[int]]
     events: list[tuple[int, str, str]]
 
@@ -124,13 +126,8 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
         TimelineError: the file cannot be opened or decoded, a line is not a JSON object, a known key
             has a value of the wrong type (named with its line number), or no record is left."""
     first, last = steps
-    header: dict = {}
-    thresholds: list[float] = []
-    step_col = array("q")
-    columns = {name: array("d") for name in COLUMNS}
-    present = dict.fromkeys(COLUMNS, 0)
-    marks: dict[str, list[int]] = {name: [] for name in MARKS}
-    events: list[tuple[int, str, str]] = []
+    timeline = Timeline(path, {}, [], array("q"), {name: array("d") for name in COLUMNS}, dict.fromkeys(COLUMNS, 0),
+                        {}, {name: [] for name in MARKS}, [])
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -144,36 +141,49 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
                 if not isinstance(record, dict):
                     raise TimelineError(f"{where}: expected a JSON object, not {_short(record)}")
                 if "step" not in record:
-                    if not header:
-                        header, thresholds = record, _thresholds(record, where)
+                    if not timeline.header:
+                        timeline.header, timeline.headroom_thresholds = record, _thresholds(record, where)
                     continue
                 step = record["step"]
                 if isinstance(step, bool) or not isinstance(step, int) or not -2**63 <= step < 2**63:
                     raise TimelineError(f"{where}: 'step' must be a 64-bit integer, not {_short(step)}")
-                if (first is not None and step < first) or (last is not None and step > last):
-                    continue
-                step_col.append(step)
-                for name in COLUMNS:
-                    value = _number(record, name, where)
-                    columns[name].append(math.nan if value is None else value)
-                    present[name] += value is not None
-                for name in MARKS:
-                    flag = record.get(name)
-                    if flag is not None and not isinstance(flag, bool):
-                        raise TimelineError(f"{where}: {name!r} must be true, false or null, not {_short(flag)}")
-                    if flag:
-                        marks[name].append(step)
-                events += _events(record, step, where)
+                if (first is None or step >= first) and (last is None or step <= last):
+                    _append(timeline, record, step, where)
     except OSError as e:
         raise TimelineError(f"{path}: cannot read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise TimelineError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not step_col:
+    if not timeline.steps:
         bounds = "" if steps == (None, None) else f" in steps {first if first is not None else ''}:{last if last is not None else ''}"
         raise TimelineError(f"{path}: no per-step records (objects with a 'step' key){bounds}")
-    timeline = Timeline(path, header, thresholds, step_col, columns, present, marks, events)
     _sort_by_step(timeline)
     return timeline
+
+
+def _append(timeline: Timeline, record: dict, step: int, where: str) -> None:
+    """Adds one record's values to the timeline's columns (every column grows by one)."""
+    timeline.steps.append(step)
+    for name in COLUMNS:
+        value = _number(record, name, where)
+        timeline.columns[name].append(math.nan if value is None else value)
+        timeline.present[name] += value is not None
+    losses = record.get("losses")
+    losses = {} if losses is None else losses
+    if not isinstance(losses, dict):
+        raise TimelineError(f"{where}: 'losses' must be an object of name: number, not {_short(losses)}")
+    for name in losses:
+        if name not in timeline.losses:  # a name first given now: NaN for the records before
+            timeline.losses[name] = array("d", [math.nan]) * (len(timeline.steps) - 1)
+    for name, column in timeline.losses.items():
+        value = _number(losses, name, f"{where}: 'losses'")
+        column.append(math.nan if value is None else value)
+    for name in MARKS:
+        flag = record.get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise TimelineError(f"{where}: {name!r} must be true, false or null, not {_short(flag)}")
+        if flag:
+            timeline.marks[name].append(step)
+    timeline.events += _events(record, step, where)
 
 
 def _sort_by_step(timeline: Timeline) -> None:
@@ -183,5 +193,6 @@ def _sort_by_step(timeline: Timeline) -> None:
         return
     order = sorted(range(len(steps)), key=steps.__getitem__)
     timeline.steps = array("q", (steps[i] for i in order))
-    for name, column in timeline.columns.items():
-        timeline.columns[name] = array("d", (column[i] for i in order))
+    for columns in (timeline.columns, timeline.losses):
+        for name, column in columns.items():
+            columns[name] = array("d", (column[i] for i in order))
