@@ -157,6 +157,16 @@ def test_several_named_losses_are_drawn_each_so_that_the_one_that_went_nan_shows
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["loss 'ce'", "loss 'aux'", "loss 'reg'"]
 
 
+def test_gradscaler_skips_and_unknown_event_kinds_are_marked_too(tmp_path):
+    records = [{"step": s, "loss": 1.0, "scaler_skipped": s in (0, 1)} for s in range(4)]
+    records[2]["events"] = [{"kind": "oom", "summary": "a kind this reader does not know"}]
+    fig = plot.figure(read_timeline(_write(tmp_path / "amp.jsonl", records)))
+    loss = fig.axes[0]
+    assert _marks(loss) == {"step skipped by GradScaler (inf gradients) (2)": [0, 1]}
+    assert _event_lines(loss) == {"event: oom (1)": [2]}
+    assert "1 event (1 oom), 0 steps skipped, 0 rolled back, 2 skipped by GradScaler" in fig.get_suptitle()
+
+
 def test_linear_scale_when_the_loss_spans_less_than_a_decade_or_goes_negative(tmp_path):
     records = [{"step": s, "loss": 1.0 + 0.1 * s, "grad_norm": 1.0} for s in range(5)]
     records[2]["loss"] = -0.5
