@@ -12,6 +12,7 @@ from typing import Optional
 COMMANDS = {
     "bench": ("nanfast.cli.bench", "benchmark nanfast against the pure-torch ways of finding NaN/inf"),
     "scan": ("nanfast.cli.scan", "check checkpoint files for NaN/inf without running pickled code"),
+    "plot": ("nanfast.cli.plot", "draw a health timeline (loss, grad norm, headroom, events) from a watch's JSONL file"),
     "demo": ("nanfast.cli.demo", "train a small model with a planted fault: watch catches it, locate names the op"),
 }
 
