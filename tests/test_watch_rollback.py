@@ -138,6 +138,31 @@ def test_lagged_rollback_found_by_flush_restores_at_once():
     assert_same_state(full_state(model, opt), train(BNNet, make_opt, batches[:2]))
 
 
+def test_a_step_without_a_forward_takes_no_snapshot():
+    """A step that never ran the model (a penalty on the weights alone) began no copy of the buffers, so
+    their values at its start are not known: no snapshot there; the one before it is restored."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = _OPTIMIZERS["sgd-momentum"](model.parameters())
+    starts = []
+    with nanfast.watch(model, opt, action="rollback", rollback_every=1) as w:
+        for i in range(4):
+            starts.append(full_state(model, opt))
+            if i == 2:
+                opt.zero_grad()
+                model.l1.weight.pow(2).sum().backward()
+                opt.step()
+                continue
+            if i == 3:
+                with torch.no_grad():
+                    model.l1.weight[0, 0] = NAN
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                train_step(model, opt, *batch(i))
+    assert w.last_rollback == (3, 1)
+    assert_same_state(full_state(model, opt), starts[1])
+
+
 def test_a_bad_step_with_finite_parameters_is_skipped_as_skip_does():
     make_opt = _OPTIMIZERS["adam-foreach"]
     good = [batch(s) for s in range(4)]

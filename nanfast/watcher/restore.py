@@ -175,12 +175,6 @@ class BufferUndo:
                 module._buffers[name] = t if where is None else torch.where(where, t, now)
         return self.missed
 
-    def discard(self) -> None:
-        """Forgets the step's copies without restoring them: the buffers were put back from elsewhere (a
-        rollback's snapshot), and a later restore() of this step, on the device after the optimizer step,
-        must not overwrite them."""
-        self._restorable = False
-
     def as_found(self) -> Optional[list[tuple[torch.nn.Module, str, torch.Tensor]]]:
         """The plain dense buffers with their values as the step that closed last found them, for a
         snapshot of the model as that step began: (module, name, a tensor holding the value: the copy

@@ -120,7 +120,6 @@ class Rollback:
         if snapshot is None:
             return None
         self._bad_step, self._blocked_through = bad_step, now
-        self._undo.discard()
         self._restore(snapshot)
         return snapshot.step
 
