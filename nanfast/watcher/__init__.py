@@ -137,6 +137,7 @@ class Watch(Hooks, Actions):
             self._scaler_shared = None
         self._reset_step()
         self._pending = None
+        self._rollback = None  # its snapshots: up to two copies of the training state
 
     def __enter__(self) -> Watch:
         return self

@@ -33,11 +33,11 @@ from .restore import BufferUndo, Twins
 #   it back at its next step, as on a first step). The step that rolls back is skipped (its gradients
 #   come from the bad parameters); in a lagged watch the read of the step in flight was computed from
 #   them too, and is dropped (`stale`).
-# * Defaults: every 100 steps, in host memory. A snapshot copies the parameters and the optimizer
-#   state (Adam: three times the parameters' bytes), so a snapshot at every step would cost more than
-#   the fused pass itself; at 100 steps apart it costs about 1% of that pass per step, and a rollback
-#   loses at most about 100 steps of progress, far less than a restart from the last checkpoint. Host
-#   memory, since the accelerator's is what training is short of.
+# * Defaults: every 100 steps, in host memory. A snapshot reads and writes the parameters and the
+#   optimizer state (Adam: three times the parameters' bytes), two to three times what the step's fused
+#   pass reads: at every step it would cost more than the rest of the watch; 100 steps apart it is 2-3%
+#   of that pass per step, and a rollback loses at most about 100 steps of progress, far less than a
+#   restart from the last checkpoint. Host memory, since the accelerator's is what training lacks.
 
 
 class _Snapshot(NamedTuple):
