@@ -304,7 +304,8 @@ def test_no_snapshot_yet_is_a_clear_error(sync):
     with torch.no_grad():
         model.l1.weight[0, 0] = NAN  # before the first step: no good state was ever seen
     w = nanfast.watch(model, opt, action="rollback", sync=sync)
-    with pytest.raises(nanfast.NonFiniteError, match=r"parameter l1.weight .*cannot roll back: no snapshot was taken yet"):
+    no_snapshot = r"parameter l1.weight .*cannot roll back: no snapshot was taken yet"
+    with pytest.raises(nanfast.NonFiniteError, match=no_snapshot):
         train_step(model, opt, *batch(0))
     assert w.rolled_back_steps == 0
     w.remove()
@@ -331,7 +332,7 @@ def test_bad_rollback_options_are_clear_errors():
         nanfast.watch(model, opt, action="rollback", params=False)
     with pytest.raises(ValueError, match="action='rollback' cannot skip LBFGS steps"):
         nanfast.watch(model, torch.optim.LBFGS(model.parameters()), action="rollback")
-    with pytest.raises(ValueError, match="action='rollback' with sync='lagged' needs an optimizer that skips on the device"):
+    with pytest.raises(ValueError, match="action='rollback' with sync='lagged' needs an optimizer that skips on the"):
         nanfast.watch(model, opt, action="rollback", sync="lagged")
     assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # nothing was installed
     with nanfast.watch(model, opt, action="rollback", rollback_every=7, rollback_device=torch.device("cpu")) as w:

@@ -50,9 +50,9 @@ class Actions:
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first
         if self.action in SKIPPING and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
-            raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure): the closure runs the "
-                             "step's forward and backward after the point where the watch decides; call backward "
-                             "before optimizer.step()")
+            raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure): the closure "
+                             "runs the step's forward and backward after the point where the watch decides; call "
+                             "backward before optimizer.step()")
         self._stepped = True
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
         if self.action not in SKIPPING:

@@ -189,8 +189,8 @@ class BufferUndo:
         if not self._closed_begun or self.missed:
             return None
         copies = dict(zip(self._saved, self._twins.copies())) if self._twins is not None else {}
-        return [(module, name, copies.get(i, t)) for i, ((module, name, _), t) in enumerate(zip(self._slots, self._tensors))
-                if _copyable(t)]
+        return [(module, name, copies.get(i, t))
+                for i, ((module, name, _), t) in enumerate(zip(self._slots, self._tensors)) if _copyable(t)]
 
 
 def lacks_state(optimizer: torch.optim.Optimizer) -> bool:
