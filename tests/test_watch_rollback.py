@@ -126,6 +126,19 @@ def test_lagged_rollback_restores_the_last_confirmed_snapshot(name, fault):
     check_rollback(_OPTIMIZERS[name], bad=4, restored=3, fault=fault, sync="lagged", rollback_every=1)
 
 
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_rollback_when_the_watch_checks_one_step_in_two(sync):
+    """every=2: the NaN written before step 3 (not checked) is found by step 4's read; the snapshot of
+    step 2, the last checked step, is put back (lagged: at step 5, which is skipped too)."""
+    make_opt = _OPTIMIZERS["adamw-fused"]
+    batches = [batch(s) for s in range(9)]
+    w, after, final = faulty_run(BNNet, make_opt, batches, 3, "nan-write", sync=sync, every=2, rollback_every=1)
+    assert w.last_rollback == (4, 2) and w.rolled_back_steps == 1 and len(w.events) == 1
+    assert_same_state(after, train(BNNet, make_opt, batches[:2]))
+    resume = 5 if sync == "eager" else 6
+    assert_same_state(final, train(BNNet, make_opt, batches[:2] + batches[resume:]))
+
+
 def test_lagged_rollback_found_by_flush_restores_at_once():
     make_opt = _OPTIMIZERS["adamw-fused"]
     batches = [batch(s) for s in range(4)]
