@@ -357,3 +357,36 @@ def test_bad_rollback_options_are_clear_errors():
     assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks  # nothing was installed
     with nanfast.watch(model, opt, action="rollback", rollback_every=7, rollback_device=torch.device("cpu")) as w:
         assert w._rollback.every == 7 and w._rollback.device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_rollback_on_cuda_copies_without_a_host_read(where):
+    """On a GPU: the snapshots go to pinned host memory (or stay on the GPU) with non-blocking copies
+    ordered before the optimizer's update: good steps keep their one read, and the rollback is exact."""
+
+    def run(batches, bad=None):
+        torch.manual_seed(0)
+        model = BNNet().cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        w = nanfast.watch(model, opt, action="rollback", rollback_every=1, rollback_device=where) if bad else None
+        syncs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, (x, y) in enumerate(batches):
+                if i == bad:
+                    with torch.no_grad():
+                        model.l1.weight[0, 0] = NAN
+                with OpRecorder() as ops:
+                    train_step(model, opt, x.cuda(), y.cuda())
+                syncs.append(ops.host_syncs)
+        if w is not None:
+            flats = [flat for _, flat, _ in w._rollback._confirmed.twins.groups]
+            assert all(f.device.type == where and (f.is_pinned() or where == "cuda") for f in flats)
+            w.remove()
+        return full_state(model, opt), w, syncs
+
+    batches = [batch(s) for s in range(7)]
+    state, w, syncs = run(batches, bad=4)
+    assert w.last_rollback == (4, 3) and syncs[:4] == [1, 1, 1, 1]
+    assert_same_state(state, run(batches[:3] + batches[5:])[0])
