@@ -144,9 +144,10 @@ class ProbedNet(torch.nn.Module):
         return self.outer(h)
 
 
-def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
-    """DDP on gloo, every rank its own batches; the fault is planted at fault_step on fault_rank only.
-    Returns what each step did on this rank."""
+def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager", fault="probe"):
+    """DDP on gloo, every rank its own batches; the fault is planted at fault_step on fault_rank only (in
+    the probe, or "param": NaN written into that rank's copy of a weight). Returns what each step did on
+    this rank."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -159,7 +160,10 @@ def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
         warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
         w = nanfast.watch(model, optimizer, action=action, sync=sync)
         for step in range(steps):
-            net.probe.fault = rank == fault_rank and step == fault_step
+            net.probe.fault = fault == "probe" and rank == fault_rank and step == fault_step
+            if fault == "param" and rank == fault_rank and step == fault_step:
+                with torch.no_grad():
+                    net.inner.weight[0, 0] = float("nan")
             optimizer.zero_grad()
             model(torch.randn(8, 4, generator=gen)).square().mean().backward()
             before = [p.detach().clone() for p in net.parameters()]
@@ -176,6 +180,7 @@ def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager"):
             record["params_equal_across_ranks"].append(all(torch.equal(g, gathered[0]) for g in gathered))
         w.remove()
     record["skipped_steps"] = w.skipped_steps
+    record["last_rollback"] = w.last_rollback
     record["events"] = [(e.step, e.rank, e.ranks, e.phase, e.name, e.summary()) for e in w.events]
     return record
 
@@ -215,8 +220,12 @@ def ddp_watch_lagged(rank, mesh):
     return _ddp_training(rank, "raise", fault_rank=1, fault_step=1, sync="lagged")
 
 
+def ddp_watch_rollback(rank, mesh):
+    return _ddp_training(rank, "rollback", fault_rank=1, fault_step=2, fault="param")
+
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
-             fsdp2_watch_skip]
+             ddp_watch_rollback, fsdp2_watch_skip]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip)]
 
@@ -369,6 +378,20 @@ def test_ddp_lagged_watch_ranks_raise_together_a_step_late(ranks):
         assert "step 1" in r["raised"][0][1] and "on rank 1" in r["raised"][0][1]
         assert all(r["params_equal_across_ranks"])
         assert r["host_reads"][0] == 0  # a lagged step does not wait for the host
+
+
+def test_ddp_watch_ranks_roll_back_together(ranks):
+    """Rank 1's copy of a weight goes NaN: its param place comes first in the agreed event, so both ranks
+    roll back in that step, each from its own snapshot (taken at the same steps), and stay identical."""
+    results = _results(ranks, ddp_watch_rollback)
+    for r in results:
+        assert r["raised"] == [] and r["skipped_steps"] == 0
+        assert r["last_rollback"] == (2, 0)  # the default rollback_every: the only snapshot is step 0's
+        assert all(r["params_equal_across_ranks"])
+        [(step, rank, seen_by, phase, name, _)] = r["events"]
+        assert (step, rank, phase, name) == (2, 1, "param", "module.inner.weight")
+        assert [r["host_reads"][i] for i in (0, 1, 3)] == [1, 1, 1]
+    assert results[0]["events"] == results[1]["events"]
 
 
 @needs_fsdp2_training

@@ -19,9 +19,10 @@ from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .hooks import Hooks
-from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
+from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options, validate
 from .profile import Profile
 from .restore import BufferUndo
+from .rollback import Rollback
 from .step import SUMMARY, Read, Step
 
 __all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
@@ -59,8 +60,11 @@ class Watch(Hooks, Actions):
         rerun: Optional[Callable[[], Any]] = None,
         profile: bool = False,
         headroom: Union[None, float, Iterable[float]] = DEFAULT_THRESHOLDS,
+        rollback_every: Optional[int] = None,
+        rollback_device: Optional[Union[str, torch.device]] = None,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
+        rollback = rollback_options(action, params, rollback_every, rollback_device)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer
@@ -87,6 +91,8 @@ class Watch(Hooks, Actions):
         self.last: Optional[Event] = None
         self.skipped_steps = 0
         self.scaler_skipped_steps = 0
+        self.rolled_back_steps = 0
+        self.last_rollback: Optional[tuple[int, int]] = None  # (the step that rolled back, the step put back)
         self.step_count = 0  # steps ended so far (the number of the current step)
 
         self._param_names = {id(p): name for name, p in model.named_parameters()}
@@ -113,8 +119,11 @@ class Watch(Hooks, Actions):
         self._saved_found_inf: Optional[torch.Tensor] = None
         # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before
         # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
-        undoes = optimizer is not None and (action == "skip" or (action == "raise" and sync == "eager"))
+        undoes = optimizer is not None and (action in SKIPPING or (action == "raise" and sync == "eager"))
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
+        if rollback is not None and self._sharded:
+            raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
+        self._rollback = Rollback(optimizer, self._undo, *rollback) if rollback is not None else None
         self._reset_step()
         self._pending: Optional[Read] = None
         self._summary: Optional[torch.Tensor] = None
@@ -138,6 +147,7 @@ class Watch(Hooks, Actions):
             self._scaler_shared = None
         self._reset_step()
         self._pending = None
+        self._rollback = None  # its snapshots: up to two copies of the training state
 
     def __enter__(self) -> Watch:
         return self
@@ -246,6 +256,8 @@ class Watch(Hooks, Actions):
         elif read is not None:
             self.flush()  # lagged: the previous step's read comes first
             self._evaluate(read)
+        if read is not None and self._rollback is not None:
+            self._rollback.step_ended(read.step, proven=self._pending is not read)
         return read
 
     def _fused_pass(self) -> Optional[Pass]:
@@ -305,7 +317,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them,
     and the loss value given to ``w.loss(loss)``).
 
-    Options: ``action`` ("raise", "warn", "skip" or a callable taking the Event), ``every`` (check one
+    Options: ``action`` ("raise", "warn", "skip", "rollback" or a callable taking the Event), ``every`` (check one
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
     late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
     non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
@@ -320,6 +332,10 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     watch reads no clock), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
     per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).
+    action="rollback" skips bad steps as "skip" does, and when a step finds the
+    parameters themselves non-finite puts back, in place, the last snapshot of parameters, optimizer
+    state and module buffers proven finite: ``rollback_every`` (a snapshot every N steps, default 100)
+    and ``rollback_device`` (where snapshots are kept, default "cpu"; copied without blocking).
 
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
@@ -332,7 +348,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Raises:
         TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
         TypeError: headroom is not None, a number or numbers.
-        ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), or a
-            combination the watch cannot honour (action="skip" without an optimizer, with LBFGS, or lagged with a non-fused optimizer;
-            on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
+        ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), or a combination the watch cannot honour
+            (action="skip" or "rollback" without an optimizer, with LBFGS, or lagged with a non-fused
+            optimizer; "rollback" with params=False or sharded parameters, rollback options with another
+            action; on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
     return Watch(model, optimizer, **options)

@@ -1,6 +1,7 @@
 """What a watch does about a bad step: raise, warn, call the user's action, or skip the optimizer step
-(see NOTE: [Skipping a step]) leaving parameters, optimizer state and module buffers as they were; and,
-with on_event="locate", re-running the step under nanfast.locate first."""
+(see NOTE: [Skipping a step]) leaving parameters, optimizer state and module buffers as they were, or,
+once the parameters are non-finite, roll back to the last good snapshot (rollback.py); and, with
+on_event="locate", re-running the step under nanfast.locate first."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .located_agrees import disagreement
 from ..report import NonFiniteError
 from . import agree, step as steps
 from .events import Event
+from .options import SKIPPING
 from .restore import lacks_state
 
 
@@ -23,6 +25,8 @@ class Actions:
     def _evaluate(self, read: steps.Read) -> None:
         """Reads a step's checks on the host and, if the step is bad, makes its event and acts on it."""
         agree.wait(read)
+        if self._rollback is not None and self._rollback.stale(read.step):
+            return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
         bad, summary, rows = steps.verdict(read)
         self._summary, self._summary_values = (read.summary, None) if summary is None else (None, summary)
         self._summary_step = read.step
@@ -57,13 +61,13 @@ class Actions:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first
-        if self.action == "skip" and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
-            raise ValueError("nanfast.watch: action='skip' cannot skip optimizer.step(closure): the closure runs the "
-                             "step's forward and backward after the point where the watch decides; call backward "
-                             "before optimizer.step()")
+        if self.action in SKIPPING and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+            raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure): the closure "
+                             "runs the step's forward and backward after the point where the watch decides; call "
+                             "backward before optimizer.step()")
         self._stepped = True
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
-        if self.action != "skip":
+        if self.action not in SKIPPING:
             return
         if self._skip_on_device and not self._skip_now:
             if read is None:
@@ -137,6 +141,8 @@ class Actions:
             if self.action == "raise":
                 raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
             if event.phase == "param":
+                if self._rollback is not None:
+                    return self._roll_back(event)
                 raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
             if missed:
                 raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped{unrestored}")
@@ -145,3 +151,19 @@ class Actions:
             self.skipped_steps += 1
             warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
                           "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=2)
+
+    def _roll_back(self, event: Event) -> None:
+        """action="rollback" with non-finite parameters: puts back the last snapshot proven finite and
+        skips the step that is ending (its gradients come from the bad parameters)."""
+        restored = self._rollback.roll_back(event.step, now=self.step_count - 1)
+        if restored is None:
+            raise NonFiniteError(event, f"{event.summary()}: cannot roll back: no snapshot was taken yet (one is taken "
+                                 "at the end of a checked step whose parameters were found finite; none was before "
+                                 "this one)")
+        self._skip_now = True
+        self.rolled_back_steps += 1
+        self.last_rollback = (event.step, restored)
+        undone = f"step {restored}" if restored == event.step - 1 else f"steps {restored} to {event.step - 1}"
+        warnings.warn(f"{event.summary()}: rolled back to the state step {restored} began with (parameters, "
+                      f"optimizer state and module buffers; the updates of {undone} are undone) and skipped the "
+                      "optimizer step", RuntimeWarning, stacklevel=2)

@@ -13,7 +13,7 @@ from .. import _tree
 from ..recompute import REENTRANT, UNPACK, recomputation
 from . import scaler_hook
 from .forwards import Forward
-from .options import ignored
+from .options import SKIPPING, ignored
 
 
 class Site:
@@ -68,7 +68,7 @@ class Hooks:
                     self._handles.append(module.register_forward_hook(hook(functools.partial(self._after_module, site))))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
-            if self.action == "skip":
+            if self.action in SKIPPING:
                 self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
         if self.scaler is not None:
             # NOTE: [AMP and GradScaler]

@@ -9,7 +9,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-ACTIONS = ("raise", "warn", "skip")
+ACTIONS = ("raise", "warn", "skip", "rollback")
+SKIPPING = ("skip", "rollback")  # the actions that skip a bad step (rollback: one whose parameters are finite)
+# action="rollback": snapshot the state every ROLLBACK_EVERY steps into ROLLBACK_DEVICE's memory (see
+# NOTE: [Rolling back] in rollback.py for why these defaults).
+ROLLBACK_EVERY = 100
+ROLLBACK_DEVICE = "cpu"
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 
@@ -81,19 +86,58 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
     # the device: optimizers that take a `found_inf` tensor (fused=True, the protocol GradScaler
     # uses) get the flag of this step's checks and skip there; a step they could not undo that way
     # (one that creates optimizer state) is read at once instead (see Watch._end_step).
-    skip_on_device = (action == "skip" and sync == "lagged"
+    skipping = not callable(action) and action in SKIPPING
+    skip_on_device = (skipping and sync == "lagged"
                       and bool(getattr(optimizer, "_step_supports_amp_scaling", False)))
-    if action == "skip":
+    if skipping:
         if optimizer is None:
-            raise ValueError("nanfast.watch: action='skip' needs the optimizer whose step it skips")
+            raise ValueError(f"nanfast.watch: action={action!r} needs the optimizer whose step it skips")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
-                "nanfast.watch: action='skip' cannot skip LBFGS steps: LBFGS runs the forward and backward "
+                f"nanfast.watch: action={action!r} cannot skip LBFGS steps: LBFGS runs the forward and backward "
                 "inside optimizer.step(closure), after the point where the watch decides (the step pre-hook), "
                 "and updates the parameters between closure calls; use action='raise' (see docs/watch.md)")
         if sync == "lagged" and not skip_on_device:
             raise ValueError(
-                "nanfast.watch: action='skip' with sync='lagged' needs an optimizer that skips on the device "
+                f"nanfast.watch: action={action!r} with sync='lagged' needs an optimizer that skips on the device "
                 f"(fused=True Adam, AdamW or SGD); {type(optimizer).__name__} needs the host's verdict before "
                 "its step: use sync='eager'")
     return skip_on_device
+
+
+def rollback_options(action: Union[str, Callable], params: bool, every: Optional[int],
+                     device: Optional[Union[str, torch.device]]) -> Optional[tuple[int, torch.device]]:
+    """Checks the options of action="rollback" and fills in their defaults.
+
+    Args:
+        action, params: as given to `nanfast.watch`.
+        every: ``rollback_every``, steps between snapshots (None: ROLLBACK_EVERY).
+        device: ``rollback_device``, where the snapshots are kept (None: ROLLBACK_DEVICE).
+
+    Returns:
+        (every, device) for action="rollback"; None for any other action.
+
+    Raises:
+        ValueError: a value out of range, a rollback option given with another action, or
+            action="rollback" with params=False (the check that finds non-finite parameters)."""
+    if callable(action) or action != "rollback":
+        for name, value in (("rollback_every", every), ("rollback_device", device)):
+            if value is not None:
+                raise ValueError(f"nanfast.watch: {name}= is an option of action='rollback' (got action={action!r})")
+        return None
+    if not params:
+        raise ValueError("nanfast.watch: action='rollback' needs params=True: the parameters' check is what finds "
+                         "them non-finite")
+    every = ROLLBACK_EVERY if every is None else every
+    if type(every) is not int or every < 1:
+        raise ValueError(f"nanfast.watch: rollback_every must be an int >= 1, got {every!r}")
+    device = ROLLBACK_DEVICE if device is None else device
+    try:
+        where = torch.device(device)
+        torch.empty(0, device=where)  # a device this process can use: not a build or an index it lacks
+    except (RuntimeError, TypeError, AssertionError) as error:
+        raise ValueError(f"nanfast.watch: rollback_device must be a device this process can allocate on, such as "
+                         f"'cpu' or 'cuda:0'; got {device!r} ({str(error).splitlines()[0]})") from None
+    if where.type == "meta":
+        raise ValueError("nanfast.watch: rollback_device='meta' holds no values to restore")
+    return every, where

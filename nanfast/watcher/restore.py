@@ -11,18 +11,22 @@ from typing import Optional
 import torch
 
 
-class _Twins:
-    """Device copies of a fixed list of tensors, packed in one flat tensor per (device, dtype): saved and
-    copied back with one `_foreach_copy_` per group, or copied back where a device-side flag is set."""
+class Twins:
+    """Copies of a fixed list of tensors, packed in one flat tensor per (device, dtype) of the originals:
+    saved and copied back with one `_foreach_copy_` per group, or copied back where a device-side flag
+    is set. The copies lie next to the originals, or on `device` (a CUDA tensor's copy in host memory is
+    pinned, so that both copies run without blocking the host, ordered on the stream)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
+    def __init__(self, tensors: Sequence[torch.Tensor], device: Optional[torch.device] = None):
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(i)
         self.kinds = [(t.shape, t.device, t.dtype) for t in tensors]
         self.groups: list[tuple[list[int], torch.Tensor, list[torch.Tensor]]] = []
-        for (device, dtype), indices in groups.items():
-            flat = torch.empty(sum(tensors[i].numel() for i in indices), device=device, dtype=dtype)
+        for (source, dtype), indices in groups.items():
+            target = source if device is None else device
+            flat = torch.empty(sum(tensors[i].numel() for i in indices), device=target, dtype=dtype,
+                               pin_memory=target.type == "cpu" and source.type == "cuda")
             views, offset = [], 0
             for i in indices:
                 n = tensors[i].numel()
@@ -33,6 +37,14 @@ class _Twins:
 
     def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
         return self.kinds == [(t.shape, t.device, t.dtype) for t in tensors]
+
+    def copies(self) -> list[torch.Tensor]:
+        """The saved copy of each tensor, in the order of the tensors given."""
+        found: list[torch.Tensor] = [None] * len(self.kinds)  # type: ignore[list-item]
+        for indices, _, views in self.groups:
+            for i, view in zip(indices, views):
+                found[i] = view
+        return found
 
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         for indices, _, views in self.groups:
@@ -83,9 +95,10 @@ class BufferUndo:
         self._versions: list[int] = []  # and its version counter (-1: not tracked)
         self._tracked: list[bool] = []
         self._saved: list[int] = []  # the slots copied into the twins
-        self._twins: Optional[_Twins] = None
+        self._twins: Optional[Twins] = None
         self._replan = True  # the set of copied slots changed since the twins were made
         self._open = False
+        self._closed_begun = False  # the step that closed last had begun (its slots' values are known)
         self._restorable = False
         self.missed: list[str] = []  # buffers the step changed in place with no copy to restore them from
         self.host_only = False  # the step re-assigned a buffer to a different kind of tensor (or None)
@@ -117,13 +130,14 @@ class BufferUndo:
         if not saved:
             self._twins = None
         elif self._twins is None or not self._twins.fits(saved):
-            self._twins = _Twins(saved)
+            self._twins = Twins(saved)
         self.bytes_per_step = self._twins.nbytes if self._twins is not None else 0
 
     def close(self) -> None:
         """Step end, before its verdict is acted on: learns which buffers the step changed (copied from
         the next step on), and which of them it changed in place with no copy taken (`missed`: a
         non-floating buffer that no earlier step had changed)."""
+        self._closed_begun = self._open
         if not self._open:
             return
         self._open = False
@@ -160,6 +174,23 @@ class BufferUndo:
             if now is not t:
                 module._buffers[name] = t if where is None else torch.where(where, t, now)
         return self.missed
+
+    def as_found(self) -> Optional[list[tuple[torch.nn.Module, str, torch.Tensor]]]:
+        """The plain dense buffers with their values as the step that closed last found them, for a
+        snapshot of the model as that step began: (module, name, a tensor holding the value: the copy
+        taken at the step's start, or the buffer the step found when no copy was taken, as it did not
+        change it in place). Valid until the next step begins.
+
+        Returns:
+            The triples in the model's order; None when the values cannot be told (the step began no
+            forward, or changed a buffer in place with no copy taken: `missed`)."""
+        if not self._slots:
+            return []
+        if not self._closed_begun or self.missed:
+            return None
+        copies = dict(zip(self._saved, self._twins.copies())) if self._twins is not None else {}
+        return [(module, name, copies.get(i, t))
+                for i, ((module, name, _), t) in enumerate(zip(self._slots, self._tensors)) if _copyable(t)]
 
 
 def lacks_state(optimizer: torch.optim.Optimizer) -> bool:
