@@ -4,6 +4,7 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
@@ -17,13 +18,16 @@ from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
+from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SYNC_MODES, patterns, validate
 from .profile import Profile
 from .restore import BufferUndo
+from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
 from .step import SUMMARY, Read, Step
 
-__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
+__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "SpikeError",
+           "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
 class Watch(Hooks, Actions):
@@ -51,8 +55,12 @@ class Watch(Hooks, Actions):
         on_event: Optional[str] = None,
         rerun: Optional[Callable[[], Any]] = None,
         profile: bool = False,
+        history: int = DEFAULT_HISTORY,
+        log_to: Any = None,
+        spikes: Union[bool, dict, SpikeOptions] = True,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
+        spiking = spike_options(spikes)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer
@@ -107,9 +115,11 @@ class Watch(Hooks, Actions):
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
         self._reset_step()
         self._pending: Optional[Read] = None
-        self._summary: Optional[torch.Tensor] = None
         self._summary_values: Optional[list[float]] = None
         self._summary_step = -1
+        self._spikes = None if spiking is None else Spikes(spiking, ModuleGroups(model))
+        self._timeline = Timeline(history, log_to, type(model).__name__)  # opens log_to files: last
+        self._keeps_losses = self._timeline.wanted or (spiking is not None and spiking.loss)
         self._install()
 
     def remove(self) -> None:
@@ -128,6 +138,7 @@ class Watch(Hooks, Actions):
             self._scaler_shared = None
         self._reset_step()
         self._pending = None
+        self._timeline.close()
 
     def __enter__(self) -> Watch:
         return self
@@ -205,7 +216,9 @@ class Watch(Hooks, Actions):
             read = self._step.pack(*self._recorder.take(), fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
-                                   scaler_skipped=scaler_skipped)
+                                   # the scale this step's loss was multiplied by, on the device (get_scale() syncs)
+                                   scaler_skipped=scaler_skipped, scale=getattr(self.scaler, "_scale", None),
+                                   groups=self._spikes.groups if self._spikes and self._spikes.options.modules else None)
             agree.start(read, self.process_group)
         self.step_count += 1
         self._reset_step()
@@ -248,15 +261,28 @@ class Watch(Hooks, Actions):
     def stats(self) -> dict[str, float]:
         """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
         |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
-        the first checked step. In an eager watch the first call after a step reads them (one transfer)."""
+        the first checked step. They come with the step's one read."""
         if self._summary_values is None:
-            if self._summary is None:
-                return {}
-            self._summary_values = self._summary.tolist()
+            return {}
         values = dict(zip(SUMMARY, self._summary_values))
         return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
                 "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
                 "neginf": values["neginf"]}
+
+    # ---- the health timeline ----
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
+        return list(self._timeline.records)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the kept records as JSON Lines: a header line ({"nanfast": version, "model": class,
+        "started": time}), then one line per record (StepRecord.to_dict()).
+
+        Raises:
+            OSError: the file cannot be written."""
+        self._timeline.save(path)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"
@@ -286,7 +312,10 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
-    watch reads no clock).
+    watch reads no clock), ``history`` (checked steps' records kept in ``w.history``, default 10000;
+    0 keeps none), ``log_to`` (a path streamed as JSON Lines, a SummaryWriter, a callable taking a dict
+    of "nanfast/..." numbers such as wandb.log, or a list of these), ``spikes`` (True: SpikeOptions();
+    False: off; a SpikeOptions or a dict of its fields: loss, gradient-norm and per-module spikes).
 
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).

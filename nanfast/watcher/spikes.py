@@ -1,0 +1,225 @@
+"""Spike alarms (events of kind "spike"): a loss or the total gradient norm jumping far above its running
+median, and a module's gradient norm exploding above or vanishing below its own. Judged on the host from
+the values the step's one read brought back (see NOTE: [Spikes]); no host read of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Union
+
+import torch
+
+from .events import Event, Place
+
+SPIKE_ACTIONS = ("warn", "raise", "record")
+
+
+class SpikeError(RuntimeError):
+    """Raised by a watch made with ``spikes=SpikeOptions(action="raise")`` at a spike; ``.event`` holds it."""
+
+    def __init__(self, event: Event):
+        self.event = event
+        super().__init__(event.summary())
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeOptions:
+    """What counts as a spike, and what the watch does about one.
+
+    A series (each loss given to ``Watch.loss``, the total gradient norm, each module's gradient norm)
+    spikes at a step when its value is more than ``factor`` times its running median over its last
+    ``window`` finite values (checked steps), once it has ``warmup`` of them; a module's gradient norm
+    vanishes when it stays below that median divided by ``factor`` for ``vanishing_steps`` checked
+    steps in a row (one step is noise: a small layer's gradient over a small batch can dip that low
+    now and then). (A series that can be negative,
+    or is noisier than a third of its level, is judged by its excess over the median: more than
+    ``factor - 1`` times max(|median|, 3 x its median absolute deviation).) An alarm fires once per
+    excursion: the series must come back within the threshold before it can fire again.
+
+    ``action``: "warn" (a RuntimeWarning; the watch's callable ``action``, if it has one, gets the
+    event too), "raise" (``SpikeError`` from the step's read: eager, before the optimizer applies the
+    step), "record" (only ``w.events`` and the history), or a callable taking the Event."""
+
+    factor: float = 10.0
+    window: int = 100
+    warmup: int = 20
+    vanishing_steps: int = 10
+    loss: bool = True
+    grad_norm: bool = True
+    modules: bool = True
+    action: Union[str, Callable[[Event], Any]] = "warn"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.factor, (int, float)) and self.factor > 1 and math.isfinite(self.factor)):
+            raise ValueError(f"nanfast.watch: spikes factor must be a finite number > 1, got {self.factor!r}")
+        for name in ("window", "warmup", "vanishing_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"nanfast.watch: spikes {name} must be an int >= 1, got {value!r}")
+        if self.warmup > self.window:
+            raise ValueError(f"nanfast.watch: spikes warmup ({self.warmup}) must not exceed window ({self.window})")
+        if not callable(self.action) and self.action not in SPIKE_ACTIONS:
+            raise ValueError(f"nanfast.watch: spikes action must be one of {SPIKE_ACTIONS} or a callable, "
+                             f"got {self.action!r}")
+
+
+def spike_options(spikes: Union[bool, Mapping, SpikeOptions]) -> Optional[SpikeOptions]:
+    """The ``spikes=`` option as SpikeOptions (None: off).
+
+    Raises:
+        TypeError: not a bool, a mapping of SpikeOptions fields, or SpikeOptions.
+        ValueError: a field out of its allowed values."""
+    if isinstance(spikes, SpikeOptions):
+        return spikes
+    if isinstance(spikes, bool):
+        return SpikeOptions() if spikes else None
+    if isinstance(spikes, Mapping):
+        return SpikeOptions(**spikes)
+    raise TypeError(f"nanfast.watch: spikes must be a bool, a dict of SpikeOptions fields or a SpikeOptions, "
+                    f"got {type(spikes).__name__}")
+
+
+class ModuleGroups:
+    """Each gradient's owning module (the parameter name less its last part), and the modules'
+    gradient norms from the per-gradient norms of the fused pass, on the device."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._classes = {name: type(module).__name__ for name, module in model.named_modules()}
+        self._params = {name for name, _ in model.named_parameters()}
+        self._key: Optional[tuple[str, ...]] = None
+        self._names: tuple[str, ...] = ()
+        self._index: Optional[torch.Tensor] = None
+
+    def module_class(self, name: str) -> str:
+        return self._classes.get(name, "")
+
+    def norms(self, norm: torch.Tensor, grad_names: list[str]) -> tuple[tuple[str, ...], torch.Tensor]:
+        """The L2 norm of each module's parameters' gradients (float64, on norm's device, no sync).
+
+        Args:
+            norm: the gradients' norms, float64 [len(grad_names)].
+            grad_names: the gradients' parameter names ("param[i]" for a parameter outside the model
+                is its own group).
+
+        Returns:
+            The modules' names, in order of first appearance, and their norms."""
+        key = tuple(grad_names)
+        if key != self._key or self._index is None or self._index.device != norm.device:
+            owners = [name.rpartition(".")[0] if name in self._params else name for name in key]
+            order = {name: i for i, name in enumerate(dict.fromkeys(owners))}
+            self._key, self._names = key, tuple(order)
+            self._index = torch.tensor([order[o] for o in owners], dtype=torch.long, device=norm.device)
+        squares = torch.zeros(len(self._names), dtype=torch.float64, device=norm.device)
+        return self._names, squares.index_add_(0, self._index, norm.square()).sqrt()
+
+
+class _Windows:
+    """The last `window` finite values of many series (rows of one CPU tensor), judged all at once."""
+
+    def __init__(self, window: int):
+        self._rows: dict[tuple, int] = {}
+        self._values = torch.full((0, window), math.nan, dtype=torch.float64)
+        self._next: list[int] = []
+
+    def _row(self, key: tuple) -> int:
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = len(self._rows)
+            self._values = torch.cat([self._values, torch.full((1, self._values.shape[1]), math.nan, dtype=torch.float64)])
+            self._next.append(0)
+        return row
+
+    def judge(self, keys: list[tuple], values: list[float], factor: float, warmup: int) -> list[tuple[bool, bool, float, int]]:
+        """For each series: (above the threshold, below median / factor, the median, values it had),
+        judged against the window before `values` join it (only the finite ones do)."""
+        rows = [self._row(key) for key in keys]
+        index = torch.tensor(rows, dtype=torch.long)
+        x = torch.tensor(values, dtype=torch.float64)
+        window = self._values.index_select(0, index)
+        count = window.isfinite().sum(1)
+        median = window.nanmedian(1).values
+        deviation = (window - median[:, None]).abs().nanmedian(1).values
+        spread = torch.maximum(median.abs(), 3 * deviation)
+        ready = (count >= warmup) & x.isfinite()
+        above = ready & (x - median > (factor - 1) * spread)
+        below = ready & (median > 0) & (x < median / factor)
+        finite = x.isfinite().tolist()
+        for row, value, ok in zip(rows, values, finite):
+            if ok:
+                self._values[row, self._next[row]] = value
+                self._next[row] = (self._next[row] + 1) % self._values.shape[1]
+        return list(zip(above.tolist(), below.tolist(), median.tolist(), count.tolist()))
+
+
+class Spikes:
+    """The spike detectors of one watch: the series' windows and which of them are in an alarm."""
+
+    def __init__(self, options: SpikeOptions, groups: ModuleGroups):
+        self.options = options
+        self.groups = groups
+        self._windows = _Windows(options.window)
+        self._alarmed: set[tuple] = set()
+        self._low: dict[tuple, int] = {}  # checked steps in a row below median / factor, by series
+
+    def observe(self, step: int, losses: Mapping[str, float], grad_norm: Optional[float],
+                modules: Mapping[str, float]) -> Optional[Event]:
+        """Judges one healthy checked step's values and adds them to the windows.
+
+        Returns:
+            The step's spike event (every series that spiked, the first in phase order), or None."""
+        # NOTE: [Spikes]
+        # A running median over the last `window` values, not a mean: a spike does not drag the
+        # threshold up for the steps after it, and a smooth trend (a loss going down, a gradient norm
+        # growing over the first steps) moves the median with it. The threshold is a ratio to that
+        # median, which a user can reason about ("10x the usual"), with the median absolute deviation
+        # as a floor for series near zero or below. An alarm fires when a series crosses the
+        # threshold and re-arms only once it is back under it: one event per excursion, not one per
+        # step while a wrecked run stays high.
+        opts = self.options
+        series: list[tuple[tuple, float]] = []
+        if opts.loss:
+            series += [(("loss", name), value) for name, value in losses.items()]
+        if opts.grad_norm and grad_norm is not None:
+            series.append((("grad_norm", ""), grad_norm))
+        if opts.modules:
+            series += [(("module", name), value) for name, value in modules.items()]
+        if not series:
+            return None
+        judged = self._windows.judge([k for k, _ in series], [v for _, v in series], opts.factor, opts.warmup)
+        found: list[tuple[Place, str]] = []
+        for (key, value), (above, below, median, count) in zip(series, judged):
+            low = self._low[key] = self._low.get(key, 0) + 1 if below else 0
+            vanished = key[0] == "module" and low >= opts.vanishing_steps
+            for direction, crossed in (("up", above), ("down", vanished)):
+                alarm = (key, direction)
+                if not crossed:
+                    if math.isfinite(value):
+                        self._alarmed.discard(alarm)
+                elif alarm not in self._alarmed:
+                    self._alarmed.add(alarm)
+                    found.append(self._describe(key, direction, value, median, count))
+        if not found:
+            return None
+        return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
+                     detail="; ".join(text for _, text in found))
+
+    def _describe(self, key: tuple, direction: str, value: float, median: float, count: int) -> tuple[Place, str]:
+        kind, name = key
+        if kind == "loss":
+            place, what = Place("loss_value", name, "", 0, 0, 0), f"loss {name!r}"
+        elif kind == "grad_norm":
+            place, what = Place("grad", "", "", 0, 0, 0), "the total gradient norm"
+        else:
+            cls = self.groups.module_class(name)
+            place = Place("grad", name, cls, 0, 0, 0)
+            what = f"the gradient norm of {name or '<model>'}" + (f" ({cls})" if cls else "")
+        over = f"its running median {median:.4g} over the last {count} checked steps"
+        if direction == "down":
+            ratio = f"1/{median / value:.3g} of" if value > 0 else "0, against"
+            return place, (f"{what} vanished to {value:.4g} ({ratio} {over}; below 1/{self.options.factor:g} of it "
+                           f"for {self.options.vanishing_steps} checked steps in a row)")
+        ratio = f"{value / median:.3g}x" if median > 0 else f"{value - median:.4g} above"
+        label = "exploded" if kind == "module" else "spiked"
+        return place, f"{what} {label} to {value:.4g} ({ratio} {over}, threshold {self.options.factor:g}x)"
