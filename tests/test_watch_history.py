@@ -18,6 +18,10 @@ KEYS = {"step", "loss", "losses", "grad_norm", "param_norm", "grad_max_abs", "na
         "headroom_place", "loss_scale", "skipped", "scaler_skipped", "rolled_back", "events"}
 
 
+@pytest.fixture(autouse=True)
+def one_thread(restore_num_threads):
+    torch.set_num_threads(1)  # tiny models: more threads only contend for the cores
+
 def mlp(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

@@ -4,6 +4,8 @@ the values the step's one read brought back (see NOTE: [Spikes]); no host read o
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -34,8 +36,8 @@ class SpikeOptions:
     vanishes when it stays below that median divided by ``factor`` for ``vanishing_steps`` checked
     steps in a row (one step is noise: a small layer's gradient over a small batch can dip that low
     now and then). (A series that can be negative,
-    or is noisier than a third of its level, is judged by its excess over the median: more than
-    ``factor - 1`` times max(|median|, 3 x its median absolute deviation).) An alarm fires once per
+    or whose interquartile range exceeds two thirds of its level, is judged by its excess over the
+    median: more than ``factor - 1`` times max(|median|, 1.5 x its interquartile range).) An alarm fires once per
     excursion: the series must come back within the threshold before it can fire again.
 
     ``action``: "warn" (a RuntimeWarning; the watch's callable ``action``, if it has one, gets the
@@ -115,42 +117,33 @@ class ModuleGroups:
         return self._names, squares.index_add_(0, self._index, norm.square()).sqrt()
 
 
-class _Windows:
-    """The last `window` finite values of many series (rows of one CPU tensor), judged all at once."""
+class _Window:
+    """The last `size` finite values of one series, also kept sorted: its median and quartiles in O(1),
+    an update in O(size) memmove (a few microseconds; no tensor ops per step)."""
 
-    def __init__(self, window: int):
-        self._rows: dict[tuple, int] = {}
-        self._values = torch.full((0, window), math.nan, dtype=torch.float64)
-        self._next: list[int] = []
+    __slots__ = ("recent", "ordered")
 
-    def _row(self, key: tuple) -> int:
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = len(self._rows)
-            self._values = torch.cat([self._values, torch.full((1, self._values.shape[1]), math.nan, dtype=torch.float64)])
-            self._next.append(0)
-        return row
+    def __init__(self, size: int):
+        self.recent: collections.deque[float] = collections.deque(maxlen=size)
+        self.ordered: list[float] = []
 
-    def judge(self, keys: list[tuple], values: list[float], factor: float, warmup: int) -> list[tuple[bool, bool, float, int]]:
-        """For each series: (above the threshold, below median / factor, the median, values it had),
-        judged against the window before `values` join it (only the finite ones do)."""
-        rows = [self._row(key) for key in keys]
-        index = torch.tensor(rows, dtype=torch.long)
-        x = torch.tensor(values, dtype=torch.float64)
-        window = self._values.index_select(0, index)
-        count = window.isfinite().sum(1)
-        median = window.nanmedian(1).values
-        deviation = (window - median[:, None]).abs().nanmedian(1).values
-        spread = torch.maximum(median.abs(), 3 * deviation)
-        ready = (count >= warmup) & x.isfinite()
-        above = ready & (x - median > (factor - 1) * spread)
-        below = ready & (median > 0) & (x < median / factor)
-        finite = x.isfinite().tolist()
-        for row, value, ok in zip(rows, values, finite):
-            if ok:
-                self._values[row, self._next[row]] = value
-                self._next[row] = (self._next[row] + 1) % self._values.shape[1]
-        return list(zip(above.tolist(), below.tolist(), median.tolist(), count.tolist()))
+    def judge(self, x: float, factor: float, warmup: int) -> tuple[bool, bool, float, int]:
+        """(x above the threshold, x below median / factor, the median, the values it has), judged
+        against the window before x joins it (if finite)."""
+        o, n = self.ordered, len(self.ordered)
+        median = (o[(n - 1) // 2] + o[n // 2]) / 2 if n else math.nan
+        ready = n >= warmup and math.isfinite(x)
+        above = below = False
+        if ready:
+            spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4]))  # 1.5 IQR: about 2 MAD for symmetric noise
+            above = x - median > (factor - 1) * spread
+            below = median > 0 and x < median / factor
+        if math.isfinite(x):
+            if len(self.recent) == self.recent.maxlen:
+                del o[bisect.bisect_left(o, self.recent[0])]
+            self.recent.append(x)
+            bisect.insort(o, x)
+        return above, below, median, n
 
 
 class Spikes:
@@ -159,7 +152,7 @@ class Spikes:
     def __init__(self, options: SpikeOptions, groups: ModuleGroups):
         self.options = options
         self.groups = groups
-        self._windows = _Windows(options.window)
+        self._windows: dict[tuple, _Window] = {}
         self._alarmed: set[tuple] = set()
         self._low: dict[tuple, int] = {}  # checked steps in a row below median / factor, by series
 
@@ -173,8 +166,8 @@ class Spikes:
         # A running median over the last `window` values, not a mean: a spike does not drag the
         # threshold up for the steps after it, and a smooth trend (a loss going down, a gradient norm
         # growing over the first steps) moves the median with it. The threshold is a ratio to that
-        # median, which a user can reason about ("10x the usual"), with the median absolute deviation
-        # as a floor for series near zero or below. An alarm fires when a series crosses the
+        # median, which a user can reason about ("10x the usual"), with the interquartile range as a
+        # floor for series near zero or below. An alarm fires when a series crosses the
         # threshold and re-arms only once it is back under it: one event per excursion, not one per
         # step while a wrecked run stays high.
         opts = self.options
@@ -187,9 +180,12 @@ class Spikes:
             series += [(("module", name), value) for name, value in modules.items()]
         if not series:
             return None
-        judged = self._windows.judge([k for k, _ in series], [v for _, v in series], opts.factor, opts.warmup)
         found: list[tuple[Place, str]] = []
-        for (key, value), (above, below, median, count) in zip(series, judged):
+        for key, value in series:
+            window = self._windows.get(key)
+            if window is None:
+                window = self._windows[key] = _Window(opts.window)
+            above, below, median, count = window.judge(value, opts.factor, opts.warmup)
             low = self._low[key] = self._low.get(key, 0) + 1 if below else 0
             vanished = key[0] == "module" and low >= opts.vanishing_steps
             for direction, crossed in (("up", above), ("down", vanished)):
