@@ -127,9 +127,9 @@ class _Window:
         self.recent: collections.deque[float] = collections.deque(maxlen=size)
         self.ordered: list[float] = []
 
-    def judge(self, x: float, factor: float, warmup: int) -> tuple[bool, bool, float, int]:
-        """(x above the threshold, x below median / factor, the median, the values it has), judged
-        against the window before x joins it (if finite)."""
+    def judge(self, x: float, factor: float, warmup: int) -> tuple[bool, bool, float]:
+        """(x above the threshold, x below median / factor, the median), judged against the window
+        before x joins it (if finite)."""
         o, n = self.ordered, len(self.ordered)
         median = (o[(n - 1) // 2] + o[n // 2]) / 2 if n else math.nan
         ready = n >= warmup and math.isfinite(x)
@@ -143,7 +143,7 @@ class _Window:
                 del o[bisect.bisect_left(o, self.recent[0])]
             self.recent.append(x)
             bisect.insort(o, x)
-        return above, below, median, n
+        return above, below, median
 
 
 class Spikes:
@@ -185,7 +185,7 @@ class Spikes:
             window = self._windows.get(key)
             if window is None:
                 window = self._windows[key] = _Window(opts.window)
-            above, below, median, count = window.judge(value, opts.factor, opts.warmup)
+            above, below, median = window.judge(value, opts.factor, opts.warmup)
             low = self._low[key] = self._low.get(key, 0) + 1 if below else 0
             vanished = key[0] == "module" and low >= opts.vanishing_steps
             for direction, crossed in (("up", above), ("down", vanished)):
@@ -195,13 +195,16 @@ class Spikes:
                         self._alarmed.discard(alarm)
                 elif alarm not in self._alarmed:
                     self._alarmed.add(alarm)
-                    found.append(self._describe(key, direction, value, median, count))
+                    found.append(self._describe(key, direction, value, median))
         if not found:
             return None
+        rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
+                + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)"
+                   if any("vanished" in text for _, text in found) else ")"))
         return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
-                     detail="; ".join(text for _, text in found))
+                     detail="; ".join(text for _, text in found) + rule)
 
-    def _describe(self, key: tuple, direction: str, value: float, median: float, count: int) -> tuple[Place, str]:
+    def _describe(self, key: tuple, direction: str, value: float, median: float) -> tuple[Place, str]:
         kind, name = key
         if kind == "loss":
             place, what = Place("loss_value", name, "", 0, 0, 0), f"loss {name!r}"
@@ -211,11 +214,9 @@ class Spikes:
             cls = self.groups.module_class(name)
             place = Place("grad", name, cls, 0, 0, 0)
             what = f"the gradient norm of {name or '<model>'}" + (f" ({cls})" if cls else "")
-        over = f"its running median {median:.4g} over the last {count} checked steps"
         if direction == "down":
-            ratio = f"1/{median / value:.3g} of" if value > 0 else "0, against"
-            return place, (f"{what} vanished to {value:.4g} ({ratio} {over}; below 1/{self.options.factor:g} of it "
-                           f"for {self.options.vanishing_steps} checked steps in a row)")
+            ratio = f"1/{median / value:.3g} of" if value > 0 else "against"
+            return place, f"{what} vanished to {value:.4g} ({ratio} its running median {median:.4g})"
         ratio = f"{value / median:.3g}x" if median > 0 else f"{value - median:.4g} above"
         label = "exploded" if kind == "module" else "spiked"
-        return place, f"{what} {label} to {value:.4g} ({ratio} {over}, threshold {self.options.factor:g}x)"
+        return place, f"{what} {label} to {value:.4g} ({ratio} its running median {median:.4g})"
