@@ -181,6 +181,7 @@ class Spikes:
         if not series:
             return None
         found: list[tuple[Place, str]] = []
+        vanishing = False
         for key, value in series:
             window = self._windows.get(key)
             if window is None:
@@ -195,12 +196,12 @@ class Spikes:
                         self._alarmed.discard(alarm)
                 elif alarm not in self._alarmed:
                     self._alarmed.add(alarm)
+                    vanishing |= direction == "down"
                     found.append(self._describe(key, direction, value, median))
         if not found:
             return None
         rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
-                + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)"
-                   if any("vanished" in text for _, text in found) else ")"))
+                + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)" if vanishing else ")"))
         return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
                      detail="; ".join(text for _, text in found) + rule)
 
