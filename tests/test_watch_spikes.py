@@ -77,7 +77,7 @@ WORKLOADS = {
 
 def run(workload, steps, plant=None, seed=0, **options):
     """Trains `steps` steps of a workload under a watch (gradients clipped to norm 1 by the watch, whose
-    norm is the one before clipping); `plant(step, x, y, model)` may change a batch (returns it) or arm
+    norm is the one before clipping); `plant(step, x, y, model, opt)` may change a batch (returns it) or arm
     a fault. Returns the watch, removed."""
     make, data, criterion, optimizer = WORKLOADS[workload]
     torch.manual_seed(seed)
@@ -88,7 +88,7 @@ def run(workload, steps, plant=None, seed=0, **options):
         for step in range(steps):
             x, y = data(g)
             if plant is not None:
-                x, y = plant(step, x, y, model)
+                x, y = plant(step, x, y, model, opt)
             opt.zero_grad()
             w.loss(criterion(model(x), y)).backward()
             w.clip_grad_norm_(1.0)
@@ -101,7 +101,7 @@ def spikes_of(w):
 
 
 def scaled_targets(at, factor=100.0, until=None):
-    def plant(step, x, y, model):
+    def plant(step, x, y, model, opt):
         return x, (y * factor if at <= step < (until or at + 1) else y)
     return plant
 
@@ -128,11 +128,32 @@ def test_a_level_shift_fires_once_not_at_every_step_it_stays_high():
     assert [e.step for e in spikes_of(w)] == [60]
 
 
+def lr_bump(at, factor):
+    """Multiplies the learning rate by `factor` for the optimizer step of step `at` only."""
+    def plant(step, x, y, model, opt):
+        for group in opt.param_groups:
+            group.setdefault("base_lr", group["lr"])
+            group["lr"] = group["base_lr"] * (factor if step == at else 1)
+        return x, y
+    return plant
+
+
+def test_a_learning_rate_1000x_for_one_step_fires_at_the_next_step():
+    """The step that took the huge update is healthy; the next step's loss and gradient norm show it.
+    The wrecked run may fire again later (it is genuinely unstable): the first event is asserted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = run("mlp", 63, plant=lr_bump(60, 1000))
+    first = spikes_of(w)[0]
+    assert first.step == 61 and (first.phase, first.name) == ("loss_value", "loss")
+    assert ("grad", "") in [(p.phase, p.name) for p in first.later]
+
+
 def grad_hook(module_index, at, scale, until=None):
     """Multiplies the gradients of module `module_index`'s parameters by `scale` at steps [at, until)."""
     state = {"step": -1}
 
-    def plant(step, x, y, model):
+    def plant(step, x, y, model, opt):
         if step == 0:
             for p in model[module_index].parameters():
                 p.register_hook(lambda g: g * scale if at <= state["step"] < (until or at + 1) else g)
@@ -175,11 +196,11 @@ def test_no_spike_on_a_smooth_run(workload):
 def test_spikes_raise_before_the_step_is_applied():
     seen = {}
 
-    def plant(step, x, y, model):
+    def plant(step, x, y, model, opt):
         if step == 60:
             seen["before"] = [p.detach().clone() for p in model.parameters()]
             seen["model"] = model
-        return scaled_targets(60)(step, x, y, model)
+        return scaled_targets(60)(step, x, y, model, opt)
 
     with pytest.raises(SpikeError, match="step 60: loss 'loss' spiked") as raised:
         run("mlp", 80, plant=plant, spikes=SpikeOptions(action="raise"))
