@@ -213,12 +213,13 @@ class Watch(Hooks, Actions):
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
                 fused = self._step.clipped or self._fused_pass()
+            # The scale this step's loss was multiplied by, a tensor on the device (get_scale() would sync).
+            scale = getattr(self.scaler, "_scale", None)
+            groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
             read = self._step.pack(*self._recorder.take(), fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
-                                   # the scale this step's loss was multiplied by, on the device (get_scale() syncs)
-                                   scaler_skipped=scaler_skipped, scale=getattr(self.scaler, "_scale", None),
-                                   groups=self._spikes.groups if self._spikes and self._spikes.options.modules else None)
+                                   scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             agree.start(read, self.process_group)
         self.step_count += 1
         self._reset_step()
