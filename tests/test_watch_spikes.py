@@ -208,6 +208,39 @@ def test_spikes_raise_before_the_step_is_applied():
     assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["model"].parameters()))
 
 
+def test_spikes_skip_leaves_the_run_as_if_the_batch_never_came():
+    _, data, criterion, optimizer = WORKLOADS["mlp"]
+
+    def train(watched):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = optimizer(model.parameters())
+        g = torch.Generator().manual_seed(1)
+        w = nanfast.watch(model, opt, action="skip", spikes=SpikeOptions(action="skip")) if watched else None
+        for step in range(70):
+            x, y = data(g)
+            if step == 60:
+                if not watched:
+                    continue  # the reference never sees the batch
+                y = y * 100
+            opt.zero_grad()
+            loss = criterion(model(x), y)
+            (loss if w is None else w.loss(loss)).backward()
+            opt.step()
+        state = [p.detach().clone() for p in model.parameters()]
+        state += [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        return state, w
+
+    with pytest.warns(RuntimeWarning, match="step 60: loss 'loss' spiked.*skipped the optimizer step"):
+        state, w = train(watched=True)
+    reference, _ = train(watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(state, reference))
+    assert w.skipped_steps == 1 and [e.step for e in spikes_of(w)] == [60]
+    assert w.history[60].skipped and not any(r.skipped for r in w.history[:60] + w.history[61:])
+    with pytest.raises(ValueError, match="spikes action 'skip' needs the watch's action='skip' and sync='eager'"):
+        nanfast.watch(mlp(), spikes={"action": "skip"})
+
+
 def test_spikes_record_only_or_call_a_callable_and_the_watch_callable_gets_them_too():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -60,7 +60,7 @@ class Watch(Hooks, Actions):
         spikes: Union[bool, dict, SpikeOptions] = True,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
-        spiking = spike_options(spikes)
+        spiking = spike_options(spikes, action, sync)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer

@@ -54,20 +54,23 @@ class Actions:
             if event is not None:
                 self._act(event, scaler_skipped, before_step=before_step)
             if spike is not None:
-                self._warn(spike, self._spikes.options.action)
+                self._warn(spike, self._spikes.options.action, before_step)
         finally:  # a raise still leaves its step in the timeline
             if self._timeline.wanted:
                 self._timeline.add(history.record(
                     read.step, values, read.tail, losses, scale, skipped=self.skipped_steps > skipped_before,
                     scaler_skipped=scaler_skipped, events=tuple(e for e in (event, spike) if e is not None)))
 
-    def _warn(self, event: Event, action: Any) -> None:
+    def _warn(self, event: Event, action: Any, before_step: bool) -> None:
         """Acts on a warning event (kind spike): warn (and the watch's callable action gets it too),
-        raise SpikeError, only record it, or call the given callable."""
+        raise SpikeError, only record it, skip the step (the watch's skip: action="skip", eager), or
+        call the given callable."""
         if callable(action):
             action(event)
         elif action == "raise":
             raise SpikeError(event)
+        elif action == "skip":
+            self._act(event, scaler_skipped=False, before_step=before_step)
         elif action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=3)
             if callable(self.action):

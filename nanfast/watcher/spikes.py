@@ -15,7 +15,7 @@ import torch
 
 from .events import Event, Place
 
-SPIKE_ACTIONS = ("warn", "raise", "record")
+SPIKE_ACTIONS = ("warn", "raise", "record", "skip")
 
 
 class SpikeError(RuntimeError):
@@ -42,7 +42,8 @@ class SpikeOptions:
 
     ``action``: "warn" (a RuntimeWarning; the watch's callable ``action``, if it has one, gets the
     event too), "raise" (``SpikeError`` from the step's read: eager, before the optimizer applies the
-    step), "record" (only ``w.events`` and the history), or a callable taking the Event."""
+    step), "record" (only ``w.events`` and the history), "skip" (skip the optimizer step as the watch's
+    action="skip" does, which it needs, with sync="eager"), or a callable taking the Event."""
 
     factor: float = 10.0
     window: int = 100
@@ -67,20 +68,27 @@ class SpikeOptions:
                              f"got {self.action!r}")
 
 
-def spike_options(spikes: Union[bool, Mapping, SpikeOptions]) -> Optional[SpikeOptions]:
-    """The ``spikes=`` option as SpikeOptions (None: off).
+def spike_options(spikes: Union[bool, Mapping, SpikeOptions], action: Any, sync: str) -> Optional[SpikeOptions]:
+    """The ``spikes=`` option as SpikeOptions (None: off), given the watch's ``action`` and ``sync``.
 
     Raises:
         TypeError: not a bool, a mapping of SpikeOptions fields, or SpikeOptions.
-        ValueError: a field out of its allowed values."""
-    if isinstance(spikes, SpikeOptions):
-        return spikes
+        ValueError: a field out of its allowed values, or action "skip" without the watch's skip."""
     if isinstance(spikes, bool):
-        return SpikeOptions() if spikes else None
-    if isinstance(spikes, Mapping):
-        return SpikeOptions(**spikes)
-    raise TypeError(f"nanfast.watch: spikes must be a bool, a dict of SpikeOptions fields or a SpikeOptions, "
-                    f"got {type(spikes).__name__}")
+        options = SpikeOptions() if spikes else None
+    elif isinstance(spikes, Mapping):
+        options = SpikeOptions(**spikes)
+    elif isinstance(spikes, SpikeOptions):
+        options = spikes
+    else:
+        raise TypeError(f"nanfast.watch: spikes must be a bool, a dict of SpikeOptions fields or a SpikeOptions, "
+                        f"got {type(spikes).__name__}")
+    if options is not None and options.action == "skip" and (action != "skip" or sync != "eager"):
+        # The skip of a healthy step uses the watch's own: gradients held back before the optimizer
+        # step and the forward's buffer writes put back, both set up by action="skip" and decided on
+        # the host before the step (a lagged watch's on-device skip only sees the non-finite flag).
+        raise ValueError("nanfast.watch: spikes action 'skip' needs the watch's action='skip' and sync='eager'")
+    return options
 
 
 class ModuleGroups:
