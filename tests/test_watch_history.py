@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import nanfast
 from nanfast.watcher import StepRecord
 from op_recorder import OpRecorder
+from torch.utils._python_dispatch import TorchDispatchMode
 
 KEYS = {"step", "loss", "losses", "grad_norm", "param_norm", "grad_max_abs", "nan", "posinf", "neginf", "headroom",
         "headroom_place", "loss_scale", "skipped", "scaler_skipped", "rolled_back", "events"}
@@ -109,13 +110,30 @@ def test_one_host_read_per_checked_step_with_history_spikes_and_a_stream(tmp_pat
     assert all(r.loss is not None and r.grad_norm > 0 for r in w.history)
 
 
+class BlockingReads(TorchDispatchMode):
+    """Counts what blocks the host on the device: .item() and friends (aten._local_scalar_dense), and
+    copies from a CUDA tensor to the CPU that are not non_blocking (.tolist(), .cpu())."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name == "aten._local_scalar_dense.default":
+            self.count += 1
+        elif name == "aten._to_copy.default" and args[0].is_cuda and str(kwargs.get("device", "")).startswith("cpu"):
+            self.count += not kwargs.get("non_blocking", False)
+        elif name == "aten.copy_.default" and args[1].is_cuda and not args[0].is_cuda:
+            self.count += not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+
 def blocking_reads(fn):
-    """The reads that block the host on the device: .item() and friends, and copies to the CPU that are
-    not non_blocking (.tolist(), .cpu() of a CUDA tensor)."""
-    with OpRecorder() as counter:
+    with BlockingReads() as counter:
         fn()
-    to_cpu = [devices for devices in counter.devices["aten._to_copy.default"] if any("cuda" in d for d in devices)]
-    return counter.host_syncs + len(to_cpu)
+    return counter.count
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU a read does not block")
