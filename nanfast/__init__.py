@@ -9,10 +9,10 @@ from .locator import LocateFinding, StepState, locate, locate_step, replay
 from .ops import Stats, any_nonfinite, stats
 from .report import Entry, NonFiniteError, Report
 from .batch import check_batch, checked
-from .watcher import Event, Place, Watch, watch
+from .watcher import Event, Place, SpikeError, SpikeOptions, StepRecord, Watch, watch
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
            "LocateFinding", "StepState", "locate", "locate_step", "replay",
            "check_batch", "checked",
-           "Event", "Place", "Watch", "clip_grad_norm_", "watch"]
+           "Event", "Place", "SpikeError", "SpikeOptions", "StepRecord", "Watch", "clip_grad_norm_", "watch"]
 __version__ = "0.1.0"

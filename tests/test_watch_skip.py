@@ -495,7 +495,8 @@ def soak(action, faults, watched=True):
     model = Soaked()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     seen = []
-    w = nanfast.watch(model, opt, action=seen.append if action == "callable" else action) if watched else None
+    # history=0: the timeline keeps records by design, up to its bound (tests/test_watch_history.py)
+    w = nanfast.watch(model, opt, action=seen.append if action == "callable" else action, history=0) if watched else None
     g = torch.Generator().manual_seed(1)
     reported, census = [], []
     with warnings.catch_warnings():

@@ -4,6 +4,7 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
@@ -18,14 +19,17 @@ from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
 from .fused_pass import Pass, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
+from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options, validate
 from .profile import Profile
 from .restore import BufferUndo
 from .rollback import Rollback
+from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
 from .step import SUMMARY, Read, Step
 
-__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "Watch", "watch"]
+__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "SpikeError",
+           "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
 class Watch(Hooks, Actions):
@@ -62,9 +66,13 @@ class Watch(Hooks, Actions):
         headroom: Union[None, float, Iterable[float]] = DEFAULT_THRESHOLDS,
         rollback_every: Optional[int] = None,
         rollback_device: Optional[Union[str, torch.device]] = None,
+        history: int = DEFAULT_HISTORY,
+        log_to: Any = None,
+        spikes: Union[bool, dict, SpikeOptions] = True,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
+        spiking = spike_options(spikes, action, sync)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer
@@ -126,9 +134,12 @@ class Watch(Hooks, Actions):
         self._rollback = Rollback(optimizer, self._undo, *rollback) if rollback is not None else None
         self._reset_step()
         self._pending: Optional[Read] = None
-        self._summary: Optional[torch.Tensor] = None
         self._summary_values: Optional[list[float]] = None
         self._summary_step = -1
+        self._spikes = None if spiking is None else Spikes(spiking, ModuleGroups(model))
+        self._timeline = Timeline(history, log_to, type(model).__name__,  # opens log_to files: last
+                                  self._headroom.thresholds if self._headroom is not None else ())
+        self._keeps_losses = self._timeline.wanted or (spiking is not None and spiking.loss)
         self._install()
 
     def remove(self) -> None:
@@ -148,6 +159,7 @@ class Watch(Hooks, Actions):
         self._reset_step()
         self._pending = None
         self._rollback = None  # its snapshots: up to two copies of the training state
+        self._timeline.close()
 
     def __enter__(self) -> Watch:
         return self
@@ -233,15 +245,18 @@ class Watch(Hooks, Actions):
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
                 fused = self._step.clipped or self._fused_pass()
+            # The scale this step's loss was multiplied by, a tensor on the device (get_scale() would sync).
+            scale = getattr(self.scaler, "_scale", None)
+            groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
             recorded, recorded_slots, absmax, limited = self._recorder.take()
             read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
-                                   scaler_skipped=scaler_skipped)
+                                   scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             if self._headroom is not None:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
-                    ignore=self.ignore, scale=getattr(self.scaler, "_scale", None),  # None until an enabled one scales
+                    ignore=self.ignore, scale=scale,  # None until an enabled scaler scales
                     grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
             agree.start(read, self.process_group)
         self.step_count += 1
@@ -288,18 +303,34 @@ class Watch(Hooks, Actions):
     def stats(self) -> dict[str, float]:
         """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
         |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
-        the first checked step. In an eager watch the first call after a step reads them (one transfer).
+        the first checked step. They come with the step's one read.
 
         Returns:
             A dict with keys step, grad_norm, param_norm, grad_max_abs, nan, posinf, neginf (floats)."""
         if self._summary_values is None:
-            if self._summary is None:
-                return {}
-            self._summary_values = self._summary.tolist()
+            return {}
         values = dict(zip(SUMMARY, self._summary_values))
         return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
                 "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
                 "neginf": values["neginf"]}
+
+    # ---- the health timeline ----
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
+        return list(self._timeline.records)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the kept records as JSON Lines: a header line ({"nanfast": version, "model": class,
+        "started": time, "headroom_thresholds": [...]}), then one line per record (StepRecord.to_dict()).
+
+        Args:
+            path: the file to write (replaced if it exists).
+
+        Raises:
+            OSError: the file cannot be written."""
+        self._timeline.save(path)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"
@@ -336,6 +367,10 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     parameters themselves non-finite puts back, in place, the last snapshot of parameters, optimizer
     state and module buffers proven finite: ``rollback_every`` (a snapshot every N steps, default 100)
     and ``rollback_device`` (where snapshots are kept, default "cpu"; copied without blocking).
+    ``history`` (checked steps' records kept in ``w.history``, default 10000;
+    0 keeps none), ``log_to`` (a path streamed as JSON Lines, a SummaryWriter, a callable taking a dict
+    of "nanfast/..." numbers such as wandb.log, or a list of these), ``spikes`` (True: SpikeOptions();
+    False: off; a SpikeOptions or a dict of its fields: loss, gradient-norm and per-module spikes).
 
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).

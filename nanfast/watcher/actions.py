@@ -13,51 +13,78 @@ import torch
 
 from .located_agrees import disagreement
 from ..report import NonFiniteError
-from . import agree, step as steps
+from . import agree, history, step as steps
 from .events import Event
 from .options import SKIPPING
 from .restore import lacks_state
+from .spikes import SpikeError
 
 
 class Actions:
     """The actions of `Watch` (a part of it: the state they use is the Watch's)."""
 
     def _evaluate(self, read: steps.Read) -> None:
-        """Reads a step's checks on the host and, if the step is bad, makes its event and acts on it."""
+        """Reads a step's checks on the host; if the step is bad, makes its event and acts on it; a
+        healthy step's values go to the spike alarms; the step's record goes to the timeline."""
         agree.wait(read)
         if self._rollback is not None and self._rollback.stale(read.step):
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
+        before_step = read.host is None
         bad, summary, rows = steps.verdict(read)
-        self._summary, self._summary_values = (read.summary, None) if summary is None else (None, summary)
-        self._summary_step = read.step
-        if self._headroom is not None:
-            for warning in self._headroom.observe(read.step, read.headroom):
-                self._warn(warning)
+        self._summary_values, self._summary_step = summary, read.step
+        headroom = self._headroom.observe(read.step, read.headroom) if self._headroom is not None else []
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:
             self.scaler_skipped_steps += 1
-        if not bad:
-            return
-        event = agree.event(read.step, steps.places(rows, read.slots, scaler_skipped, self.nan_only), self.process_group)
-        if event is None:
-            return  # only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-        if self.on_event == "locate":
+        values = dict(zip(steps.SUMMARY, summary))
+        losses, scale, modules = read.tail.unpack(summary[len(steps.SUMMARY):])
+        event = spike = None
+        if bad:
+            # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
+            event = agree.event(read.step, steps.places(rows, read.slots, scaler_skipped, self.nan_only),
+                                self.process_group)
+        elif self._spikes is not None and not scaler_skipped:
+            spike = self._spikes.observe(read.step, losses, values["grad_norm"] if read.tail.grads else None, modules)
+        if event is not None and self.on_event == "locate":
             located = self._locate()
             differs = None if located is None else disagreement(
                 self.model, event.first.phase, event.first.name, event.first.where(), located)
             event = dataclasses.replace(event, located=located, located_differs=differs)
-        self.events.append(event)
-        self.last = event
-        self._act(event, scaler_skipped, before_step=read.host is None)
+        found = (*headroom, *(e for e in (event, spike) if e is not None))
+        skipped_before, rolled_back_before = self.skipped_steps, self.rolled_back_steps
+        try:
+            for e in found:
+                self.events.append(e)
+                self.last = e
+            for warning in headroom:
+                self._warn(warning, "warn", before_step)
+            if event is not None:
+                self._act(event, scaler_skipped, before_step=before_step)
+            if spike is not None:
+                self._warn(spike, self._spikes.options.action, before_step)
+        finally:  # a raise still leaves its step in the timeline
+            if self._timeline.wanted:
+                top = self._headroom.last if self._headroom is not None else None
+                self._timeline.add(history.record(
+                    read.step, values, read.tail, losses, scale, skipped=self.skipped_steps > skipped_before,
+                    scaler_skipped=scaler_skipped, rolled_back=self.rolled_back_steps > rolled_back_before,
+                    headroom=None if top is None else top[0], headroom_place=None if top is None else top[1].where(),
+                    events=found))
 
-    def _warn(self, event: Event) -> None:
-        """A warning kind's event (headroom): recorded, warned once (a RuntimeWarning), and given to a
-        callable action too; never raises by itself."""
-        self.events.append(event)
-        self.last = event
-        warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
-        if callable(self.action):
-            self.action(event)
+    def _warn(self, event: Event, action: Any, before_step: bool) -> None:
+        """Acts on a warning event (kinds spike and headroom; headroom always warns): warn (and the
+        watch's callable action gets it too), raise SpikeError, only record it, skip the step (the
+        watch's skip: action="skip", eager), or call the given callable."""
+        if callable(action):
+            action(event)
+        elif action == "raise":
+            raise SpikeError(event)
+        elif action == "skip":
+            self._act(event, scaler_skipped=False, before_step=before_step)
+        elif action == "warn":
+            warnings.warn(event.summary(), RuntimeWarning, stacklevel=3)
+            if callable(self.action):
+                self.action(event)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first

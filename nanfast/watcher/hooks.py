@@ -129,7 +129,9 @@ class Hooks:
         """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
         with finite gradients (a mean over no elements: cross-entropy whose targets are all
         ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
-        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False.
+        unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False. Its
+        mean (over its elements and the step's microbatches) goes to the step's record and the spike
+        alarms, read with the step's one read (kept even with loss=False or an ignored name).
 
         Args:
             value: the loss tensor (any floating tensor: each of its elements is checked).
@@ -142,7 +144,13 @@ class Hooks:
             TypeError: value is not a tensor."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
-        if self._active and self._check_loss and not torch.compiler.is_compiling():
+        if not self._active or torch.compiler.is_compiling():
+            return value
+        if self._keeps_losses and value.is_floating_point():
+            with torch.no_grad():  # the value, not the graph; float64 and on the device: no sync
+                mean = value.detach().mean(dtype=torch.float64)
+            self._step.losses.setdefault(name, []).append(mean)
+        if self._check_loss:
             site = self._loss_sites.get(name)
             if site is None:
                 site = self._loss_sites[name] = self._site(name, "")

@@ -12,9 +12,11 @@ import torch
 from ..ops import combine_norms
 from .events import Place
 from .fused_pass import Pass
+from .history import Tail
 from .options import ignored
 
-# Leading entries of the per-step summary tensor (the counts of every slot follow it in a lagged read).
+# Leading entries of the per-step summary tensor; its Tail follows (losses, scale, module norms), then, in
+# a lagged read, the counts of every slot.
 SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
 # Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
 _SCALED_PHASES = frozenset(("loss", "backward", "grad"))
@@ -25,13 +27,14 @@ class Read:
     """One step's checks, packed on the device, and where their host copy lands (lagged reads)."""
 
     step: int
-    summary: torch.Tensor  # float64 [len(SUMMARY)] on the device
+    summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
     counts: torch.Tensor  # int64 [rows, 3] on the device
     slots: list  # (phase, label, call, microbatch, rows) in row order
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
     host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
     copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
+    tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
 
 
@@ -39,13 +42,14 @@ class Step:
     """The Python side of one step's records: what each slot id stands for (see NOTE: [The watch's
     recorder]), the forwards so far and the last output checked. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "microbatch", "clipped", "_last_output", "_last_version")
+    __slots__ = ("slots", "forwards", "microbatch", "clipped", "losses", "_last_output", "_last_version")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
         self.forwards = 0
         self.microbatch = 0
         self.clipped: Optional[Pass] = None  # the fused pass Watch.clip_grad_norm_ made
+        self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
         self.forget_last()
 
     def slot(self, phase: str, site: Any, call: int, microbatch: int) -> int:
@@ -67,13 +71,17 @@ class Step:
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
-             grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool) -> Read:
+             grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool,
+             scale: Optional[torch.Tensor] = None, groups: Optional[Any] = None) -> Read:
         """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
-        and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]."""
+        and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]
+        and its Tail (the losses' means, the GradScaler's `scale`, with `groups` (spikes.ModuleGroups)
+        each module's gradient norm)."""
         counts = [recorded]
         slots = [(*self.slots[slot], rows) for slot, rows in recorded_slots]
         zero = torch.zeros((), dtype=torch.float64, device=device)
         grad_norm = grad_max = param_norm = zero
+        modules = None
         with torch.no_grad():
             if fused is not None:
                 n = fused.n_params
@@ -85,15 +93,22 @@ class Step:
                 if fused.grads:
                     grad_norm = combine_norms(fused.norm[n:])
                     grad_max = fused.absmax[n:].max()
+                    if groups is not None:
+                        modules = groups.norms(fused.norm[n:], fused.grad_names)
                     if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
                         inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
                         grad_norm, grad_max = grad_norm * inv, grad_max * inv
+                        if modules is not None:
+                            modules = (modules[0], modules[1] * inv)
             packed = torch.cat(counts) if len(counts) > 1 else recorded
             totals = packed.sum(0)
             flag = totals[:1] if nan_only else totals.sum(0, keepdim=True)
             found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)
-            summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found])])
-        return Read(step, summary, packed, slots, scaler_skipped)
+            tail, extra = Tail.pack(self.losses, scale, modules, grads=fused is not None and bool(fused.grads),
+                                    params=fused is not None and fused.n_params > 0, device=device)
+            summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found]),
+                                 *extra])
+        return Read(step, summary, packed, slots, scaler_skipped, tail=tail)
 
 
 def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple[str, ...], all_counts: list,
@@ -116,32 +131,40 @@ def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple
 
 def start_copy(read: Read) -> None:
     """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
-    flat = torch.cat([read.summary, read.counts.flatten().to(torch.float64)])
-    if flat.device.type == "cuda":
-        read.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        read.host.copy_(flat, non_blocking=True)
+    read.host = _to_host(torch.cat([read.summary, read.counts.flatten().to(torch.float64)]))
+    if read.host.device != read.summary.device:
         read.copied = torch.cuda.Event()
         read.copied.record()
-    else:
-        read.host = flat
 
 
-def verdict(read: Read) -> tuple[bool, Optional[list[float]], list]:
-    """Reads a step on the host: whether it is bad, the summary's values (None if left on the device)
-    and, for a bad step, the rows of counts."""
+def _to_host(flat: torch.Tensor) -> torch.Tensor:
+    """A copy of `flat` on the host, enqueued without blocking (pinned memory); a CPU tensor as it is."""
+    if flat.device.type != "cuda":
+        return flat
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    return host.copy_(flat, non_blocking=True)
+
+
+def verdict(read: Read) -> tuple[bool, list[float], list]:
+    """Reads a step on the host: whether it is bad, the summary's values (with its tail) and, for a bad
+    step, the rows of counts."""
+    size = read.summary.numel()
     if read.host is not None:  # lagged: the copy was enqueued a step ago
         if read.copied is not None:
             read.copied.synchronize()
         values = read.host.tolist()
-        summary, flat = values[:len(SUMMARY)], values[len(SUMMARY):]
+        summary, flat = values[:size], values[size:]
         bad = summary[0] > 0
         return bad, summary, [flat[i:i + 3] for i in range(0, len(flat), 3)] if bad else []
     # NOTE: [One read per step]
-    # The one host sync of a checked step: a single .item() of the flag (the count of non-finite
-    # values that matter). Everything else stays on the device unless the step is bad.
+    # The one host sync of a checked step: the summary (a few dozen numbers: flag, counts, norms, the
+    # losses, the module norms) is copied to pinned memory without blocking, then the .item() of the
+    # flag waits for the stream, which has done that copy before it (stream order). The counts of each
+    # place stay on the device unless the step is bad.
+    host = _to_host(read.summary)
     if read.summary[0].item() > 0:
-        return True, read.summary.tolist(), read.counts.tolist()
-    return False, None, []
+        return True, host.tolist(), read.counts.tolist()
+    return False, host.tolist(), []
 
 
 def places(rows: list, slots: list, scaler_skipped: bool, nan_only: bool) -> list[Place]:

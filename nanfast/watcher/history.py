@@ -1,0 +1,200 @@
+"""The health timeline: a `StepRecord` per checked step (loss, norms, counts, events), made from the
+values the step's one read brought back; the watch's bounded `history`, `save()` as JSON Lines, and the
+`log_to=` sinks (a JSONL stream, a TensorBoard SummaryWriter, any callable such as wandb.log). Also the
+extra values packed after the summary for it (see `Tail`)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+
+from .events import Event
+
+DEFAULT_HISTORY = 10000
+
+
+class Tail(NamedTuple):
+    """What follows the fixed summary in a step's packed read: the mean of each loss given to
+    Watch.loss, the GradScaler's scale, each module's gradient norm; and which norms were computed."""
+
+    losses: tuple[str, ...] = ()
+    scale: bool = False
+    modules: tuple[str, ...] = ()
+    grads: bool = False
+    params: bool = False
+
+    @staticmethod
+    def pack(losses: Mapping[str, list], scale: Optional[torch.Tensor], modules: Optional[tuple],
+             grads: bool, params: bool, device: torch.device) -> tuple[Tail, list[torch.Tensor]]:
+        """The tail's layout and its tensors (float64, on `device`, no sync): each loss's mean over
+        its microbatches, the scale (if it lives on `device`: another device would cost a sync), the
+        modules' norms."""
+        values = [torch.stack([m.to(device) for m in means]).mean().reshape(1) for means in losses.values()]
+        scale = scale if isinstance(scale, torch.Tensor) and scale.device == device and scale.numel() == 1 else None
+        if scale is not None:
+            values.append(scale.detach().reshape(1).to(torch.float64))
+        names: tuple[str, ...] = ()
+        if modules is not None:
+            names = modules[0]
+            values.append(modules[1])
+        return Tail(tuple(losses), scale is not None, names, grads, params), values
+
+    def unpack(self, tail: list[float]) -> tuple[dict[str, float], Optional[float], dict[str, float]]:
+        """The losses, the scale and the modules' norms from the tail's values."""
+        n = len(self.losses)
+        scale = tail[n] if self.scale else None
+        n += self.scale
+        return dict(zip(self.losses, tail[:len(self.losses)])), scale, dict(zip(self.modules, tail[n:]))
+
+
+def _number(x: Optional[float]) -> Optional[float]:
+    return x if x is None or math.isfinite(x) else None  # JSON has no NaN/inf: null
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One checked step of the health timeline. Norms are of the finite elements (as ``w.stats()``);
+    None where not known (no gradients, the value not checked). ``loss`` is the first name given to
+    Watch.loss this step (its mean over its elements and microbatches), ``losses`` every name's."""
+
+    step: int
+    loss: Optional[float] = None
+    losses: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    grad_norm: Optional[float] = None
+    param_norm: Optional[float] = None
+    grad_max_abs: Optional[float] = None
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    headroom: Optional[float] = None
+    headroom_place: Optional[str] = None
+    loss_scale: Optional[float] = None
+    skipped: bool = False
+    scaler_skipped: bool = False
+    rolled_back: bool = False
+    events: tuple[Event, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns:
+            The record as the JSON object of a JSON Lines timeline (non-finite numbers become null:
+            JSON has none; the counts and events say what happened)."""
+        return {
+            "step": self.step, "loss": _number(self.loss),
+            "losses": {name: _number(v) for name, v in self.losses.items()},
+            "grad_norm": _number(self.grad_norm), "param_norm": _number(self.param_norm),
+            "grad_max_abs": _number(self.grad_max_abs), "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf,
+            "headroom": _number(self.headroom), "headroom_place": self.headroom_place,
+            "loss_scale": _number(self.loss_scale), "skipped": self.skipped, "scaler_skipped": self.scaler_skipped,
+            "rolled_back": self.rolled_back,
+            "events": [{"kind": e.kind, "phase": e.phase, "name": e.name, "summary": e.summary()} for e in self.events],
+        }
+
+    def scalars(self) -> dict[str, float]:
+        """Returns:
+            The record's numbers for a logger, flat, keyed "nanfast/<name>" (losses "nanfast/loss/<name>");
+            unknown values left out."""
+        values: dict[str, Any] = {
+            "step": self.step, "loss": self.loss, "grad_norm": self.grad_norm, "param_norm": self.param_norm,
+            "grad_max_abs": self.grad_max_abs, "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf,
+            "headroom": self.headroom, "loss_scale": self.loss_scale, "skipped": self.skipped,
+            "scaler_skipped": self.scaler_skipped, "rolled_back": self.rolled_back, "events": len(self.events),
+        }
+        values.update({f"loss/{name}": v for name, v in self.losses.items()})
+        return {f"nanfast/{key}": float(v) for key, v in values.items() if v is not None}
+
+
+def record(step: int, summary: dict[str, float], tail: Tail, losses: dict[str, float], scale: Optional[float],
+           **flags: Any) -> StepRecord:
+    """The record of a step from its read: `summary` by SUMMARY's names, the tail unpacked; `flags`:
+    skipped, scaler_skipped, events."""
+    return StepRecord(
+        step=step, loss=next(iter(losses.values()), None), losses=losses,
+        grad_norm=summary["grad_norm"] if tail.grads else None, param_norm=summary["param_norm"] if tail.params else None,
+        grad_max_abs=summary["grad_max_abs"] if tail.grads else None,
+        nan=int(summary["nan"]), posinf=int(summary["posinf"]), neginf=int(summary["neginf"]), loss_scale=scale, **flags)
+
+
+def header(model_class: str, headroom_thresholds: tuple[float, ...]) -> dict[str, Any]:
+    """The first line of a timeline file (no "step" key: readers skip it); the plot draws the headroom
+    thresholds."""
+    from .. import __version__
+
+    return {"nanfast": __version__, "model": model_class, "headroom_thresholds": list(headroom_thresholds),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, allow_nan=False) + "\n"
+
+
+class _Stream:
+    """A JSON Lines file written a line per checked step, flushed each time."""
+
+    def __init__(self, path: Union[str, os.PathLike], first: dict):
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.write(_line(first))
+        self._file.flush()
+
+    def __call__(self, rec: StepRecord) -> None:
+        self._file.write(_line(rec.to_dict()))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _sink(target: Any, first: dict) -> Callable[[StepRecord], None]:
+    if isinstance(target, (str, os.PathLike)):
+        return _Stream(target, first)
+    add_scalar = getattr(target, "add_scalar", None)
+    if callable(add_scalar):  # a TensorBoard SummaryWriter (or anything with its method)
+        return lambda rec: [add_scalar(key, value, global_step=rec.step) for key, value in rec.scalars().items()]
+    if callable(target):  # wandb.log, mlflow.log_metrics, ...
+        return lambda rec: target(rec.scalars())
+    raise TypeError(f"nanfast.watch: log_to entries must be a path (str or os.PathLike), an object with add_scalar "
+                    f"(a SummaryWriter) or a callable taking a dict, got {type(target).__name__}")
+
+
+class Timeline:
+    """A watch's records: the last `keep` kept in memory, each also sent to the `log_to` sinks."""
+
+    def __init__(self, keep: Any, log_to: Any, model_class: str, headroom_thresholds: tuple[float, ...]):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(f"nanfast.watch: history must be an int >= 0 (records kept; 0 keeps none), got {keep!r}")
+        self._header = (model_class, headroom_thresholds)
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=keep)
+        targets = [] if log_to is None else list(log_to) if isinstance(log_to, (list, tuple)) else [log_to]
+        first = header(*self._header)
+        self._sinks: list[Callable[[StepRecord], None]] = []
+        try:
+            for target in targets:
+                self._sinks.append(_sink(target, first))
+        except BaseException:
+            self.close()
+            raise
+        self.wanted = keep > 0 or bool(self._sinks)
+
+    def add(self, rec: StepRecord) -> None:
+        if self.records.maxlen:
+            self.records.append(rec)
+        for sink in self._sinks:
+            sink(rec)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_line(header(*self._header)))
+            f.writelines(_line(rec.to_dict()) for rec in self.records)
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            if isinstance(sink, _Stream):
+                sink.close()
+        self._sinks = []

@@ -1,0 +1,275 @@
+"""The watch's health timeline: a record per checked step whose values match a float64 torch reference,
+read with the step's one host read; w.history, w.save, and log_to (a JSONL stream, TensorBoard's real
+SummaryWriter, a callable)."""
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast.watcher import StepRecord
+from op_recorder import OpRecorder
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KEYS = {"step", "loss", "losses", "grad_norm", "param_norm", "grad_max_abs", "nan", "posinf", "neginf", "headroom",
+        "headroom_place", "loss_scale", "skipped", "scaler_skipped", "rolled_back", "events"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(restore_num_threads):
+    torch.set_num_threads(1)  # tiny models: more threads only contend for the cores
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def batch(step, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(16, 8, generator=g) * scale
+    return x, torch.randint(0, 4, (16,), generator=g)
+
+
+def reference(model, losses):
+    """What the step's record must hold, computed one tensor at a time in float64 right before the step."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    return {"grad_norm": math.sqrt(sum(g.double().square().sum().item() for g in grads)),
+            "param_norm": math.sqrt(sum(p.double().square().sum().item() for p in params)),
+            "grad_max_abs": max(g.double().abs().max().item() for g in grads),
+            "losses": {name: sum(v.double().mean().item() for v in vs) / len(vs) for name, vs in losses.items()}}
+
+
+def train(model, opt, w, steps, microbatches=1, aux=False, expected=None, scales=None):
+    for s in range(steps):
+        opt.zero_grad()
+        seen = {}
+        for m in range(microbatches):
+            x, y = batch(s * microbatches + m, (scales or {}).get(s, 1.0))
+            out = model(x)
+            loss = w.loss(F.cross_entropy(out, y, reduction="none"), "ce")  # per-sample: the mean is the record's
+            seen.setdefault("ce", []).append(loss.detach().clone())
+            total = loss.mean()
+            if aux:
+                reg = w.loss(out.square().mean() * 0.01, "aux")
+                seen.setdefault("aux", []).append(reg.detach().clone())
+                total = total + reg
+            total.backward()
+        if expected is not None:
+            expected.append(reference(model, seen))
+        opt.step()
+
+
+def assert_matches(record, ref):
+    for key in ("grad_norm", "param_norm"):  # the kernels sum float32 squares in float32 lanes: 1e-9 apart here
+        assert getattr(record, key) == pytest.approx(ref[key], rel=1e-6, abs=0), key
+    assert record.grad_max_abs == ref["grad_max_abs"]  # a max is exact
+    assert record.losses.keys() == ref["losses"].keys()
+    for name, value in ref["losses"].items():
+        assert record.losses[name] == pytest.approx(value, rel=1e-12, abs=0), name
+    assert record.loss == record.losses[next(iter(ref["losses"]))]
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_records_match_a_float64_reference_on_a_real_loop(sync):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    with nanfast.watch(model, opt, sync=sync) as w:
+        train(model, opt, w, 6, microbatches=2, aux=True, expected=expected)
+    records = w.history
+    assert [r.step for r in records] == list(range(6))
+    for record, ref in zip(records, expected):
+        assert_matches(record, ref)
+        assert (record.nan, record.posinf, record.neginf, record.events, record.skipped) == (0, 0, 0, (), False)
+        assert list(record.losses) == ["ce", "aux"] and record.loss_scale is None
+    assert w.stats()["grad_norm"] == records[-1].grad_norm
+
+
+def count_syncs(fn):
+    with OpRecorder() as counter:
+        fn()
+    return counter.host_syncs
+
+
+@pytest.mark.parametrize("sync,every,expected", [("eager", 1, [1, 1, 1, 1]), ("eager", 2, [1, 0, 1, 0]),
+                                                 ("lagged", 1, [0, 0, 0, 0])])
+def test_one_host_read_per_checked_step_with_history_spikes_and_a_stream(tmp_path, sync, every, expected):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    received = []
+    with nanfast.watch(model, opt, sync=sync, every=every, log_to=[tmp_path / "run.jsonl", received.append],
+                       spikes=dict(warmup=1)) as w:
+        counts = [count_syncs(lambda: train(model, opt, w, 1, aux=True)) for _ in range(4)]
+    assert counts == expected
+    assert len(w.history) == len(received) == 4 // every
+    assert all(r.loss is not None and r.grad_norm > 0 for r in w.history)
+
+
+class BlockingReads(TorchDispatchMode):
+    """Counts what blocks the host on the device: .item() and friends (aten._local_scalar_dense), and
+    copies from a CUDA tensor to the CPU that are not non_blocking (.tolist(), .cpu())."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name == "aten._local_scalar_dense.default":
+            self.count += 1
+        elif name == "aten._to_copy.default" and args[0].is_cuda and str(kwargs.get("device", "")).startswith("cpu"):
+            self.count += not kwargs.get("non_blocking", False)
+        elif name == "aten.copy_.default" and args[1].is_cuda and not args[0].is_cuda:
+            self.count += not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+
+def blocking_reads(fn):
+    with BlockingReads() as counter:
+        fn()
+    return counter.count
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU a read does not block")
+def test_cuda_one_blocking_read_brings_the_whole_summary():
+    """Before, an eager watch read only the flag and left the norms on the device: w.stats() made a
+    second blocking transfer. Now the step's one read brings the summary (norms, losses, module norms)
+    through a non-blocking copy ordered before the flag's .item()."""
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_and_stats():
+        x, y = batch(0)
+        opt.zero_grad()
+        w.loss(F.cross_entropy(model(x.cuda()), y.cuda())).backward()
+        opt.step()
+        return w.stats()
+
+    with nanfast.watch(model, opt) as w:
+        step_and_stats()  # first step: caches warm
+        assert blocking_reads(step_and_stats) == 1
+    assert w.history[-1].grad_norm == w.stats()["grad_norm"] > 0 and w.history[-1].loss > 0
+
+
+def read_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_save_round_trip_and_a_bad_step(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with nanfast.watch(model, opt, action="skip") as w:
+            train(model, opt, w, 5, scales={3: float("nan")})
+    w.save(tmp_path / "run.jsonl")
+    header, *lines = read_lines(tmp_path / "run.jsonl")
+    assert header["nanfast"] == nanfast.__version__ and header["model"] == "Sequential" and "step" not in header
+    assert lines == [r.to_dict() for r in w.history] and all(set(line) == KEYS for line in lines)
+    bad = lines[3]
+    assert bad["skipped"] and bad["nan"] > 0 and bad["loss"] is None  # JSON has no NaN: null
+    assert [(e["kind"], e["phase"]) for e in bad["events"]] == [("nonfinite", "input")]
+    assert bad["events"][0]["summary"] == w.events[0].summary()
+    assert not any(line["skipped"] or line["events"] for i, line in enumerate(lines) if i != 3)
+    assert math.isnan(w.history[3].loss)  # the record itself keeps the value
+
+
+def test_history_is_bounded_and_zero_keeps_none(tmp_path):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, history=3) as w:
+        train(model, opt, w, 5)
+    assert [r.step for r in w.history] == [2, 3, 4]
+    with nanfast.watch(model, opt, history=0) as w:
+        train(model, opt, w, 2)
+    assert w.history == []
+    w.save(tmp_path / "empty.jsonl")
+    assert len(read_lines(tmp_path / "empty.jsonl")) == 1  # the header only
+
+
+def test_stream_is_written_a_line_per_step_and_closed_by_remove(tmp_path):
+    path = tmp_path / "stream.jsonl"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, log_to=str(path), history=0)
+    train(model, opt, w, 3)
+    lines = read_lines(path)  # flushed at each step: readable while the run goes on
+    assert len(lines) == 4 and [line["step"] for line in lines[1:]] == [0, 1, 2]
+    assert all(line["loss"] > 0 and line["grad_norm"] > 0 for line in lines[1:])
+    stream = w._timeline._sinks[0]
+    w.remove()
+    assert stream._file.closed
+
+
+def test_a_callable_receives_flat_numbers():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    received = []
+    with nanfast.watch(model, opt, log_to=received.append) as w:
+        train(model, opt, w, 3, aux=True)
+    assert len(received) == 3
+    for got, record in zip(received, w.history):
+        assert all(k.startswith("nanfast/") and isinstance(v, float) for k, v in got.items())
+        assert got["nanfast/step"] == record.step and got["nanfast/grad_norm"] == record.grad_norm
+        assert got["nanfast/loss"] == record.loss and got["nanfast/loss/aux"] == record.losses["aux"]
+        assert got["nanfast/param_norm"] == record.param_norm and got["nanfast/nan"] == 0.0
+        assert "nanfast/loss_scale" not in got  # unknown values are left out
+
+
+def test_tensorboard_summary_writer_receives_the_values(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, log_to=writer) as w:
+        train(model, opt, w, 4)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for key in ("grad_norm", "param_norm", "loss", "grad_max_abs"):
+        scalars = events.Scalars(f"nanfast/{key}")
+        assert [s.step for s in scalars] == [0, 1, 2, 3]
+        for s, record in zip(scalars, w.history):
+            assert s.value == pytest.approx(getattr(record, key), rel=1e-6)  # stored as float32
+
+
+def test_loss_scale_comes_from_the_grad_scaler_with_the_read():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scales = []
+    with nanfast.watch(model, opt, scaler=scaler) as w:
+        for s in range(5):
+            opt.zero_grad()
+            x, y = batch(s)
+            loss = w.loss(F.cross_entropy(model(x), y))
+            scaler.scale(loss).backward()
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+    assert [r.loss_scale for r in w.history] == scales == [1024.0, 1024.0, 2048.0, 2048.0, 4096.0]
+    # the gradients are read after the scaler unscaled them
+    assert w.history[0].grad_norm < 100
+
+
+def test_options_are_checked():
+    model = mlp()
+    with pytest.raises(ValueError, match="history must be an int >= 0"):
+        nanfast.watch(model, history=-1)
+    with pytest.raises(TypeError, match="log_to entries must be a path"):
+        nanfast.watch(model, log_to=42)
+    assert not model._forward_hooks  # nothing installed
+
+
+def test_record_to_dict_has_exactly_the_documented_keys():
+    assert set(StepRecord(step=0).to_dict()) == KEYS

@@ -1,0 +1,288 @@
+"""Spike alarms on real small training loops: a planted spike (a batch scaled up, one layer's gradient
+blown up or cut off) gives exactly one event of kind "spike" at its step naming the series; a smooth run
+of a few hundred steps (an MLP, a small ResNet, a tiny transformer) gives none."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast.cli.bench_watch import BasicBlock
+from nanfast.watcher import SpikeError, SpikeOptions
+
+
+@pytest.fixture(autouse=True)
+def one_thread(restore_num_threads):
+    torch.set_num_threads(1)  # tiny models: more threads only contend for the cores
+
+class SmallResNet(torch.nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(8),
+                                        torch.nn.ReLU(inplace=True))
+        self.layer1 = BasicBlock(8, 8, 1)
+        self.layer2 = BasicBlock(8, 16, 2)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.head(self.layer2(self.layer1(self.stem(x))).mean((2, 3)))
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, vocab=50, d=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+TARGET = torch.Generator().manual_seed(7)
+W_TRUE = torch.randn(8, 1, generator=TARGET)
+
+
+def regression_batch(g):
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.sin(x @ W_TRUE)
+
+
+def image_batch(g):
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def token_batch(g):
+    tokens = torch.randint(0, 50, (4, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+WORKLOADS = {
+    "mlp": (mlp, regression_batch, lambda out, y: F.mse_loss(out, y), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "resnet": (SmallResNet, image_batch, F.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "transformer": (TinyTransformer, token_batch, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                    lambda p: torch.optim.AdamW(p, lr=1e-3)),
+}
+
+
+def run(workload, steps, plant=None, seed=0, **options):
+    """Trains `steps` steps of a workload under a watch (gradients clipped to norm 1 by the watch, whose
+    norm is the one before clipping); `plant(step, x, y, model, opt)` may change a batch (returns it) or arm
+    a fault. Returns the watch, removed."""
+    make, data, criterion, optimizer = WORKLOADS[workload]
+    torch.manual_seed(seed)
+    model = make()
+    opt = optimizer(model.parameters())
+    g = torch.Generator().manual_seed(seed + 1)
+    with nanfast.watch(model, opt, **options) as w:
+        for step in range(steps):
+            x, y = data(g)
+            if plant is not None:
+                x, y = plant(step, x, y, model, opt)
+            opt.zero_grad()
+            w.loss(criterion(model(x), y)).backward()
+            w.clip_grad_norm_(1.0)
+            opt.step()
+    return w
+
+
+def spikes_of(w):
+    return [e for e in w.events if e.kind == "spike"]
+
+
+def scaled_targets(at, factor=100.0, until=None):
+    def plant(step, x, y, model, opt):
+        return x, (y * factor if at <= step < (until or at + 1) else y)
+    return plant
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_a_batch_with_targets_scaled_up_fires_one_spike_naming_the_loss_and_the_grad_norm(sync):
+    with pytest.warns(RuntimeWarning, match="step 60: loss 'loss' spiked") as caught:
+        w = run("mlp", 80, plant=scaled_targets(60), sync=sync)
+    assert len(caught) == 1
+    (event,) = spikes_of(w)
+    assert w.events == [event] and event.step == 60 and w.last is event
+    assert (event.first.phase, event.first.name) == ("loss_value", "loss")
+    assert ("grad", "") in [(p.phase, p.name) for p in event.later]  # the total gradient norm
+    assert "the total gradient norm spiked" in event.detail and "threshold 10x)" in event.detail
+    record = w.history[60]
+    assert record.events == (event,) and record.to_dict()["events"][0]["kind"] == "spike"
+    assert record.loss > 10 * w.history[59].loss
+
+
+def test_a_level_shift_fires_once_not_at_every_step_it_stays_high():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = run("mlp", 140, plant=scaled_targets(60, until=140))
+    assert [e.step for e in spikes_of(w)] == [60]
+
+
+def lr_bump(at, factor):
+    """Multiplies the learning rate by `factor` for the optimizer step of step `at` only."""
+    def plant(step, x, y, model, opt):
+        for group in opt.param_groups:
+            group.setdefault("base_lr", group["lr"])
+            group["lr"] = group["base_lr"] * (factor if step == at else 1)
+        return x, y
+    return plant
+
+
+def test_a_learning_rate_1000x_for_one_step_fires_at_the_next_step():
+    """The step that took the huge update is healthy; the next step's loss and gradient norm show it.
+    The wrecked run may fire again later (it is genuinely unstable): the first event is asserted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = run("mlp", 63, plant=lr_bump(60, 1000))
+    first = spikes_of(w)[0]
+    assert first.step == 61 and (first.phase, first.name) == ("loss_value", "loss")
+    assert ("grad", "") in [(p.phase, p.name) for p in first.later]
+
+
+def grad_hook(module_index, at, scale, until=None):
+    """Multiplies the gradients of module `module_index`'s parameters by `scale` at steps [at, until)."""
+    state = {"step": -1}
+
+    def plant(step, x, y, model, opt):
+        if step == 0:
+            for p in model[module_index].parameters():
+                p.register_hook(lambda g: g * scale if at <= state["step"] < (until or at + 1) else g)
+        state["step"] = step
+        return x, y
+    return plant
+
+
+def test_one_layer_exploding_names_the_module():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = run("mlp", 80, plant=grad_hook(2, 60, 1e3))
+    (event,) = spikes_of(w)
+    assert event.step == 60
+    modules = [p for p in event.places if p.phase == "grad" and p.name]
+    assert [(p.name, p.module_class) for p in modules] == [("2", "Linear")]
+    assert "the gradient norm of 2 (Linear) exploded" in event.detail
+
+
+def test_one_layer_vanishing_for_ten_steps_names_the_module_once():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = run("mlp", 100, plant=grad_hook(0, 60, 0.0, until=80))
+    (event,) = spikes_of(w)
+    assert event.step == 69  # the 10th checked step in a row below 1/10 of its median
+    assert [(p.phase, p.name, p.module_class) for p in event.places] == [("grad", "0", "Linear")]
+    assert "the gradient norm of 0 (Linear) vanished to 0 (against its running median" in event.detail
+    assert "below 1/10 for 10 steps in a row" in event.detail
+
+
+@pytest.mark.parametrize("workload", ["mlp", "resnet", "transformer"])
+def test_no_spike_on_a_smooth_run(workload):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a healthy run neither warns nor raises
+        w = run(workload, 300)
+    assert w.events == [] and len(w.history) == 300
+    assert all(r.loss is not None and math.isfinite(r.loss) and r.grad_norm > 0 for r in w.history)
+
+
+def test_spikes_raise_before_the_step_is_applied():
+    seen = {}
+
+    def plant(step, x, y, model, opt):
+        if step == 60:
+            seen["before"] = [p.detach().clone() for p in model.parameters()]
+            seen["model"] = model
+        return scaled_targets(60)(step, x, y, model, opt)
+
+    with pytest.raises(SpikeError, match="step 60: loss 'loss' spiked") as raised:
+        run("mlp", 80, plant=plant, spikes=SpikeOptions(action="raise"))
+    assert raised.value.event.step == 60 and raised.value.event.kind == "spike"
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["model"].parameters()))
+
+
+def test_spikes_skip_leaves_the_run_as_if_the_batch_never_came():
+    _, data, criterion, optimizer = WORKLOADS["mlp"]
+
+    def train(watched):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = optimizer(model.parameters())
+        g = torch.Generator().manual_seed(1)
+        w = nanfast.watch(model, opt, action="skip", spikes=SpikeOptions(action="skip")) if watched else None
+        for step in range(70):
+            x, y = data(g)
+            if step == 60:
+                if not watched:
+                    continue  # the reference never sees the batch
+                y = y * 100
+            opt.zero_grad()
+            loss = criterion(model(x), y)
+            (loss if w is None else w.loss(loss)).backward()
+            opt.step()
+        state = [p.detach().clone() for p in model.parameters()]
+        state += [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        return state, w
+
+    with pytest.warns(RuntimeWarning, match="step 60: loss 'loss' spiked.*skipped the optimizer step"):
+        state, w = train(watched=True)
+    reference, _ = train(watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(state, reference))
+    assert w.skipped_steps == 1 and [e.step for e in spikes_of(w)] == [60]
+    assert w.history[60].skipped and not any(r.skipped for r in w.history[:60] + w.history[61:])
+    with pytest.raises(ValueError, match="spikes action 'skip' needs the watch's action='skip' and sync='eager'"):
+        nanfast.watch(mlp(), spikes={"action": "skip"})
+
+
+def test_spikes_record_only_or_call_a_callable_and_the_watch_callable_gets_them_too():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = run("mlp", 80, plant=scaled_targets(60), spikes={"action": "record"})
+    assert [e.step for e in spikes_of(w)] == [60]
+    called = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = run("mlp", 80, plant=scaled_targets(60), spikes=SpikeOptions(action=called.append))
+    assert called == spikes_of(w) and [e.step for e in called] == [60]
+    called.clear()
+    with pytest.warns(RuntimeWarning, match="spiked"):
+        w = run("mlp", 80, plant=scaled_targets(60), action=called.append)
+    assert called == w.events and [e.kind for e in called] == ["spike"]
+
+
+def test_spikes_off_and_options_checked():
+    w = run("mlp", 80, plant=scaled_targets(60), spikes=False)
+    assert w.events == []
+    model = mlp()
+    for bad, error in [(dict(factor=1.0), ValueError), (dict(window=0), ValueError), (dict(warmup=50, window=20), ValueError),
+                       (dict(action="explode"), ValueError), (dict(vanishing_steps=0), ValueError)]:
+        with pytest.raises(error, match="spikes"):
+            nanfast.watch(model, spikes=bad)
+    with pytest.raises(TypeError, match="spikes must be"):
+        nanfast.watch(model, spikes="on")
+    assert not model._forward_hooks
+
+
+def test_a_negative_loss_is_judged_by_its_spread():
+    """A loss below zero (a log-likelihood) has no meaningful ratio to its median: its excess over the
+    median is judged against max(|median|, 1.5 x its interquartile range) times factor - 1."""
+    model = torch.nn.Linear(2, 2)
+    g = torch.Generator().manual_seed(0)
+    values = [-5.0 + 0.1 * torch.randn((), generator=g).item() for _ in range(150)]
+    values[140] = 50.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with nanfast.watch(model, spikes=SpikeOptions(grad_norm=False, modules=False)) as w:
+            for v in values:
+                w.loss(torch.tensor(v, dtype=torch.float64), "nll")
+                w.step()
+    (event,) = spikes_of(w)
+    assert event.step == 140 and (event.phase, event.name) == ("loss_value", "nll")
+    assert "above its running median -5" in event.detail
