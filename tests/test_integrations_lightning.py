@@ -1,7 +1,8 @@
 """nanfast.integrations.lightning.NanfastCallback in the real Lightning Trainer: a small LightningModule
 on CPU, a fault planted in one layer's output at a chosen forward; raise and skip behave as in a plain
 loop (Lightning steps the optimizer with a closure), gradient accumulation works, the statistics reach
-a real logger (CSVLogger's metrics file)."""
+a real logger (CSVLogger's metrics file); parameters made non-finite between steps are rolled back
+(action="rollback") and stop a skip."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 import nanfast
 from nanfast.integrations.lightning import NanfastCallback
-from training_state import clone, equal, hooks_of
+from training_state import FAULTS, break_parameters, equal, hooks_of, state_of
 
 LAYER = "net.2"
+WEIGHT = "net.2.weight"
 
 
 class Regression(LightningModule):
@@ -69,22 +71,51 @@ def trainer(tmp_path, callbacks, steps: int = 5, **kwargs) -> Trainer:
 
 
 class Snapshot(Callback):
-    """Copies the parameters and optimizer state in on_before_optimizer_step of the `step`-th optimizer
-    step (after its backward, before its update) and compares them at the end of that batch."""
+    """Copies the parameters and the optimizer state when each optimizer step begins (`began`: its first
+    microbatch's on_train_batch_start) and after its update (`stepped`: the next on_train_batch_end), by
+    trainer.global_step at the step's start."""
 
-    def __init__(self, step: int):
-        self.step = step
-        self.before = None
-        self.unchanged = None
+    def __init__(self):
+        self.began, self.stepped = {}, {}
+        self._stepping = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step not in self.began:
+            self.began[trainer.global_step] = state_of(pl_module, trainer.optimizers[0])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == self.step:
-            self.before = (clone(pl_module.state_dict()), clone(optimizer.state_dict()["state"]))
+        self._stepping = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.before is not None and self.unchanged is None:
-            self.unchanged = (equal(self.before[0], pl_module.state_dict())
-                              and equal(self.before[1], trainer.optimizers[0].state_dict()["state"]))
+        if self._stepping is not None:
+            self.stepped[self._stepping] = state_of(pl_module, trainer.optimizers[0])
+            self._stepping = None
+
+    def unchanged(self, step: int) -> bool:
+        """Whether the `step`-th optimizer step left parameters and optimizer state bit-identical."""
+        return equal(self.began[step], self.stepped[step])
+
+
+class BreakParameters(Callback):
+    """Makes the parameters non-finite before optimizer step `at` begins (break_parameters): "huge_lr"
+    in step at-1's update (its lr is put back after it), "nan_weight" after it."""
+
+    def __init__(self, fault: str, at: int):
+        self.fault, self.at = fault, at
+        self._lrs = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.fault == "huge_lr" and trainer.global_step == self.at - 1:
+            self._lrs = [group["lr"] for group in optimizer.param_groups]
+            break_parameters(self.fault, pl_module, optimizer, WEIGHT)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._lrs is not None:
+            for group, lr in zip(trainer.optimizers[0].param_groups, self._lrs):
+                group["lr"] = lr
+            self._lrs = None
+        if self.fault == "nan_weight" and trainer.global_step == self.at:  # step at-1 was counted
+            break_parameters(self.fault, pl_module, trainer.optimizers[0], WEIGHT)
 
 
 def logged(trainer: Trainer) -> list[dict]:
@@ -112,12 +143,12 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path, optimizer):
     module = Regression(optimizer)
     plant_inf(module, at_forward=3)
     before = hooks_of(module)
-    snapshot, callback = Snapshot(step=2), NanfastCallback(action="skip")
+    snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(tmp_path, [snapshot, callback], gradient_clip_val=1.0)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.fit(module)
     # Lightning clipped the NaN gradients (all NaN then); the watch took them away before the update.
-    assert snapshot.unchanged is True
+    assert snapshot.unchanged(2)
     assert t.global_step == 5 and callback.watch.step_count == 5
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert callback.watch.skipped_steps == 1 and callback.watch.events[0].name == LAYER
@@ -133,15 +164,57 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path, optimizer):
 def test_gradient_accumulation(tmp_path):
     module = Regression()
     plant_inf(module, at_forward=4)  # the second microbatch of the second step
-    snapshot, callback = Snapshot(step=1), NanfastCallback(action="skip")
+    snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(tmp_path, [snapshot, callback], steps=3, accumulate_grad_batches=2)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.fit(module)
     event = callback.watch.events[0]
     assert (event.step, event.name, event.first.microbatch) == (1, LAYER, 1)
-    assert snapshot.unchanged is True
+    assert snapshot.unchanged(1)
     assert t.global_step == 3 and callback.watch.step_count == 3
     assert len([r for r in logged(t) if "nanfast/grad_norm" in r]) == 3  # once per optimizer step
+
+
+@pytest.mark.parametrize("every, restored", [(1, 3), (2, 2)])
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_rollback_puts_back_the_last_snapshot(tmp_path, optimizer, fault, every, restored):
+    # Step 4 begins with non-finite parameters (NaN written into a weight after step 3, or step 3 applied
+    # with lr=inf), which no skip can repair. The watch puts back the state its last snapshot holds: the
+    # one step `restored` began with (rollback_every=1: step 3; 2: snapshots at steps 0 and 2).
+    module = Regression(optimizer)
+    snapshot, callback = Snapshot(), NanfastCallback(action="rollback", rollback_every=every)
+    t = trainer(tmp_path, [snapshot, BreakParameters(fault, at=4), callback], steps=6, gradient_clip_val=1.0)
+    with pytest.warns(RuntimeWarning, match=f"rolled back to the state step {restored} began with"):
+        t.fit(module)
+    w = callback.watch
+    assert (w.rolled_back_steps, w.skipped_steps, w.last_rollback) == (1, 0, (4, restored))
+    assert [(e.step, e.phase) for e in w.events] == [(4, "param")]
+    assert fault != "nan_weight" or w.events[0].name == WEIGHT
+    # After step 4's update: parameters and the optimizer's state as step `restored` began, bit for bit.
+    assert equal(snapshot.stepped[4], snapshot.began[restored])
+    assert t.global_step == 6 and w.step_count == 6
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    rows = {int(r["step"]): r for r in logged(t) if "nanfast/grad_norm" in r}
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]
+    bad = rows[4]
+    assert float(bad["nanfast/nan"]) + float(bad["nanfast/posinf"]) + float(bad["nanfast/neginf"]) > 0
+    assert float(bad["nanfast/rolled_back_steps"]) == 1 and float(bad["nanfast/skipped_steps"]) == 0
+    assert float(rows[3]["nanfast/rolled_back_steps"]) == 0 and float(rows[3]["nanfast/nan"]) == 0
+    # Step 5 began with the restored parameters: the norm that step `restored` read.
+    assert rows[5]["nanfast/param_norm"] == rows[restored]["nanfast/param_norm"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_skip_cannot_repair_nonfinite_parameters(tmp_path, fault):
+    module = Regression()
+    callback = NanfastCallback(action="skip")
+    t = trainer(tmp_path, [BreakParameters(fault, at=4), callback], steps=6)
+    with pytest.raises(nanfast.NonFiniteError, match="cannot be skipped once the parameters are non-finite") as caught:
+        t.fit(module)
+    assert (caught.value.report.step, caught.value.report.phase) == (4, "param")
+    assert t.global_step == 4 and callback.watch.skipped_steps == 0
+    assert not t.optimizers[0]._optimizer_step_pre_hooks  # on_exception removed the hooks
 
 
 def test_validation_and_bf16_during_fit(tmp_path):

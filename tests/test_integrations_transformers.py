@@ -1,6 +1,7 @@
 """nanfast.integrations.transformers.NanfastCallback in the real HF Trainer: a tiny random-initialised
 GPT-2 on CPU, a fault planted in one block's output at a chosen forward; raise and skip behave as in a
-plain loop, gradient accumulation works, the statistics reach the logs. Offline: nothing is downloaded
+plain loop, gradient accumulation works, the statistics reach the logs; parameters made non-finite
+between steps are rolled back (action="rollback") and stop a skip. Offline: nothing is downloaded
 (the model is built from a config, no tokenizer), and the tests refuse any network connection."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import nanfast
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from nanfast.integrations.transformers import NanfastCallback
-from training_state import clone, equal, hooks_of
+from training_state import FAULTS, break_parameters, equal, hooks_of, state_of
 
 BLOCK = "transformer.h.1"
+WEIGHT = "transformer.h.0.mlp.c_fc.weight"
 
 
 @pytest.fixture(autouse=True)
@@ -74,22 +76,37 @@ def trainer(model, tmp_path, callbacks, steps: int = 5, accumulation: int = 1, d
 
 
 class Snapshot(TrainerCallback):
-    """Copies the parameters and the optimizer state when `step` begins, and compares them right after
-    its optimizer.step() (before the LR scheduler and zero_grad)."""
+    """Copies the parameters and the optimizer state when each step begins (`began`) and right after
+    its optimizer.step() (`stepped`: before the LR scheduler and zero_grad), by state.global_step."""
 
-    def __init__(self, step: int):
-        self.step = step
-        self.before = None
-        self.unchanged = None
+    def __init__(self):
+        self.began, self.stepped = {}, {}
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if state.global_step == self.step:
-            self.before = (clone(model.state_dict()), clone(optimizer.state_dict()["state"]))
+        self.began[state.global_step] = state_of(model, optimizer)
 
     def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if state.global_step == self.step:
-            self.unchanged = (equal(self.before[0], model.state_dict())
-                              and equal(self.before[1], optimizer.state_dict()["state"]))
+        self.stepped[state.global_step] = state_of(model, optimizer)
+
+    def unchanged(self, step: int) -> bool:
+        """Whether step `step`'s optimizer.step() left parameters and optimizer state bit-identical."""
+        return equal(self.began[step], self.stepped[step])
+
+
+class BreakParameters(TrainerCallback):
+    """Makes the parameters non-finite before step `at` begins (break_parameters): "huge_lr" in step
+    at-1's update (the Trainer's LR scheduler then puts the lr back), "nan_weight" after it."""
+
+    def __init__(self, fault: str, at: int):
+        self.fault, self.at = fault, at
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.fault == "huge_lr" and state.global_step == self.at - 1:
+            break_parameters(self.fault, model, optimizer, WEIGHT)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.fault == "nan_weight" and state.global_step == self.at:  # step at-1 was counted
+            break_parameters(self.fault, model, optimizer, WEIGHT)
 
 
 class LogRecorder(TrainerCallback):
@@ -123,13 +140,13 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     model = tiny_gpt2()
     plant_inf(model, at_forward=3)
     before = hooks_of(model)
-    snapshot, recorder, callback = Snapshot(step=2), LogRecorder(), NanfastCallback(action="skip")
+    snapshot, recorder, callback = Snapshot(), LogRecorder(), NanfastCallback(action="skip")
     t = trainer(model, tmp_path, [recorder, snapshot, callback], steps=5)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.train()
     # The Trainer clipped the NaN gradients (max_grad_norm=1) before optimizer.step(): all NaN; the
     # watch took them away, so neither the parameters nor AdamW's moments moved.
-    assert snapshot.unchanged is True
+    assert snapshot.unchanged(2)
     assert t.state.global_step == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert callback.watch.skipped_steps == 1 and callback.watch.events[0].name == BLOCK
@@ -162,15 +179,56 @@ def test_without_skip_the_clipped_nan_reaches_every_parameter(tmp_path):
 def test_gradient_accumulation(tmp_path):
     model = tiny_gpt2()
     plant_inf(model, at_forward=4)  # the second microbatch of the second step
-    snapshot, callback = Snapshot(step=1), NanfastCallback(action="skip")
+    snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(model, tmp_path, [snapshot, callback], steps=3, accumulation=2)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.train()
     event = callback.watch.events[0]
     assert (event.step, event.name, event.first.microbatch) == (1, BLOCK, 1)
-    assert snapshot.unchanged is True
+    assert snapshot.unchanged(1)
     assert t.state.global_step == 3 and callback.watch.step_count == 3
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("every, restored", [(1, 3), (2, 2)])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_rollback_puts_back_the_last_snapshot(tmp_path, fault, every, restored):
+    # Step 4 begins with non-finite parameters (NaN written into a weight after step 3, or step 3 applied
+    # with lr=inf), which no skip can repair. The watch puts back the state its last snapshot holds: the
+    # one step `restored` began with (rollback_every=1: step 3; 2: snapshots at steps 0 and 2).
+    model = tiny_gpt2()
+    snapshot, callback = Snapshot(), NanfastCallback(action="rollback", rollback_every=every)
+    t = trainer(model, tmp_path, [snapshot, BreakParameters(fault, at=4), callback], steps=6)
+    with pytest.warns(RuntimeWarning, match=f"rolled back to the state step {restored} began with"):
+        t.train()
+    w = callback.watch
+    assert (w.rolled_back_steps, w.skipped_steps, w.last_rollback) == (1, 0, (4, restored))
+    assert [(e.step, e.phase) for e in w.events] == [(4, "param")]
+    assert fault != "nan_weight" or w.events[0].name == WEIGHT
+    # Right after step 4's optimizer.step(): parameters and AdamW's state as step `restored` began, bit for bit.
+    assert equal(snapshot.stepped[4], snapshot.began[restored])
+    assert t.state.global_step == 6
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    steps = {h["step"]: h for h in t.state.log_history if "loss" in h}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    bad = steps[5]  # global_step 5 logs the step counted 4 by the watch
+    assert bad["nanfast/nan"] + bad["nanfast/posinf"] + bad["nanfast/neginf"] > 0
+    assert (bad["nanfast/rolled_back_steps"], bad["nanfast/skipped_steps"], bad["nanfast/events"]) == (1, 0, 1)
+    assert steps[4]["nanfast/rolled_back_steps"] == 0 and steps[4]["nanfast/nan"] == 0
+    # Step 5 began with the restored parameters: the norm that step `restored` read.
+    assert steps[6]["nanfast/param_norm"] == steps[restored + 1]["nanfast/param_norm"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_skip_cannot_repair_nonfinite_parameters(tmp_path, fault):
+    model = tiny_gpt2()
+    callback = NanfastCallback(action="skip")
+    t = trainer(model, tmp_path, [BreakParameters(fault, at=4), callback], steps=6)
+    with pytest.raises(nanfast.NonFiniteError, match="cannot be skipped once the parameters are non-finite") as caught:
+        t.train()
+    assert (caught.value.report.step, caught.value.report.phase) == (4, "param")
+    assert t.state.global_step == 4 and callback.watch.skipped_steps == 0
+    callback.remove()
 
 
 def test_the_models_loss_goes_to_watch_loss(tmp_path):

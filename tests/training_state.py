@@ -1,5 +1,6 @@
-"""Helpers of the framework callbacks' tests: copies of a training state compared bit for bit, and a
-count of a model's forward hooks (to see a callback leave none behind)."""
+"""Helpers of the framework callbacks' tests: copies of a training state compared bit for bit, a fault
+that makes the parameters non-finite, and a count of a model's forward hooks (to see a callback leave
+none behind)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,38 @@ def clone(obj: Any) -> Any:
     return obj
 
 
+def state_of(model: torch.nn.Module, optimizer: Any) -> tuple:
+    """A copy of the training state: the model's state dict and the optimizer's per-parameter state."""
+    return clone(model.state_dict()), clone(optimizer.state_dict()["state"])
+
+
 def equal(a: Any, b: Any) -> bool:
     """Whether two such nestings hold the same keys and bit-identical tensors."""
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return a == b
 
 
 def hooks_of(model: torch.nn.Module) -> int:
     """The number of forward hooks and pre-hooks on the model's modules."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+FAULTS = ("nan_weight", "huge_lr")
+
+
+def break_parameters(fault: str, model: torch.nn.Module, optimizer: Any, weight: str) -> None:
+    """Makes the parameters non-finite as a corrupted update would: "nan_weight" writes NaN into one
+    element of the parameter `weight` now; "huge_lr" sets every param group's lr to inf, so the next
+    optimizer step writes +/-inf (NaN where the update is 0) into every parameter (the caller puts the
+    lr back after that step, or the trainer's LR scheduler does)."""
+    if fault == "nan_weight":
+        with torch.no_grad():
+            model.get_parameter(weight).view(-1)[0] = float("nan")
+    else:
+        for group in optimizer.param_groups:
+            group["lr"] = float("inf")

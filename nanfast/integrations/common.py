@@ -49,8 +49,8 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def metrics(watch: Watch) -> dict[str, float]:
     """The watch's numbers as a trainer logs them: `w.stats()` of the last checked step (grad_norm,
-    param_norm, grad_max_abs, nan, posinf, neginf), and the run's totals so far (skipped_steps, events),
-    each key prefixed "nanfast/". Empty before the first checked step.
+    param_norm, grad_max_abs, nan, posinf, neginf), and the run's totals so far (skipped_steps,
+    rolled_back_steps, events), each key prefixed "nanfast/". Empty before the first checked step.
 
     Args:
         watch: the callback's watch.
@@ -62,6 +62,7 @@ def metrics(watch: Watch) -> dict[str, float]:
         return {}
     values = {PREFIX + key: value for key, value in stats.items() if key != "step"}
     values[PREFIX + "skipped_steps"] = float(watch.skipped_steps)
+    values[PREFIX + "rolled_back_steps"] = float(watch.rolled_back_steps)
     values[PREFIX + "events"] = float(len(watch.events))
     return values
 

@@ -27,7 +27,8 @@ class NanfastCallback(Callback):
     unless given), and removes it at `on_train_end` or `on_exception`. `options` go to `nanfast.watch`
     unchanged (`action`, `sync`, `every`, `ignore`, `nan_only`, ...): a bad step raises `NonFiniteError`
     out of `trainer.fit()`, or is skipped (parameters and optimizer state unchanged; an LR scheduler
-    still steps).
+    still steps); with action="rollback", parameters an update made non-finite are put back with the
+    optimizer state to the last good snapshot (not an LR scheduler nor `trainer.global_step`).
 
     Lightning hands the torch optimizer a closure that runs training_step and backward inside
     `optimizer.step(closure)`, after the point where the watch decides (its step pre-hook). The callback
@@ -38,8 +39,8 @@ class NanfastCallback(Callback):
     `accumulate_grad_batches` as Lightning does; not with a GradScaler, which has scaled it by then).
 
     Logs: after each checked optimizer step, the watch's numbers (`w.stats()`, prefixed "nanfast/",
-    plus "nanfast/skipped_steps" and "nanfast/events") go to `pl_module.log_dict` (on_step), so they
-    reach the trainer's loggers.
+    plus "nanfast/skipped_steps", "nanfast/rolled_back_steps" and "nanfast/events") go to
+    `pl_module.log_dict` (on_step), so they reach the trainer's loggers.
 
     Args:
         module: the attribute path of the submodule to watch (e.g. "model") when training_step calls it

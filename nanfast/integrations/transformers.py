@@ -30,15 +30,17 @@ class NanfastCallback(TrainerCallback):
     leave the model without hooks at once). `options` go to `nanfast.watch` unchanged (`action`, `sync`,
     `every`, `ignore`, `nan_only`, ...), so every action of the watch works as in a plain loop: a bad
     step raises `NonFiniteError` out of `trainer.train()`, or is skipped (parameters and optimizer state
-    unchanged; the LR scheduler still steps).
+    unchanged; the LR scheduler still steps); with action="rollback", parameters an update made
+    non-finite are put back with the optimizer state to the last good snapshot (not the LR scheduler nor
+    `state.global_step`).
 
     The loss: a model that computes its loss (given `labels`) returns it in its output; a forward hook
     gives it to `w.loss` (phase loss_value) in training forwards. A loss computed outside the model
     (`compute_loss_func`, label smoothing) is not seen there.
 
-    Logs: at the first `on_log` of each logged step, the watch's numbers (`w.stats()` of the last checked step, prefixed
-    "nanfast/", plus "nanfast/skipped_steps" and "nanfast/events") go into the logs, so the reporters
-    (`report_to`) and `state.log_history` get them.
+    Logs: at the first `on_log` of each logged step, the watch's numbers (`w.stats()` of the last
+    checked step, prefixed "nanfast/", plus "nanfast/skipped_steps", "nanfast/rolled_back_steps" and
+    "nanfast/events") go into the logs, so the reporters (`report_to`) and `state.log_history` get them.
 
     Args:
         **options: keyword options of `nanfast.watch`.
