@@ -1,16 +1,14 @@
 """Writes the health timeline behind the README's figure (docs/health_timeline.png): a small pre-norm MLP
-trained on CPU under float16 autocast and `nanfast.watch(action="skip")`, with three things going wrong
-on purpose, each caught as it happens:
+trained on CPU under float16 autocast and `nanfast.watch(action="skip", log_to=...)`, with three things
+going wrong on purpose, each caught by the watch as it happens:
 
-- step 100: a batch with a NaN in it (dirty data): the watch catches it and skips the step;
+- step 100: a batch with a NaN in it (dirty data): an event of kind "nonfinite", the step skipped;
 - step 180: the learning rate set 30x too high for one step: the loss and gradient norm jump at the
-  next step, and a running-median check in this script calls it a spike;
+  next step, more than 10x their running medians: an event of kind "spike";
 - throughout: the inputs' scale drifts upwards (an unnormalised feature), so the first layer's float16
-  output creeps towards float16's largest finite value; this script warns when it passes 50%.
+  output creeps towards float16's largest finite value: events of kind "headroom" at 25%, 50%, 90%.
 
-Until the watch writes these records itself (issue 18: `w.save`, `log_to=`), this script writes them in
-the same JSON Lines format (one object per step, a header first). The headroom and spike checks here
-are this script's own simple ones, not the watch's. Run from the repository root:
+The records are the watch's own (streamed by `log_to=`). Run from the repository root:
 
     python docs/health_timeline_example.py health.jsonl
     python -m nanfast plot health.jsonl -o docs/health_timeline.png
@@ -19,9 +17,7 @@ are this script's own simple ones, not the watch's. Run from the repository root
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +25,6 @@ import torch.nn.functional as F
 import nanfast
 
 STEPS, DIRTY_STEP, LR_MISTAKE_STEP = 300, 100, 180
-HEADROOM_THRESHOLD = 0.5
-SPIKE_RATIO, SPIKE_WINDOW = 3.0, 20
-FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
 class PreNormMLP(torch.nn.Module):
@@ -65,20 +58,8 @@ def main() -> None:
     teacher = torch.randn(16, 1, generator=gen)
     model = PreNormMLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    fc1_max = torch.zeros(())
-
-    def keep_fc1_max(module, inputs, out):
-        # The first layer's float16 output, its largest finite |x| (kept on the device, read once a step).
-        fc1_max.copy_(torch.where(torch.isfinite(out), out.abs(), 0).amax())
-
-    model.fc1.register_forward_hook(keep_fc1_max)
-    losses: list[float] = []
-    in_spike = [False]
-    warned_headroom = False
-    with open(args.out, "w") as f, nanfast.watch(model, optimizer, action="skip", loss=True) as w:
-        f.write(json.dumps({"nanfast": nanfast.__version__, "model": type(model).__name__,
-                            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            "headroom_thresholds": [HEADROOM_THRESHOLD]}) + "\n")
+    with warnings.catch_warnings(), nanfast.watch(model, optimizer, action="skip", log_to=args.out) as w:
+        warnings.simplefilter("ignore", RuntimeWarning)  # the events are in the file (and in w.events)
         for step in range(STEPS):
             x, y = batch(step, gen, teacher)
             for group in optimizer.param_groups:
@@ -87,49 +68,10 @@ def main() -> None:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = w.loss(F.mse_loss(model(x).float(), y))
             loss.backward()
-            seen, skipped = len(w.events), w.skipped_steps
             optimizer.step()
-            record = step_record(w, loss.item(), fc1_max.item() / FLOAT16_MAX, skipped)
-            record["events"] += [event_record(e) for e in w.events[seen:]]
-            record["events"] += spike_events(step, record["loss"], losses, in_spike)
-            if record["headroom"] >= HEADROOM_THRESHOLD and not warned_headroom:
-                warned_headroom = True
-                record["events"].append({"kind": "headroom", "phase": "forward", "name": "fc1", "summary": (
-                    f"step {step}: output of fc1 (Linear) at {100 * record['headroom']:.0f}% of float16's max")})
-            f.write(json.dumps(record) + "\n")
-    print(f"{args.out}: {STEPS} steps, {w.skipped_steps} skipped, {len(w.events)} watch events")
-
-
-def step_record(w: nanfast.Watch, loss: float, headroom: float, skipped_before: int) -> dict:
-    """The per-step record of issue 18's format, from w.stats() and this script's own measures."""
-    stats = w.stats()
-    return {"step": w.step_count - 1, "loss": loss, "losses": {"loss": loss},
-            "grad_norm": stats.get("grad_norm"), "param_norm": stats.get("param_norm"),
-            "grad_max_abs": stats.get("grad_max_abs"), "nan": int(stats.get("nan", 0)),
-            "posinf": int(stats.get("posinf", 0)), "neginf": int(stats.get("neginf", 0)),
-            "headroom": headroom, "headroom_place": "output of fc1 (Linear)", "loss_scale": None,
-            "skipped": w.skipped_steps > skipped_before, "scaler_skipped": False, "rolled_back": False,
-            "events": []}
-
-
-def event_record(event: nanfast.Event) -> dict:
-    return {"kind": event.kind, "phase": event.first.phase, "name": event.first.name, "summary": event.summary()}
-
-
-def spike_events(step: int, loss: float, history: list[float], in_spike: list[bool]) -> list[dict]:
-    """A loss more than SPIKE_RATIO times the median of the last SPIKE_WINDOW finite losses starts a spike,
-    reported once until the loss is back under that bound; only finite losses join the window."""
-    found = []
-    if len(history) >= SPIKE_WINDOW and loss == loss:
-        median = statistics.median(history[-SPIKE_WINDOW:])
-        spiking = loss > SPIKE_RATIO * median
-        if spiking and not in_spike[0]:
-            found.append({"kind": "spike", "phase": "loss_value", "name": "loss",
-                          "summary": f"step {step}: loss {loss:.3g} is {loss / median:.0f}x its running median"})
-        in_spike[0] = spiking
-    if loss == loss:
-        history.append(loss)
-    return found
+    kinds = [e.kind for e in w.events]
+    print(f"{args.out}: {STEPS} steps, {w.skipped_steps} skipped; events: "
+          + ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)))
 
 
 if __name__ == "__main__":

@@ -15,5 +15,5 @@ from .schema import MASKING_OPS
 from .source import SourceLine
 from .step import StepState, locate_step
 
-__all__ = ["Locate", "LocateFinding", "Producer", "SourceLine", "StepState", "TensorInfo", "locate", "locate_step",
-           "replay"]
+__all__ = ["MASKING_OPS", "Locate", "LocateFinding", "Producer", "SourceLine", "StepState", "TensorInfo", "locate",
+           "locate_step", "replay"]

@@ -4,7 +4,6 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
@@ -23,18 +22,20 @@ from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks
 from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options, validate
 from .profile import Profile
+from .readings import Readings
 from .restore import BufferUndo
 from .rollback import Rollback
 from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
-from .step import SUMMARY, Read, Step
+from .step import Read, Step
 
 __all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "SpikeError",
            "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
-class Watch(Hooks, Actions):
+class Watch(Hooks, Actions, Readings):
     """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`. The facade:
-    the hooks (hooks.py), the step's read (step.py), the actions (actions.py) are its parts.
+    the hooks (hooks.py), the step's read (step.py), the actions (actions.py), what it tells a logger
+    (readings.py) are its parts.
 
     Args:
         model, optimizer, and the options by keyword: as `nanfast.watch`, which documents them.
@@ -282,55 +283,6 @@ class Watch(Hooks, Actions):
             params = list(self.model.parameters())
         return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
                               headroom=self._headroom is not None)
-
-    def costs(self) -> dict[str, float]:
-        """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
-        its gradient checks, reads included), seconds in its fused kernels ("kernels") and the bytes they
-        read ("bytes"), and the part of those in the step's pass over parameters and gradients ("pass",
-        "pass_bytes").
-
-        Returns:
-            The totals since the watch was made, as a dict with those five keys.
-
-        Raises:
-            RuntimeError: the watch was made without profile=True (it measures nothing)."""
-        if self._profile is None:
-            raise RuntimeError("Watch.costs: this watch measures nothing; make it with nanfast.watch(..., profile=True)")
-        return self._profile.totals(self._recorder)
-
-    # ---- numbers for a logger ----
-
-    def stats(self) -> dict[str, float]:
-        """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
-        |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
-        the first checked step. They come with the step's one read.
-
-        Returns:
-            A dict with keys step, grad_norm, param_norm, grad_max_abs, nan, posinf, neginf (floats)."""
-        if self._summary_values is None:
-            return {}
-        values = dict(zip(SUMMARY, self._summary_values))
-        return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
-                "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
-                "neginf": values["neginf"]}
-
-    # ---- the health timeline ----
-
-    @property
-    def history(self) -> list[StepRecord]:
-        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
-        return list(self._timeline.records)
-
-    def save(self, path: Union[str, os.PathLike]) -> None:
-        """Writes the kept records as JSON Lines: a header line ({"nanfast": version, "model": class,
-        "started": time, "headroom_thresholds": [...]}), then one line per record (StepRecord.to_dict()).
-
-        Args:
-            path: the file to write (replaced if it exists).
-
-        Raises:
-            OSError: the file cannot be written."""
-        self._timeline.save(path)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"

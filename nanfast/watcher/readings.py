@@ -1,0 +1,59 @@
+"""What a watch tells a logger or a benchmark, beyond its events: the last step's numbers (`stats`), the
+health timeline (`history`, `save`) and what the watch cost (`costs`). A part of `Watch`."""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+from .history import StepRecord
+from .step import SUMMARY
+
+
+class Readings:
+    """The readings of `Watch` (a part of it: the state they use is the Watch's)."""
+
+    def costs(self) -> dict[str, float]:
+        """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
+        its gradient checks, reads included), seconds in its fused kernels ("kernels") and the bytes they
+        read ("bytes"), and the part of those in the step's pass over parameters and gradients ("pass",
+        "pass_bytes").
+
+        Returns:
+            The totals since the watch was made, as a dict with those five keys.
+
+        Raises:
+            RuntimeError: the watch was made without profile=True (it measures nothing)."""
+        if self._profile is None:
+            raise RuntimeError("Watch.costs: this watch measures nothing; make it with nanfast.watch(..., profile=True)")
+        return self._profile.totals(self._recorder)
+
+    def stats(self) -> dict[str, float]:
+        """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
+        |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
+        the first checked step. They come with the step's one read.
+
+        Returns:
+            A dict with keys step, grad_norm, param_norm, grad_max_abs, nan, posinf, neginf (floats)."""
+        if self._summary_values is None:
+            return {}
+        values = dict(zip(SUMMARY, self._summary_values))
+        return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
+                "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
+                "neginf": values["neginf"]}
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
+        return list(self._timeline.records)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the kept records as JSON Lines: a header line ({"nanfast": version, "model": class,
+        "started": time, "headroom_thresholds": [...]}), then one line per record (StepRecord.to_dict()).
+
+        Args:
+            path: the file to write (replaced if it exists).
+
+        Raises:
+            OSError: the file cannot be written."""
+        self._timeline.save(path)
