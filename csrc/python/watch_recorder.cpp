@@ -47,26 +47,18 @@ using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
 // The largest finite value of `dtype` for the dtypes whose headroom is watched; 0 for the others
 // (float32 and float64 need no watching; integers and float4 saturate or cannot overflow).
 double max_finite(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-      return static_cast<double>(std::numeric_limits<c10::Half>::max());
-    case at::kBFloat16:
-      return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
-    case at::kFloat8_e5m2:
-      return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
-    case at::kFloat8_e4m3fn:
-      return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
-    case at::kFloat8_e5m2fnuz:
-      return static_cast<double>(std::numeric_limits<c10::Float8_e5m2fnuz>::max());
-    case at::kFloat8_e4m3fnuz:
-      return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fnuz>::max());
-#if NANFAST_HAS_FLOAT8_E8M0FNU
-    case at::kFloat8_e8m0fnu:
-      return static_cast<double>(std::numeric_limits<c10::Float8_e8m0fnu>::max());
-#endif
-    default:
-      return 0.0;
+  if (!can_be_nonfinite(dtype)) {
+    return 0.0;
   }
+  return visit_dtype</*kFloatingOnly=*/true>(dtype, [](auto tag) {
+    using T = typename decltype(tag)::type;
+    // 16 bits or fewer, with a largest finite value (float4_e2m1fn_x2 packs two values and has none).
+    if constexpr (sizeof(T) <= 2 && std::numeric_limits<T>::is_specialized) {
+      return static_cast<double>(std::numeric_limits<T>::max());
+    } else {
+      return 0.0;
+    }
+  });
 }
 
 // One record: the counts [rows, 3] on the device and the slot id; for a record holding a low-precision

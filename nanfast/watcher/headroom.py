@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..ops import reads_dtype
 from .events import Event, Place
 from .options import ignored
 
@@ -29,9 +30,16 @@ _SCALED_PHASES = frozenset(("loss", "backward"))
 
 
 def _low_precision_dtypes() -> list[torch.dtype]:
-    names = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-             "float8_e8m0fnu")
-    return [getattr(torch, name) for name in names if hasattr(torch, name)]
+    """The floating dtypes of 16 bits or fewer that the kernels read and that have a largest finite value
+    (float4_e2m1fn_x2 packs two values a byte and saturates: it has none)."""
+    def has_max(dtype: torch.dtype) -> bool:
+        try:
+            return math.isfinite(torch.finfo(dtype).max)
+        except (TypeError, RuntimeError):
+            return False
+
+    dtypes = {value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+    return sorted((d for d in dtypes if d.is_floating_point and d.itemsize <= 2 and reads_dtype(d) and has_max(d)), key=str)
 
 
 # The dtypes whose headroom is watched and their largest finite values (the recorder's own table,
