@@ -5,7 +5,10 @@ ratio is reported both as bench.py computes it (from medians) and as the median 
 ratios with its range, which a shared machine makes wide.
 
     python benchmarks/isa_ab.py [--repeats 15] [--workloads gpt2-fp32,gpt2-bf16,5000x1024-fp32]
-        [--configs avx2+pf,avx2,avx512+pf,avx512]
+        [--configs avx2+pf,avx2,avx512+pf,avx512] [--threads N] [--clock wall|thread]
+
+`--threads 1 --clock thread` times the calling thread's CPU time, which other processes on a shared
+machine disturb far less than wall time (with more threads, the work of the others is not counted).
 
 A config is an instruction set, `+pf` for the software prefetches on (see NOTE: [Prefetching the
 next page] in csrc/cpu/simd_body.h)."""
@@ -49,7 +52,8 @@ def _methods(tensors: list[torch.Tensor], configs: list[str]) -> dict[str, Calla
     return methods
 
 
-def run(workload: str, tensors: list[torch.Tensor], configs: list[str], repeats: int) -> None:
+def run(workload: str, tensors: list[torch.Tensor], configs: list[str], repeats: int,
+        clock: Callable[[], float] = time.perf_counter) -> None:
     """Prints, per config, its ratio to the read ceiling (and to the per-tensor assert when timed)."""
     methods = _methods(tensors, configs)
     names = list(methods)
@@ -59,10 +63,10 @@ def run(workload: str, tensors: list[torch.Tensor], configs: list[str], repeats:
             name = names[(j + r) % len(names)]
             if name in configs:
                 _configure(name)
-            start = time.perf_counter()
+            start = clock()
             methods[name]()
             if r:
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append(clock() - start)
     median = {name: statistics.median(ts) for name, ts in samples.items()}
     ceiling = [min(s, m) for s, m in zip(samples["sum"], samples["amax"])]
     print(f"{workload}: ceiling {min(median['sum'], median['amax']) * 1e3:.2f} ms")
@@ -83,14 +87,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--workloads", default="gpt2-fp32,gpt2-bf16,5000x1024-fp32")
     parser.add_argument("--configs", default="avx2+pf,avx2,avx512+pf,avx512")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     configs = args.configs.split(",")
     isa, prefetch = _C.cpu_isa(), _C.cpu_prefetch()
-    print(f"{torch.get_num_threads()} threads; this CPU runs {isa}, prefetch {'on' if prefetch else 'off'} by default")
+    print(f"{torch.get_num_threads()} threads, {args.clock} clock; this CPU runs {isa}, prefetch {'on' if prefetch else 'off'} by default")
     wanted = args.workloads.split(",")
     for workload, tensors in make_workloads("cpu", 1.0).items():
         if workload in wanted:
-            run(workload, tensors, configs, args.repeats)
+            run(workload, tensors, configs, args.repeats, clock)
     _C.set_cpu_isa(isa)
     _C.set_cpu_prefetch(prefetch)
     return 0
