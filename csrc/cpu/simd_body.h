@@ -186,13 +186,16 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 // Cascade Lake VM, 2 threads: stats over 500 MB of float32 went from 16.3-17.2 to 18.5-19.0 GB/s,
 // over bfloat16 from 13 to 19 GB/s; any_nonfinite from 18.2-18.6 to 20.5 GB/s. Prefetches past the
 // end of the data are hints and never fault.
-// On AMD they cost instead. On a 2-vCPU AMD EPYC (Zen 4) KVM guest, 2 threads, GPT-2 float32 stats
-// with AVX2 ran at 0.66x the read ceiling with them and 1.00x without (medians of 15 interleaved
-// repeats, machine shared), with AVX-512 at 0.71x and 0.89x; 5000 tensors of 1024 floats took
-// 30-40% more CPU time, a quarter of it on the prefetch instructions (they wait for miss buffers
-// that the hardware prefetchers, which cross pages there, already fill). So every kernel is compiled
-// with and without them: SimdKernels::prefetch says which, on by default except on AMD processors,
-// NANFAST_CPU_PREFETCH=0|1 or set_cpu_prefetch() decide otherwise. Results do not depend on it.
+// On AMD they cost instead. On a 2-vCPU AMD EPYC (Zen 4) KVM guest, 2 threads, machine shared,
+// seven runs of benchmarks/isa_ab.py: GPT-2 float32 stats with AVX2 read at 0.58-0.73x the read
+// ceiling with them (median 0.66x) and 0.69-0.98x without (0.84x), AVX-512 likewise; bfloat16 showed
+// no consistent difference; 5000 tensors of 1024 floats took 17% less CPU time without (median); the
+// prefetch loop held a quarter of the kernel's perf samples (prefetches wait for miss buffers that
+// the hardware prefetchers, which need no help there, keep busy). Details:
+// benchmarks/results/cpu-isa-prefetch.md. So every kernel is compiled with and without them:
+// SimdKernels::prefetch says which, on by default except on AMD processors (an AMD EPYC with AVX2
+// only, 0.65-0.83x of the ceiling in issue 19, was not measured without them), NANFAST_CPU_PREFETCH=0|1
+// or set_cpu_prefetch() decide otherwise. Results do not depend on it.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
