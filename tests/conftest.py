@@ -40,10 +40,12 @@ def _denormals_after_inductor():
 
 @pytest.fixture
 def restore_cpu_isa():
-    """Restores the CPU kernels' instruction set a test changes with nanfast._C.set_cpu_isa."""
-    isa = nanfast._C.cpu_isa()
+    """Restores the CPU kernels' instruction set and prefetch setting a test changes with
+    nanfast._C.set_cpu_isa and nanfast._C.set_cpu_prefetch."""
+    isa, prefetch = nanfast._C.cpu_isa(), nanfast._C.cpu_prefetch()
     yield isa
     nanfast._C.set_cpu_isa(isa)
+    nanfast._C.set_cpu_prefetch(prefetch)
 
 
 @pytest.fixture

@@ -10,42 +10,72 @@
 namespace nanfast::cpu {
 namespace {
 
-const SimdKernels* best_supported() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return &avx512_kernels();
+constexpr int kNumIsas = 3;
+const char* const kIsaNames[kNumIsas] = {"avx512", "avx2", "baseline"};  // best first
+
+const SimdKernels& kernels_of(int isa, bool prefetch) {
+  switch (isa) {
+    case 0:
+      return avx512_kernels(prefetch);
+    case 1:
+      return avx2_kernels(prefetch);
+    default:
+      return baseline_kernels(prefetch);
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return &avx2_kernels();
-  }
-#endif
-  return &baseline_kernels();
 }
 
-const SimdKernels* capped(const char* isa) {
-  const SimdKernels* best = best_supported();
-  const SimdKernels* order[] = {&avx512_kernels(), &avx2_kernels(), &baseline_kernels()};
-  const char* names[] = {"avx512", "avx2", "baseline"};
-  for (int k = 0; k < 3; ++k) {
-    if (std::strcmp(isa, names[k]) == 0) {
-      // The cap only lowers: asking for more than the processor has keeps the best it has.
-      for (int j = 0; j < 3; ++j) {
-        if (order[j] == best) {
-          return order[j < k ? k : j];
-        }
-      }
+int isa_index(const char* isa) {
+  for (int k = 0; k < kNumIsas; ++k) {
+    if (std::strcmp(isa, kIsaNames[k]) == 0) {
+      return k;
     }
   }
   TORCH_CHECK(false, "nanfast: unknown CPU instruction set '", isa, "' (expected avx512, avx2 or baseline)");
 }
 
+int best_supported() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return 0;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return 1;
+  }
+#endif
+  return 2;
+}
+
+// The index of `isa`, capped: asking for more than the processor has keeps the best it has.
+int capped(const char* isa) {
+  const int asked = isa_index(isa);
+  const int best = best_supported();
+  return asked < best ? best : asked;
+}
+
+// See NOTE: [Prefetching the next page]: on by default except on AMD processors.
+bool default_prefetch() {
+  const char* env = std::getenv("NANFAST_CPU_PREFETCH");
+  if (env != nullptr && *env != '\0') {
+    TORCH_CHECK(
+        std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, "nanfast: NANFAST_CPU_PREFETCH is '", env,
+        "' (expected 0 or 1)");
+    return *env == '1';
+  }
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+#else
+  return true;
+#endif
+}
+
 std::atomic<const SimdKernels*>& current() {
   static std::atomic<const SimdKernels*> kernels{[] {
     const char* env = std::getenv("NANFAST_CPU_ISA");
-    return env != nullptr && *env != '\0' ? capped(env) : best_supported();
+    return &kernels_of(env != nullptr && *env != '\0' ? capped(env) : best_supported(), default_prefetch());
   }()};
   return kernels;
 }
@@ -57,8 +87,13 @@ const SimdKernels& simd_kernels() {
 }
 
 const char* set_cpu_isa(const char* isa) {
-  current().store(capped(isa), std::memory_order_relaxed);
+  current().store(&kernels_of(capped(isa), simd_kernels().prefetch), std::memory_order_relaxed);
   return simd_kernels().isa;
+}
+
+bool set_cpu_prefetch(bool on) {
+  current().store(&kernels_of(isa_index(simd_kernels().isa), on), std::memory_order_relaxed);
+  return simd_kernels().prefetch;
 }
 
 }  // namespace nanfast::cpu

@@ -26,7 +26,7 @@ vfloat load_bf16(const c10::BFloat16* p) {
 }  // namespace nanfast::cpu::baseline
 
 namespace nanfast::cpu {
-const SimdKernels& baseline_kernels() {
-  return baseline::kernels();
+const SimdKernels& baseline_kernels(bool prefetch) {
+  return baseline::kernels(prefetch);
 }
 }  // namespace nanfast::cpu

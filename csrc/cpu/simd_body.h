@@ -103,13 +103,20 @@ inline V vmax(V a, V b) {
   return a > b ? a : b;
 }
 
-template <typename V>
-inline double max_lane(V v) {
-  double acc = v[0];
-  for (unsigned k = 1; k < sizeof(V) / sizeof(v[0]); ++k) {
-    acc = v[k] > acc ? v[k] : acc;
+template <size_t kShift, typename V, size_t... I>
+inline V rotate_lanes(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, ((I + kShift) % sizeof...(I))...);
+}
+
+// The largest of the magnitudes m (abs_bits() of vectors of V), as a double: integer max over halves,
+// log2(lanes) steps where a scalar loop would convert and compare every lane (a cost per small tensor).
+template <typename V, size_t kShift = sizeof(V) / sizeof(V{}[0]) / 2>
+inline double max_lane(Bits<V> m) {
+  if constexpr (kShift == 0) {
+    return ((V)m)[0];
+  } else {
+    return max_lane<V, kShift / 2>(vmax(m, rotate_lanes<kShift>(m, std::make_index_sequence<sizeof(V) / sizeof(V{}[0])>{})));
   }
-  return acc;
 }
 
 template <typename V>
@@ -179,6 +186,16 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 // Cascade Lake VM, 2 threads: stats over 500 MB of float32 went from 16.3-17.2 to 18.5-19.0 GB/s,
 // over bfloat16 from 13 to 19 GB/s; any_nonfinite from 18.2-18.6 to 20.5 GB/s. Prefetches past the
 // end of the data are hints and never fault.
+// On AMD they cost instead. On a 2-vCPU AMD EPYC (Zen 4) KVM guest, 2 threads, machine shared,
+// seven runs of benchmarks/isa_ab.py: GPT-2 float32 stats with AVX2 read at 0.58-0.73x the read
+// ceiling with them (median 0.66x) and 0.69-0.98x without (0.84x), AVX-512 likewise; bfloat16 showed
+// no consistent difference; 5000 tensors of 1024 floats took 17% less CPU time without (median); the
+// prefetch loop held a quarter of the kernel's perf samples (prefetches wait for miss buffers that
+// the hardware prefetchers, which need no help there, keep busy). Details:
+// benchmarks/results/cpu-isa-prefetch.md. So every kernel is compiled with and without them:
+// SimdKernels::prefetch says which, on by default except on AMD processors (an AMD EPYC with AVX2
+// only, 0.65-0.83x of the ceiling in issue 19, was not measured without them), NANFAST_CPU_PREFETCH=0|1
+// or set_cpu_prefetch() decide otherwise. Results do not depend on it.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
@@ -190,7 +207,7 @@ inline void prefetch_ahead(const T* p, int64_t elements) {
   }
 }
 
-template <typename T>
+template <typename T, bool kPrefetch>
 Partial stats_run(const T* data, int64_t n) {
   using S = Simd<T>;
   using vec = typename S::vec;
@@ -209,7 +226,9 @@ Partial stats_run(const T* data, int64_t n) {
     vdouble seg_sumsq = {};
     int64_t i = 0;
     for (; i + 32 * L <= vec_len; i += 32 * L) {
-      prefetch_ahead(p + i, 32 * L);
+      if constexpr (kPrefetch) {
+        prefetch_ahead(p + i, 32 * L);
+      }
       add_squares(seg_sumsq, (block_squares(p + i, seg_max) + block_squares(p + i + 8 * L, seg_max)) +
                                  (block_squares(p + i + 16 * L, seg_max) + block_squares(p + i + 24 * L, seg_max)));
     }
@@ -221,7 +240,7 @@ Partial stats_run(const T* data, int64_t n) {
       seg_max = vmax(seg_max, abs_bits(x));
       add_squares(seg_sumsq, x * x);
     }
-    const double top = max_lane((vec)seg_max);
+    const double top = max_lane<vec>(seg_max);
     const bool tiny = top > 0 && top < S::kBelow;
     if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (tiny && std::is_same_v<vec, vdouble>)) {
       merge(result, precise_stats(p, vec_len, 1));
@@ -240,12 +259,12 @@ Partial stats_run(const T* data, int64_t n) {
   }
   Partial fast = empty_partial();
   fast.sumsq = sum_lanes(sumsq);
-  fast.absmax = max_lane((vec)absmax);
+  fast.absmax = max_lane<vec>(absmax);
   merge(result, fast);
   return result;
 }
 
-template <typename T>
+template <typename T, bool kPrefetch>
 bool any_run(const T* data, int64_t n) {
   using S = Simd<T>;
   using vec = typename S::vec;
@@ -258,7 +277,9 @@ bool any_run(const T* data, int64_t n) {
     vec acc0 = {}, acc1 = {};
     int64_t i = 0;
     for (; i + 2 * L <= len; i += 2 * L) {
-      prefetch_ahead(p + i, 2 * L);
+      if constexpr (kPrefetch) {
+        prefetch_ahead(p + i, 2 * L);
+      }
       acc0 += S::load(p + i) * zero;  // x * 0 is NaN exactly when x is not finite
       acc1 += S::load(p + i + L) * zero;
     }
@@ -272,21 +293,27 @@ bool any_run(const T* data, int64_t n) {
   return precise_any_nonfinite(data + vec_len, n - vec_len, 1);
 }
 
+template <bool kPrefetch>
+const SimdKernels& table() {
+  static const SimdKernels kernels{
+      NANFAST_ISA_NAME,
+      kPrefetch,
+      stats_run<double, kPrefetch>,
+      stats_run<float, kPrefetch>,
+      stats_run<c10::Half, kPrefetch>,
+      stats_run<c10::BFloat16, kPrefetch>,
+      any_run<double, kPrefetch>,
+      any_run<float, kPrefetch>,
+      any_run<c10::Half, kPrefetch>,
+      any_run<c10::BFloat16, kPrefetch>,
+  };
+  return kernels;
+}
+
 }  // namespace
 
-const SimdKernels& kernels() {
-  static const SimdKernels table{
-      NANFAST_ISA_NAME,
-      stats_run<double>,
-      stats_run<float>,
-      stats_run<c10::Half>,
-      stats_run<c10::BFloat16>,
-      any_run<double>,
-      any_run<float>,
-      any_run<c10::Half>,
-      any_run<c10::BFloat16>,
-  };
-  return table;
+const SimdKernels& kernels(bool prefetch) {
+  return prefetch ? table<true>() : table<false>();
 }
 
 }  // namespace nanfast::cpu::NANFAST_ISA

@@ -32,6 +32,7 @@ NANFAST_FOR_EACH_SIMD_TYPE(NANFAST_DECLARE_PRECISE)
 // Contiguous-run kernels of one instruction set (see NOTE: [One SIMD body, several ISAs]).
 struct SimdKernels {
   const char* isa;
+  bool prefetch;  // see NOTE: [Prefetching the next page]
   Partial (*stats_f64)(const double*, int64_t);
   Partial (*stats_f32)(const float*, int64_t);
   Partial (*stats_f16)(const c10::Half*, int64_t);
@@ -42,13 +43,16 @@ struct SimdKernels {
   bool (*any_bf16)(const c10::BFloat16*, int64_t);
 };
 
-const SimdKernels& baseline_kernels();
-const SimdKernels& avx2_kernels();
-const SimdKernels& avx512_kernels();
+const SimdKernels& baseline_kernels(bool prefetch);
+const SimdKernels& avx2_kernels(bool prefetch);
+const SimdKernels& avx512_kernels(bool prefetch);
 
-// The kernels in use: the best the processor supports, capped by NANFAST_CPU_ISA or set_cpu_isa().
+// The kernels in use: the best the processor supports, capped by NANFAST_CPU_ISA or set_cpu_isa(),
+// prefetching or not as NANFAST_CPU_PREFETCH, set_cpu_prefetch() or the processor's vendor says.
 const SimdKernels& simd_kernels();
 // Caps the instruction set ("avx512", "avx2" or "baseline"); returns the one now in use.
 const char* set_cpu_isa(const char* isa);
+// Turns the software prefetches on or off; returns the setting now in use.
+bool set_cpu_prefetch(bool on);
 
 }  // namespace nanfast::cpu

@@ -138,4 +138,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_isa", [](const std::string& isa) { return std::string(nanfast::cpu::set_cpu_isa(isa.c_str())); },
         "Caps the CPU kernels' instruction set (never above what the processor has); returns the one in use.",
         py::arg("isa"));
+  m.def("cpu_prefetch", [] { return nanfast::cpu::simd_kernels().prefetch; },
+        "Whether the CPU kernels prefetch the next page (NANFAST_CPU_PREFETCH=0|1; by default not on AMD).");
+  m.def("set_cpu_prefetch", [](bool on) { return nanfast::cpu::set_cpu_prefetch(on); },
+        "Turns the CPU kernels' software prefetches on or off (results do not change); returns the setting.",
+        py::arg("on"));
 }
