@@ -112,8 +112,9 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 
 def _measure_inside(workloads: list[Workload], device: str, steps: int = 6) -> list[dict]:
-    """Per watched step: the host time spent inside the watch (hooks and read), the time in its kernels,
-    the number of its fused-op calls (each a kernel launch on a GPU) and the bytes they read, with the
+    """Per watched step (medians over `steps`): the host time spent inside the watch (hooks and read),
+    the time in its kernels, the number of its fused-op calls (each a kernel launch on a GPU) and the
+    bytes they read, with the
     part of them in the fused pass over parameters and gradients (what the watch reads every step
     whatever the batch: a floor on its cost), as a watch made with profile=True counts them
     (Watch.costs(), the public hook: no patching). Measured within the same steps, so it does
@@ -125,12 +126,18 @@ def _measure_inside(workloads: list[Workload], device: str, steps: int = 6) -> l
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         _step(model, optimizer, *batch())
         plain = statistics.median(_timed_step(model, optimizer, batch, device) for _ in range(steps))
+        per_step: list[dict] = []
         with watch(model, optimizer, profile=True) as w:
             _step(model, optimizer, *batch())
-            start = w.costs()
-            watched = sum(_timed_step(model, optimizer, batch, device) for _ in range(steps)) / steps
-            spent = {key: (value - start[key]) / steps for key, value in w.costs().items()}
-        rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": watched * 1e3,
+            before = w.costs()
+            for _ in range(steps):
+                per_step.append({"step": _timed_step(model, optimizer, batch, device)})
+                after = w.costs()
+                per_step[-1].update({key: value - before[key] for key, value in after.items()})
+                before = after
+        # Medians over the steps: a step that other jobs slowed down moves them less than a mean.
+        spent = {key: statistics.median(s[key] for s in per_step) for key in per_step[0]}
+        rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": spent["step"] * 1e3,
                      "inside_ms": spent["hooks"] * 1e3, "kernels_ms": spent["kernels"] * 1e3,
                      "calls": spent["calls"], "mb_read": spent["bytes"] / 1e6, "pass_ms": spent["pass"] * 1e3,
                      "pass_mb": spent["pass_bytes"] / 1e6})
