@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import nanfast
 from nanfast import cli
-from nanfast.cli import bench, bench_watch
+from nanfast.cli import bench, bench_watch, watch_workloads
+from op_recorder import OpRecorder
 
 
 def test_core_benchmark_writes_every_method(tmp_path, capsys):
@@ -41,6 +42,10 @@ def test_extra_suite_results_keep_every_table(tmp_path, monkeypatch):
     assert seen == {"device": "cpu", "repeats": 3}
     assert results["watch"] == [{"a": 1}] and results["watch_inside"] == [{"b": 2}]
     assert set(results) == {"machine", "device", "repeats", "watch", "watch_inside"}
+    # Without --repeats, the watch suite takes issue 19's protocol: 40 repeats.
+    assert cli.main(["bench", "--suite", "watch", "--out", str(tmp_path)]) == 0
+    assert seen == {"device": "cpu", "repeats": 40}
+    assert json.loads((tmp_path / "results.json").read_text())["repeats"] == {"watch": 40}
 
 
 def test_benchmarks_script_is_the_cli(tmp_path):
@@ -63,8 +68,8 @@ def test_a_profiled_watch_counts_its_hooks_kernels_and_bytes():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(5, 8)
-    with nanfast.watch(model, optimizer, profile=True) as w:
-        assert w.costs() == {"hooks": 0.0, "kernels": 0.0, "bytes": 0, "pass": 0.0, "pass_bytes": 0}
+    with nanfast.watch(model, optimizer, profile=True) as w, OpRecorder() as ops:
+        assert w.costs() == {"hooks": 0.0, "kernels": 0.0, "bytes": 0, "calls": 0, "pass": 0.0, "pass_bytes": 0}
         F.mse_loss(model(x), torch.zeros(5, 4)).backward()
         after_backward = w.costs()
         optimizer.step()
@@ -78,6 +83,44 @@ def test_a_profiled_watch_counts_its_hooks_kernels_and_bytes():
     assert clock["bytes"] == 4 * (activations + input_grads + 2 * params)
     assert after_backward["pass_bytes"] == 0 and clock["pass_bytes"] == 4 * 2 * params
     assert clock["hooks"] >= clock["kernels"] > clock["pass"] > 0
+    # One fused-op call per record (4 activations, 3 gradients) and one for the pass, as many as the
+    # dispatcher saw.
+    assert after_backward["calls"] == 4 + 3 and clock["calls"] == 4 + 3 + 1
+    assert ops.counts["nanfast.stats.default"] == clock["calls"]
+
+
+def test_watch_suite_reports_per_step_calls_bytes_and_overhead(tmp_path, monkeypatch, capsys):
+    # A tiny MLP through the CLI: each column of the per-step table against a count made here.
+    mlp = dict(features=6, width=5, layers=4, classes=3, batch=4)
+    monkeypatch.setattr(watch_workloads, "MLP", mlp)
+    assert cli.main(["bench", "--suite", "watch", "--workloads", "mlp", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    [inside] = results["watch_inside"]
+    assert inside["workload"].startswith("MLP") and {r["workload"] for r in results["watch"]} == {inside["workload"]}
+    assert all(r["samples"] == 2 for r in results["watch"])
+    # Per step: 8 activation records (the input, 4 Linear and 3 GELU outputs; the Sequential's and the
+    # model's output are the last Linear's), 7 gradient checks (what flows into the 6 modules after the
+    # first, and the loss gradient), 1 fused pass; as many as the dispatcher sees in a step made here.
+    [(_, model, batch)] = watch_workloads.make_workloads("cpu", ["mlp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanfast.watch(model, optimizer), OpRecorder() as ops:
+        bench_watch._step(model, optimizer, *batch())
+    assert inside["calls"] == 8 + 7 + 1 == ops.counts["nanfast.stats.default"]
+    b, f, w, c = mlp["batch"], mlp["features"], mlp["width"], mlp["classes"]
+    params = sum(p.numel() for p in model.parameters())
+    # Forward b*(f + 6w + c), gradients b*(6w + c), parameters and their gradients 2 * params; float32.
+    assert inside["mb_read"] * 1e6 == pytest.approx(4 * (b * (f + 12 * w + 2 * c) + 2 * params))
+    assert inside["inside_ms"] >= inside["kernels_ms"] > 0
+    watched = next(r for r in results["watch"] if r["method"] == "nanfast.watch")
+    low, high = watched["overhead_pct_ci95"]
+    assert low <= watched["overhead_pct"] <= high
+    out = capsys.readouterr().out
+    assert "fused-op calls (kernel launches)" in out and f"| {inside['workload']} |" in out
+
+
+def test_watch_suite_names_an_unknown_workload(tmp_path, capsys):
+    assert cli.main(["bench", "--suite", "watch", "--workloads", "mlp,gpt5", "--out", str(tmp_path)]) == 2
+    assert "gpt5" in capsys.readouterr().out and not (tmp_path / "results.json").exists()
 
 
 def test_an_ordinary_watch_measures_nothing():
@@ -86,7 +129,7 @@ def test_an_ordinary_watch_measures_nothing():
     model(torch.randn(2, 4))
     with pytest.raises(RuntimeError, match="profile=True"):
         w.costs()
-    assert w._recorder.costs() == (0.0, 0.0, 0)  # no clock read on the hot path
+    assert w._recorder.costs() == (0.0, 0.0, 0, 0)  # no clock read on the hot path, nothing counted
     assert model._forward_pre_hooks[next(iter(model._forward_pre_hooks))] == w._before_model  # not wrapped
 
 

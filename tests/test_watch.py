@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import nanfast
 from op_recorder import OpRecorder
 from reference import torch_total_norm
-from nanfast.cli.bench_watch import BasicBlock
+from nanfast.cli.watch_workloads import BasicBlock
 
 NAN, INF = float("nan"), float("inf")
 

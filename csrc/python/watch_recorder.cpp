@@ -107,6 +107,7 @@ struct Records {
       if (grad_check) {
         check_time += spent;
       }
+      ++calls;
       for (const at::Tensor& t : tensors) {
         bytes += t.numel() * t.element_size();
       }
@@ -148,10 +149,12 @@ struct Records {
   std::vector<Entry> entries;
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
-  // spent by gradient checks (the time the Python hooks do not see), bytes read.
+  // spent by gradient checks (the time the Python hooks do not see), bytes read, and the number of
+  // fused-op calls (each one kernel launch on a GPU).
   Clock::duration kernel_time{0};
   Clock::duration check_time{0};
   int64_t bytes = 0;
+  int64_t calls = 0;
 };
 
 // NOTE: [Gradient checks outliving their step]
@@ -320,12 +323,12 @@ class WatchRecorder {
     return failed;
   }
 
-  // Seconds in kernel calls, the part of them in gradient checks, bytes read: totals since the recorder began
-  // (zeros unless profiled).
-  std::tuple<double, double, int64_t> costs() {
+  // Seconds in kernel calls, the part of them in gradient checks, bytes read, fused-op calls made: totals
+  // since the recorder began (zeros unless profiled).
+  std::tuple<double, double, int64_t, int64_t> costs() {
     const std::lock_guard<std::mutex> lock(records_->mutex);
     return {std::chrono::duration<double>(records_->kernel_time).count(),
-            std::chrono::duration<double>(records_->check_time).count(), records_->bytes};
+            std::chrono::duration<double>(records_->check_time).count(), records_->bytes, records_->calls};
   }
 
   // Hooks still on a graph do nothing from now on.

@@ -23,8 +23,10 @@ import nanfast
 from nanfast.progress import progress
 
 # Suites beyond the core one live in their own modules, each with run_suite(device, repeats) -> dict
-# holding "title", "markdown" and "rows".
+# holding "title", "markdown" and "rows"; a module with WORKLOAD_KEYS also takes only= (--workloads).
 EXTRA_SUITES = {"watch": "nanfast.cli.bench_watch", "locate": "nanfast.cli.bench_locate"}
+# Repeats per suite when --repeats is not given; the watch suite's is issue 19's protocol.
+DEFAULT_REPEATS = {"core": 7, "watch": 40, "locate": 7}
 
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
@@ -237,9 +239,12 @@ def chart(rows: list[dict], title: str) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method (median reported)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per method (median reported; default: 7, and 40 for the watch suite)")
     parser.add_argument("--suite", default="core", choices=["core", *EXTRA_SUITES, "all"])
-    parser.add_argument("--workloads", default="", help="comma-separated core workloads (default: all)")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated workloads of the core suite, or of the watch suite (mlp, "
+                             "transformer-small, transformer-d256, resnet18-64, resnet18-224); default: all")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="size factor for the 5000-tensor and 256M workloads (e.g. 0.1 for a quick run)")
     parser.add_argument("--out", default="bench-results", help="folder for results.json (and results.png)")
@@ -250,11 +255,14 @@ def run(args: argparse.Namespace) -> int:
         print("nanfast bench: --device cuda asked for, but torch sees no GPU")
         return 2
     os.makedirs(args.out, exist_ok=True)
-    print(f"# nanfast benchmark\n\nMachine: {machine()}\n\nDevice: {args.device}; median of {args.repeats} repeats.\n")
-    results: dict = {"machine": machine(), "device": args.device, "repeats": args.repeats}
-    if args.suite in ("core", "all"):
-        only = [w for w in args.workloads.split(",") if w]
-        rows = run_core(args.device, args.repeats, args.scale, only)
+    suites = [n for n in ("core", *EXTRA_SUITES) if args.suite in (n, "all")]
+    repeats = {n: args.repeats or DEFAULT_REPEATS[n] for n in suites}
+    said = ", ".join(f"{n}: {r}" for n, r in repeats.items())
+    print(f"# nanfast benchmark\n\nMachine: {machine()}\n\nDevice: {args.device}; medians of repeats ({said}).\n")
+    results: dict = {"machine": machine(), "device": args.device, "repeats": repeats}
+    only = [w for w in args.workloads.split(",") if w]
+    if "core" in suites:
+        rows = run_core(args.device, repeats["core"], args.scale, only)
         print(core_markdown(rows))
         results["core"] = rows
         chart = os.path.join(args.out, "results.png")
@@ -262,8 +270,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"Chart: {chart}")
         else:
             print("Chart: skipped, matplotlib is not installed (pip install 'nanfast[bench]')")
-    for name, module in progress([(n, m) for n, m in EXTRA_SUITES.items() if args.suite in (n, "all")], desc="suites"):
-        suite = importlib.import_module(module).run_suite(device=args.device, repeats=args.repeats)
+    for name, module in progress([(n, m) for n, m in EXTRA_SUITES.items() if n in suites], desc="suites"):
+        mod = importlib.import_module(module)
+        kwargs = {}
+        if only and hasattr(mod, "WORKLOAD_KEYS"):  # with --suite all, the entries that name its workloads
+            kwargs["only"] = only if args.suite == name else [w for w in only if w in mod.WORKLOAD_KEYS]
+        try:
+            suite = mod.run_suite(device=args.device, repeats=repeats[name], **kwargs)
+        except ValueError as error:  # an unknown workload
+            print(error)
+            return 2
         print(f"## {suite['title']}\n\n{suite['markdown']}\n")
         results[name] = suite["rows"]
         results.update({f"{name}_{key}": value for key, value in suite.items() if key not in ("title", "markdown", "rows")})

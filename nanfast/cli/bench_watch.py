@@ -1,6 +1,8 @@
 """Cost of an always-on `nanfast.watch` on a training step, side by side in one process with no checks,
-hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, on a small
-transformer and ResNet-18 at two input sizes. Methods are interleaved across repeats; medians are reported."""
+hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, on the
+workloads of watch_workloads.py (an MLP, two transformers, ResNet-18 at two input sizes). Methods are
+interleaved across repeats; medians are reported. Per watched step, the suite also reports what the
+watch itself spends: host time, kernel time, fused-op calls (the launches a GPU step would pay) and bytes read."""
 
 from __future__ import annotations
 
@@ -9,75 +11,16 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..watcher import watch
+# make_workloads is also benchmarks/watch_versions.py's entry point, by the name _workloads.
+from .watch_workloads import KEYS as WORKLOAD_KEYS, Batch, make_workloads as _workloads
 
 METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
-
-# The workloads: the transformer the issue names, and ResNet-18 at two input sizes: small images (a
-# ~0.2 s step on 2 cores, where reading the 11.7 M parameters and their gradients weighs most) and
-# ImageNet's 224x224 (a ~1.7 s step).
-TRANSFORMER = dict(layers=4, d_model=256, nhead=4, dim_feedforward=1024, vocab=1000, batch=16, seq=128)
-CNNS = (dict(batch=16, image=64, classes=100), dict(batch=16, image=224, classes=1000))
-
-
-class TinyTransformer(torch.nn.Module):
-    def __init__(self, layers: int, d_model: int, nhead: int, dim_feedforward: int, vocab: int, **_):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d_model)
-        layer = torch.nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(d_model, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens)))
-
-
-class BasicBlock(torch.nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(cout)
-        self.relu = torch.nn.ReLU(inplace=True)
-        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = torch.nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False), torch.nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
-
-
-class ResNet18(torch.nn.Module):
-    """ResNet-18's layout (torchvision is not a dependency): a 7x7 stem, four stages of two basic blocks."""
-
-    def __init__(self, classes: int, **_):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(64)
-        self.relu = torch.nn.ReLU(inplace=True)
-        self.maxpool = torch.nn.MaxPool2d(3, 2, 1)
-        widths = [64, 128, 256, 512]
-        stages, cin = [], 64
-        for i, w in enumerate(widths):
-            stages.append(torch.nn.Sequential(BasicBlock(cin, w, 1 if i == 0 else 2), BasicBlock(w, w, 1)))
-            cin = w
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.avgpool = torch.nn.AdaptiveAvgPool2d(1)
-        self.fc = torch.nn.Linear(512, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 @contextlib.contextmanager
@@ -107,19 +50,6 @@ def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return contextlib.nullcontext()
 
 
-def _workloads(device: str) -> list[tuple[str, torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
-    t = TRANSFORMER
-    tokens = torch.randint(0, t["vocab"], (t["batch"], t["seq"]), device=device)
-    workloads = [(f"transformer ({t['layers']} layers, d={t['d_model']}, batch {t['batch']}x{t['seq']})",
-                  TinyTransformer(**t).to(device), lambda: (tokens, tokens))]
-    for c in CNNS:
-        images = torch.randn(c["batch"], 3, c["image"], c["image"], device=device)
-        labels = torch.randint(0, c["classes"], (c["batch"],), device=device)
-        workloads.append((f"ResNet-18 (batch {c['batch']}x3x{c['image']}x{c['image']})", ResNet18(**c).to(device),
-                          lambda images=images, labels=labels: (images, labels)))
-    return workloads
-
-
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
     out = model(x)
@@ -138,9 +68,12 @@ def _timed_step(model, optimizer, batch, device: str) -> float:
     return time.perf_counter() - start
 
 
-def _measure(device: str, repeats: int) -> list[dict]:
+Workload = tuple[str, torch.nn.Module, Batch]
+
+
+def _measure(workloads: list[Workload], device: str, repeats: int) -> list[dict]:
     rows = []
-    for workload, model, batch in _workloads(device):
+    for workload, model, batch in workloads:
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -178,44 +111,83 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return xs[max(j - 1, 0)], xs[n - max(j, 1)]
 
 
-def _measure_inside(device: str, steps: int = 6) -> list[dict]:
-    """Per step: the time spent inside the watch (hooks and read) and in its kernels, and the bytes they
-    read, with the part of them in the fused pass over parameters and gradients (what the watch reads
-    every step whatever the batch: a floor on its cost), as a watch made with profile=True counts them
+def _measure_inside(workloads: list[Workload], device: str, steps: int = 6) -> list[dict]:
+    """Per watched step (medians over `steps`): the host time spent inside the watch (hooks and read),
+    the time in its kernels, the number of its fused-op calls (each a kernel launch on a GPU) and the
+    bytes they read, with the
+    part of them in the fused pass over parameters and gradients (what the watch reads every step
+    whatever the batch: a floor on its cost), as a watch made with profile=True counts them
     (Watch.costs(), the public hook: no patching). Measured within the same steps, so it does
     not move with the machine's load as the difference of two step times does; it leaves out
     nn.Module's slower call path once hooks exist."""
     rows = []
-    for workload, model, batch in _workloads(device):
+    for workload, model, batch in workloads:
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         _step(model, optimizer, *batch())
         plain = statistics.median(_timed_step(model, optimizer, batch, device) for _ in range(steps))
+        per_step: list[dict] = []
         with watch(model, optimizer, profile=True) as w:
             _step(model, optimizer, *batch())
-            start = w.costs()
-            watched = sum(_timed_step(model, optimizer, batch, device) for _ in range(steps)) / steps
-            spent = {key: (value - start[key]) / steps for key, value in w.costs().items()}
-        rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": watched * 1e3,
+            before = w.costs()
+            for _ in range(steps):
+                per_step.append({"step": _timed_step(model, optimizer, batch, device)})
+                after = w.costs()
+                per_step[-1].update({key: value - before[key] for key, value in after.items()})
+                before = after
+        # Medians over the steps: a step that other jobs slowed down moves them less than a mean.
+        spent = {key: statistics.median(s[key] for s in per_step) for key in per_step[0]}
+        rows.append({"workload": workload, "step_ms": plain * 1e3, "watched_step_ms": spent["step"] * 1e3,
                      "inside_ms": spent["hooks"] * 1e3, "kernels_ms": spent["kernels"] * 1e3,
-                     "mb_read": spent["bytes"] / 1e6, "pass_ms": spent["pass"] * 1e3,
+                     "calls": spent["calls"], "mb_read": spent["bytes"] / 1e6, "pass_ms": spent["pass"] * 1e3,
                      "pass_mb": spent["pass_bytes"] / 1e6})
     return rows
 
 
-def run_suite(device: str = "cpu", repeats: int = 10) -> dict:
-    """Step time of each method on each workload, and its overhead over no checks.
+def _per_step_table(rows: list[dict], inside: list[dict]) -> list[str]:
+    """The issue's summary, one line per workload: the watch's overhead side by side, with what it
+    spends per watched step."""
+    lines = ["| workload | step without the watch (ms) | nanfast.watch overhead: median | its 95% interval | "
+             "host time in the watch (ms) | in its kernels (ms) | fused-op calls (kernel launches) | MB read |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in inside:
+        side = next(r for r in rows if r["workload"] == row["workload"] and r["method"] == "nanfast.watch")
+        none = next(r for r in rows if r["workload"] == row["workload"] and r["method"] == "none")
+        low, high = side["overhead_pct_ci95"]
+        lines.append(f"| {row['workload']} | {none['median_ms']:.1f} | {side['overhead_pct']:+.1f}% | "
+                     f"{low:+.1f}..{high:+.1f}% | {row['inside_ms']:.2f} | {row['kernels_ms']:.2f} | "
+                     f"{row['calls']:.0f} | {row['mb_read']:.1f} |")
+    return lines
+
+
+def run_suite(device: str = "cpu", repeats: int = 40, only: Sequence[str] = ()) -> dict:
+    """Step time of each method on each workload, and its overhead over no checks; then, per watched
+    step, what the watch spends (host time, kernel time, fused-op calls, bytes read).
 
     Each repeat times one step of every method, back to back, rotating the order from repeat to
     repeat. The overhead is the median over repeats of the ratio to no checks within the same repeat
     (with a 95% interval for that median): on a shared machine, load that comes and goes then cancels
-    out instead of landing on whichever method ran during it."""
+    out instead of landing on whichever method ran during it.
+
+    Args:
+        device: "cpu" or a CUDA device.
+        repeats: repeats of one step per method (the issue's protocol: 40).
+        only: workload keys (watch_workloads.KEYS) to run; default all.
+
+    Returns:
+        A dict with the title, the markdown tables, "rows" (per workload and method) and "inside" (per
+        workload, per watched step).
+
+    Raises:
+        ValueError: an unknown workload key."""
     torch.manual_seed(0)
+    workloads = _workloads(device, only)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # said on every use otherwise
-        rows = _measure(device, repeats)
-        inside = _measure_inside(device)
-    lines = ["| workload | method | median step (ms) | overhead vs no checks: median | its 95% interval | "
+        rows = _measure(workloads, device, repeats)
+        inside = _measure_inside(workloads, device)
+    lines = ["Per watched step:", "", *_per_step_table(rows, inside), "", "Side by side:", "",
+             "| workload | method | median step (ms) | overhead vs no checks: median | its 95% interval | "
              "min..max over repeats |", "|---|---|---:|---:|---:|---:|"]
     for row in rows:
         if row["method"] == "none":

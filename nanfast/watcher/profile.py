@@ -12,11 +12,12 @@ from typing import Any
 
 class Profile:
     """The totals of a profiled watch kept on the Python side: seconds in its hooks and in its fused pass
-    over parameters and gradients, and the bytes that pass read."""
+    over parameters and gradients, the bytes that pass read and the number of its calls."""
 
     def __init__(self) -> None:
         self.seconds = {"hooks": 0.0, "pass": 0.0}
         self.pass_bytes = 0
+        self.pass_calls = 0
 
     def timed(self, fn: Callable, key: str = "hooks") -> Callable:
         """`fn`, its time added to seconds[key] at each call."""
@@ -30,10 +31,11 @@ class Profile:
         return timed_fn
 
     def counted_pass(self, stats_on: Callable) -> Callable:
-        """The fused pass's op, timed, with the bytes it reads counted."""
+        """The fused pass's op, timed, with its calls and the bytes it reads counted."""
         timed = self.timed(stats_on, "pass")
 
         def counted(tensors: list, device: Any) -> Any:
+            self.pass_calls += 1
             self.pass_bytes += sum(t.numel() * t.element_size() for t in tensors)
             return timed(tensors, device)
         return counted
@@ -41,6 +43,7 @@ class Profile:
     def totals(self, recorder: Any) -> dict[str, float]:
         """Everything so far, with the recorder's part (its kernel calls, its gradient checks, which run
         in C++ where no Python hook sees them)."""
-        kernel_s, grad_checks_s, recorded_bytes = recorder.costs()
+        kernel_s, grad_checks_s, recorded_bytes, recorded_calls = recorder.costs()
         return {"hooks": self.seconds["hooks"] + grad_checks_s, "kernels": self.seconds["pass"] + kernel_s,
-                "bytes": self.pass_bytes + recorded_bytes, "pass": self.seconds["pass"], "pass_bytes": self.pass_bytes}
+                "bytes": self.pass_bytes + recorded_bytes, "calls": self.pass_calls + recorded_calls,
+                "pass": self.seconds["pass"], "pass_bytes": self.pass_bytes}

@@ -15,12 +15,13 @@ class Readings:
 
     def costs(self) -> dict[str, float]:
         """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
-        its gradient checks, reads included), seconds in its fused kernels ("kernels") and the bytes they
-        read ("bytes"), and the part of those in the step's pass over parameters and gradients ("pass",
-        "pass_bytes").
+        its gradient checks, reads included), seconds in its fused kernels ("kernels"), the bytes they
+        read ("bytes") and the number of fused-op calls made ("calls": one per record and one per fused
+        pass, each a kernel launch on a GPU; the step's packing of the counts is not included), and the
+        part of those in the step's pass over parameters and gradients ("pass", "pass_bytes").
 
         Returns:
-            The totals since the watch was made, as a dict with those five keys.
+            The totals since the watch was made, as a dict with those six keys.
 
         Raises:
             RuntimeError: the watch was made without profile=True (it measures nothing)."""
