@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
-from nanfast.cli.bench_watch import BasicBlock
+from nanfast.cli.watch_workloads import BasicBlock
 from nanfast.watcher import SpikeError, SpikeOptions
 
 
