@@ -15,12 +15,14 @@ const char* const kIsaNames[kNumIsas] = {"avx512", "avx2", "baseline"};  // best
 
 const SimdKernels& kernels_of(int isa, bool prefetch) {
   switch (isa) {
+#if defined(__x86_64__)  // elsewhere best_supported() and capped() give the baseline only
     case 0:
-      return avx512_kernels(prefetch);
+      return avx512::kernels(prefetch);
     case 1:
-      return avx2_kernels(prefetch);
+      return avx2::kernels(prefetch);
+#endif
     default:
-      return baseline_kernels(prefetch);
+      return baseline::kernels(prefetch);
   }
 }
 

@@ -30,18 +30,4 @@ vfloat load_bf16(const c10::BFloat16* p) {
 
 #pragma GCC pop_options
 
-namespace nanfast::cpu {
-const SimdKernels& avx512_kernels(bool prefetch) {
-  return avx512::kernels(prefetch);
-}
-}  // namespace nanfast::cpu
-
-#else
-
-namespace nanfast::cpu {
-const SimdKernels& avx512_kernels(bool prefetch) {
-  return baseline_kernels(prefetch);
-}
-}  // namespace nanfast::cpu
-
-#endif
+#endif  // __x86_64__

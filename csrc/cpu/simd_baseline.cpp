@@ -8,25 +8,20 @@
 
 namespace nanfast::cpu::baseline {
 namespace {
-vfloat load_half(const c10::Half* p) {
+// No conversion instructions to count on: lane by lane.
+template <typename T>
+vfloat widen(const T* p) {
   vfloat v;
   for (int k = 0; k < kLanes<float>; ++k) {
     v[k] = static_cast<float>(p[k]);
   }
   return v;
 }
+vfloat load_half(const c10::Half* p) {
+  return widen(p);
+}
 vfloat load_bf16(const c10::BFloat16* p) {
-  vfloat v;
-  for (int k = 0; k < kLanes<float>; ++k) {
-    v[k] = static_cast<float>(p[k]);
-  }
-  return v;
+  return widen(p);
 }
 }  // namespace
 }  // namespace nanfast::cpu::baseline
-
-namespace nanfast::cpu {
-const SimdKernels& baseline_kernels(bool prefetch) {
-  return baseline::kernels(prefetch);
-}
-}  // namespace nanfast::cpu

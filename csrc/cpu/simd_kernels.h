@@ -43,9 +43,16 @@ struct SimdKernels {
   bool (*any_bf16)(const c10::BFloat16*, int64_t);
 };
 
-const SimdKernels& baseline_kernels(bool prefetch);
-const SimdKernels& avx2_kernels(bool prefetch);
-const SimdKernels& avx512_kernels(bool prefetch);
+// Each ISA's table (simd_body.h compiled in simd_<isa>.cpp); avx2 and avx512 exist on x86-64 only.
+namespace baseline {
+const SimdKernels& kernels(bool prefetch);
+}
+namespace avx2 {
+const SimdKernels& kernels(bool prefetch);
+}
+namespace avx512 {
+const SimdKernels& kernels(bool prefetch);
+}
 
 // The kernels in use: the best the processor supports, capped by NANFAST_CPU_ISA or set_cpu_isa(),
 // prefetching or not as NANFAST_CPU_PREFETCH, set_cpu_prefetch() or the processor's vendor says.

@@ -67,17 +67,27 @@ def metrics(watch: Watch) -> dict[str, float]:
     return values
 
 
-def finish(watch: Optional[Watch], flush: bool) -> None:
-    """Ends a callback's watch: reads a lagged watch's last step when `flush` (training ended normally;
-    a bad step there acts, so it may raise), then removes every hook.
+class OwnsWatch:
+    """What both callbacks share: the watch they made and one hook of their own beside it (`_hook`, a
+    RemovableHandle), both removed together."""
 
-    Args:
-        watch: the callback's watch, or None.
-        flush: whether to read the results still pending."""
-    if watch is None:
-        return
-    try:
-        if flush:
-            watch.flush()
-    finally:
-        watch.remove()
+    watch: Optional[Watch]
+    _hook: Optional[Any]
+
+    def remove(self) -> None:
+        """Removes the watch's hooks and the callback's own hook now (e.g. after training raised)."""
+        self._end(flush=False)
+
+    def _end(self, flush: bool) -> None:
+        """Ends the watch: reads a lagged watch's last step when `flush` (training ended normally; a bad
+        step there acts, so it may raise), then removes every hook."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        if self.watch is None:
+            return
+        try:
+            if flush:
+                self.watch.flush()
+        finally:
+            self.watch.remove()

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
-from .common import finish, metrics, missing_extra
+from .common import OwnsWatch, metrics, missing_extra
 
 try:
     from lightning.pytorch import Callback
@@ -19,7 +19,7 @@ except ImportError as error:  # an optional extra
 __all__ = ["NanfastCallback"]
 
 
-class NanfastCallback(Callback):
+class NanfastCallback(OwnsWatch, Callback):
     """Watches Lightning training with `nanfast.watch`: `Trainer(callbacks=[NanfastCallback(action="skip")])`.
 
     At `on_train_start` it makes a watch on the LightningModule (or on its submodule named `module`)
@@ -57,7 +57,7 @@ class NanfastCallback(Callback):
         self.module = module
         self.options = options
         self.watch: Optional[watcher.Watch] = None
-        self._closure_hook: Optional[Any] = None
+        self._hook: Optional[Any] = None  # the step pre-hook running the closure first
         self._scaled_loss = False
         self._logged_step = -1.0
 
@@ -75,7 +75,7 @@ class NanfastCallback(Callback):
         self._scaled_loss = options.get("scaler") is not None
         model = pl_module if self.module is None else pl_module.get_submodule(self.module)
         if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS calls its closure many times
-            self._closure_hook = optimizer.register_step_pre_hook(run_closure_first)
+            self._hook = optimizer.register_step_pre_hook(run_closure_first)
         self._logged_step = -1.0
         self.watch = watcher.watch(model, optimizer, **options)
 
@@ -93,21 +93,10 @@ class NanfastCallback(Callback):
             pl_module.log_dict(values, on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._remove_closure_hook()
-        finish(self.watch, flush=True)
+        self._end(flush=True)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.remove()
-
-    def remove(self) -> None:
-        """Removes the watch's hooks (and the closure hook) now."""
-        self._remove_closure_hook()
-        finish(self.watch, flush=False)
-
-    def _remove_closure_hook(self) -> None:
-        if self._closure_hook is not None:
-            self._closure_hook.remove()
-            self._closure_hook = None
 
 
 def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
-from .common import finish, metrics, missing_extra, torch_optimizer
+from .common import OwnsWatch, metrics, missing_extra, torch_optimizer
 
 try:
     from transformers import TrainerCallback
@@ -21,7 +21,7 @@ except ImportError as error:  # an optional extra
 __all__ = ["NanfastCallback"]
 
 
-class NanfastCallback(TrainerCallback):
+class NanfastCallback(OwnsWatch, TrainerCallback):
     """Watches HF Trainer training with `nanfast.watch`: `Trainer(..., callbacks=[NanfastCallback(action="skip")])`.
 
     At `on_train_begin` it makes a watch on the trainer's model and on the torch optimizer that
@@ -51,7 +51,7 @@ class NanfastCallback(TrainerCallback):
     def __init__(self, **options: Any):
         self.options = options
         self.watch: Optional[watcher.Watch] = None
-        self._loss_hook: Optional[Any] = None
+        self._hook: Optional[Any] = None  # the forward hook giving the model's loss to w.loss
         self._logged_step = -1
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -66,7 +66,7 @@ class NanfastCallback(TrainerCallback):
         if getattr(optimizer, "scaler", None) is not None:
             options.setdefault("scaler", optimizer.scaler)  # accelerate's GradScaler (fp16)
         self.watch = watcher.watch(model, torch_optimizer(optimizer), **options)
-        self._loss_hook = model.register_forward_hook(self._give_loss)
+        self._hook = model.register_forward_hook(self._give_loss)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
         # Once per logged step: not again into the run's summary or an evaluation's logs at that step.
@@ -81,18 +81,7 @@ class NanfastCallback(TrainerCallback):
             last.update(values)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._remove_loss_hook()
-        finish(self.watch, flush=True)
-
-    def remove(self) -> None:
-        """Removes the watch's hooks (and the loss hook) now, e.g. after `trainer.train()` raised."""
-        self._remove_loss_hook()
-        finish(self.watch, flush=False)
-
-    def _remove_loss_hook(self) -> None:
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
+        self._end(flush=True)
 
     def _give_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.watch is None or not (module.training and torch.is_grad_enabled()):
