@@ -92,7 +92,8 @@ def test_watch_fractions_equal_a_float64_reference(dtype):
     assert outputs["2"] < limit
     for name in "012":
         assert fractions[("forward", name)] == outputs[name] / limit
-    assert w._headroom.last == (1.0, nanfast.Place("input", "input", "", 0, 0, 0))
+    record = w.history[-1]  # the step's record names its largest fraction and where
+    assert (record.headroom, record.headroom_place) == (1.0, nanfast.Place("input", "input", "", 0, 0, 0).where())
 
 
 def test_fused_pass_rows_of_low_precision_parameters_and_gradients():
@@ -154,7 +155,8 @@ def test_growing_float16_output_fires_once_per_threshold_at_the_crossing_step(sy
         assert event.summary() == f"nanfast.watch: step {event.step}: {event.detail}"
     messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
     assert messages == [e.summary() for e in events]  # each warned once
-    assert w._headroom.last[1].name == "0" and w._headroom.last[0] == pytest.approx(fractions[-1])
+    last = w.history[-1]
+    assert last.headroom_place.startswith("output of 0 ") and last.headroom == pytest.approx(fractions[-1])
 
 
 def test_thresholds_are_configurable_and_a_callable_action_receives_the_events():
@@ -162,7 +164,7 @@ def test_thresholds_are_configurable_and_a_callable_action_receives_the_events()
     _, fractions, _ = growing_run(1.1, 0.3, headroom=0.2, action=received.append)
     assert [(e.kind, e.step) for e in received] == [("headroom", next(i for i, f in enumerate(fractions) if f >= 0.2))]
     w, _, _ = growing_run(1.1, 0.95, headroom=None)
-    assert headroom_events(w) == [] and w._headroom is None
+    assert headroom_events(w) == [] and all(record.headroom is None for record in w.history)
 
 
 def test_trend_is_a_fit_over_the_recent_samples():
@@ -189,7 +191,6 @@ def test_healthy_training_gives_no_headroom_event(dtype):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    lasts = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with nanfast.watch(model, opt) as w:
@@ -198,12 +199,12 @@ def test_healthy_training_gives_no_headroom_event(dtype):
                 opt.zero_grad()
                 model(x).float().square().mean().backward()
                 opt.step()
-                lasts.append(w._headroom.last)
-    assert w.events == []
+    lasts = [record.headroom for record in w.history]
+    assert w.events == [] and len(lasts) == 60
     if dtype == torch.float32:
         assert lasts == [None] * 60  # nothing low-precision: nothing packed, nothing read
     else:
-        assert all(0 < last[0] < 1e-30 for last in lasts)
+        assert all(0 < last < 1e-30 for last in lasts)
 
 
 # ---- no extra host read ----
