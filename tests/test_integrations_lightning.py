@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import nanfast
 from nanfast.integrations.lightning import NanfastCallback
-from training_state import FAULTS, break_parameters, equal, hooks_of, state_of
+from training_state import FAULTS, break_parameters, equal, hooks_of, plant_inf, state_of
 
 LAYER = "net.2"
 WEIGHT = "net.2.weight"
@@ -48,20 +48,6 @@ class Regression(LightningModule):
         x = torch.randn(64, 4, generator=g)
         data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
         return torch.utils.data.DataLoader(data, batch_size=4)
-
-
-def plant_inf(module: LightningModule, at_forward: int) -> None:
-    """Multiplies LAYER's output by inf in the `at_forward`-th training forward (1-based, counting
-    microbatches)."""
-    seen = {"forwards": 0}
-
-    def hook(mod, args, output):
-        if mod.training and torch.is_grad_enabled():
-            seen["forwards"] += 1
-            if seen["forwards"] == at_forward:
-                return output * float("inf")
-
-    module.get_submodule(LAYER).register_forward_hook(hook)
 
 
 def trainer(tmp_path, callbacks, steps: int = 5, **kwargs) -> Trainer:
@@ -125,7 +111,7 @@ def logged(trainer: Trainer) -> list[dict]:
 
 def test_raise_names_the_layer(tmp_path):
     module = Regression()
-    plant_inf(module, at_forward=3)
+    plant_inf(module, LAYER, at_forward=3)
     before = hooks_of(module)
     callback = NanfastCallback(action="raise")
     t = trainer(tmp_path, [callback])
@@ -141,7 +127,7 @@ def test_raise_names_the_layer(tmp_path):
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_skip_leaves_the_step_unapplied_and_logs(tmp_path, optimizer):
     module = Regression(optimizer)
-    plant_inf(module, at_forward=3)
+    plant_inf(module, LAYER, at_forward=3)
     before = hooks_of(module)
     snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(tmp_path, [snapshot, callback], gradient_clip_val=1.0)
@@ -163,7 +149,7 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path, optimizer):
 
 def test_gradient_accumulation(tmp_path):
     module = Regression()
-    plant_inf(module, at_forward=4)  # the second microbatch of the second step
+    plant_inf(module, LAYER, at_forward=4)  # the second microbatch of the second step
     snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(tmp_path, [snapshot, callback], steps=3, accumulate_grad_batches=2)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
@@ -229,7 +215,7 @@ def test_validation_and_bf16_during_fit(tmp_path):
             return self.train_dataloader()
 
     module = WithValidation()
-    plant_inf(module, at_forward=3)
+    plant_inf(module, LAYER, at_forward=3)
     callback = NanfastCallback(action="skip")
     t = trainer(tmp_path, [callback], steps=6, val_check_interval=2, limit_val_batches=2, precision="bf16-mixed")
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
@@ -256,7 +242,7 @@ def test_loss_goes_to_watch_loss(tmp_path):
 def test_submodule(tmp_path):
     # training_step may call a submodule rather than the LightningModule's forward: watch that one.
     module = Regression()
-    plant_inf(module, at_forward=2)
+    plant_inf(module, LAYER, at_forward=2)
     callback = NanfastCallback(module="net", action="raise", nan_only=True)
     with pytest.raises(nanfast.NonFiniteError) as caught:
         trainer(tmp_path, [callback], steps=2).fit(module)

@@ -18,7 +18,7 @@ import nanfast
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from nanfast.integrations.transformers import NanfastCallback
-from training_state import FAULTS, break_parameters, equal, hooks_of, state_of
+from training_state import FAULTS, break_parameters, equal, hooks_of, plant_inf, state_of
 
 BLOCK = "transformer.h.1"
 WEIGHT = "transformer.h.0.mlp.c_fc.weight"
@@ -51,21 +51,6 @@ def dataset(n: int = 24, labels: bool = True) -> list[dict]:
         ids = torch.randint(0, 100, (8,), generator=g)
         rows.append({"input_ids": ids, "labels": ids.clone() if labels else torch.full_like(ids, -100)})
     return rows
-
-
-def plant_inf(model: torch.nn.Module, at_forward: int) -> dict:
-    """Multiplies block 1's output by inf in the `at_forward`-th training forward (1-based, counting
-    microbatches): finite values become +/-inf there, and NaN downstream."""
-    seen = {"forwards": 0}
-
-    def hook(module, args, output):
-        if module.training and torch.is_grad_enabled():
-            seen["forwards"] += 1
-            if seen["forwards"] == at_forward:
-                return output * float("inf")
-
-    model.get_submodule(BLOCK).register_forward_hook(hook)
-    return seen
 
 
 def trainer(model, tmp_path, callbacks, steps: int = 5, accumulation: int = 1, data=None) -> Trainer:
@@ -121,7 +106,7 @@ class LogRecorder(TrainerCallback):
 
 def test_raise_names_the_block(tmp_path):
     model = tiny_gpt2()
-    plant_inf(model, at_forward=3)
+    plant_inf(model, BLOCK, at_forward=3)
     before = hooks_of(model)
     callback = NanfastCallback(action="raise")
     t = trainer(model, tmp_path, [callback])
@@ -138,7 +123,7 @@ def test_raise_names_the_block(tmp_path):
 
 def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     model = tiny_gpt2()
-    plant_inf(model, at_forward=3)
+    plant_inf(model, BLOCK, at_forward=3)
     before = hooks_of(model)
     snapshot, recorder, callback = Snapshot(), LogRecorder(), NanfastCallback(action="skip")
     t = trainer(model, tmp_path, [recorder, snapshot, callback], steps=5)
@@ -168,7 +153,7 @@ def test_without_skip_the_clipped_nan_reaches_every_parameter(tmp_path):
     # Why skip matters in HF's Trainer: max_grad_norm clipping makes every gradient NaN, and AdamW then
     # every parameter; the next step begins with non-finite parameters, which no skip can undo.
     model = tiny_gpt2()
-    plant_inf(model, at_forward=3)
+    plant_inf(model, BLOCK, at_forward=3)
     callback = NanfastCallback(action="warn")
     with pytest.warns(RuntimeWarning, match=BLOCK):
         trainer(model, tmp_path, [callback], steps=4).train()
@@ -178,7 +163,7 @@ def test_without_skip_the_clipped_nan_reaches_every_parameter(tmp_path):
 
 def test_gradient_accumulation(tmp_path):
     model = tiny_gpt2()
-    plant_inf(model, at_forward=4)  # the second microbatch of the second step
+    plant_inf(model, BLOCK, at_forward=4)  # the second microbatch of the second step
     snapshot, callback = Snapshot(), NanfastCallback(action="skip")
     t = trainer(model, tmp_path, [snapshot, callback], steps=3, accumulation=2)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
@@ -246,7 +231,7 @@ def test_the_models_loss_goes_to_watch_loss(tmp_path):
 
 def test_options_pass_through(tmp_path):
     model = tiny_gpt2()
-    plant_inf(model, at_forward=2)
+    plant_inf(model, BLOCK, at_forward=2)
     callback = NanfastCallback(action="skip", ignore=["transformer.h.*"], nan_only=True, every=2)
     t = trainer(model, tmp_path, [callback], steps=2)
     t.train()  # every=2: step 1, the bad one, is not checked

@@ -1,5 +1,5 @@
-"""Helpers of the framework callbacks' tests: copies of a training state compared bit for bit, a fault
-that makes the parameters non-finite, and a count of a model's forward hooks (to see a callback leave
+"""Helpers of the framework callbacks' tests: copies of a training state compared bit for bit, faults
+that make an activation or the parameters non-finite, and a count of a model's forward hooks (to see a callback leave
 none behind)."""
 
 from __future__ import annotations
@@ -53,3 +53,17 @@ def break_parameters(fault: str, model: torch.nn.Module, optimizer: Any, weight:
     else:
         for group in optimizer.param_groups:
             group["lr"] = float("inf")
+
+
+def plant_inf(model: torch.nn.Module, submodule: str, at_forward: int) -> None:
+    """Multiplies `submodule`'s output by inf in the `at_forward`-th training forward (1-based, counting
+    microbatches): finite values become +/-inf there, and NaN downstream."""
+    seen = {"forwards": 0}
+
+    def hook(module, args, output):
+        if module.training and torch.is_grad_enabled():
+            seen["forwards"] += 1
+            if seen["forwards"] == at_forward:
+                return output * float("inf")
+
+    model.get_submodule(submodule).register_forward_hook(hook)
