@@ -129,7 +129,7 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path, optimizer):
     module = Regression(optimizer)
     plant_inf(module, LAYER, at_forward=3)
     before = hooks_of(module)
-    snapshot, callback = Snapshot(), NanfastCallback(action="skip")
+    snapshot, callback = Snapshot(), NanfastCallback(action="skip", params_every=1)
     t = trainer(tmp_path, [snapshot, callback], gradient_clip_val=1.0)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.fit(module)
@@ -169,7 +169,7 @@ def test_rollback_puts_back_the_last_snapshot(tmp_path, optimizer, fault, every,
     # with lr=inf), which no skip can repair. The watch puts back the state its last snapshot holds: the
     # one step `restored` began with (rollback_every=1: step 3; 2: snapshots at steps 0 and 2).
     module = Regression(optimizer)
-    snapshot, callback = Snapshot(), NanfastCallback(action="rollback", rollback_every=every)
+    snapshot, callback = Snapshot(), NanfastCallback(action="rollback", rollback_every=every, params_every=1)
     t = trainer(tmp_path, [snapshot, BreakParameters(fault, at=4), callback], steps=6, gradient_clip_val=1.0)
     with pytest.warns(RuntimeWarning, match=f"rolled back to the state step {restored} began with"):
         t.fit(module)

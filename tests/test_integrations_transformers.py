@@ -125,7 +125,7 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     model = tiny_gpt2()
     plant_inf(model, BLOCK, at_forward=3)
     before = hooks_of(model)
-    snapshot, recorder, callback = Snapshot(), LogRecorder(), NanfastCallback(action="skip")
+    snapshot, recorder, callback = Snapshot(), LogRecorder(), NanfastCallback(action="skip", params_every=1)
     t = trainer(model, tmp_path, [recorder, snapshot, callback], steps=5)
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
         t.train()

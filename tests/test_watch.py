@@ -530,6 +530,23 @@ def test_ignore_patterns_and_nan_only():
     assert (w.last.phase, w.last.name) == ("forward", "proj")  # the ignored name is only that parameter
 
 
+def test_ignore_matching_every_parameter_leaves_no_rows_and_no_crash():
+    # Regression: an ignore pattern matching every parameter selected none of their rows with a float
+    # index (torch.tensor([])), and the step's end raised "index_select(): Expected dtype int32 or int64".
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, ignore="*") as w:
+        for _ in range(2):
+            train_step(model, opt, torch.randn(3, 2), torch.randn(3, 1))
+    assert w.events == [] and [r.step for r in w.history] == [0, 1]
+    with torch.no_grad():
+        model.bias[0] = NAN
+    with nanfast.watch(model, opt, ignore=["weight", "bias"]) as w, pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, torch.randn(3, 2), torch.randn(3, 1))
+    assert (w.last.phase, w.last.name) == ("forward", "")  # the model's own output, its parameters ignored
+
+
 # ---- AMP ----
 
 

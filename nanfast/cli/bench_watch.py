@@ -115,8 +115,8 @@ def _measure_inside(workloads: list[Workload], device: str, steps: int = 6) -> l
     """Per watched step (medians over `steps`): the host time spent inside the watch (hooks and read),
     the time in its kernels, the number of its fused-op calls (each a kernel launch on a GPU) and the
     bytes they read, with the
-    part of them in the fused pass over parameters and gradients (what the watch reads every step
-    whatever the batch: a floor on its cost), as a watch made with profile=True counts them
+    part of them in the fused pass over gradients (and parameters, every `params_every` steps: not in
+    the median step; what the watch reads every step whatever the batch: a floor on its cost), as a watch made with profile=True counts them
     (Watch.costs(), the public hook: no patching). Measured within the same steps, so it does
     not move with the machine's load as the difference of two step times does; it leaves out
     nn.Module's slower call path once hooks exist."""

@@ -49,7 +49,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def metrics(watch: Watch) -> dict[str, float]:
     """The watch's numbers as a trainer logs them: `w.stats()` of the last checked step (grad_norm,
-    param_norm, grad_max_abs, nan, posinf, neginf), and the run's totals so far (skipped_steps,
+    param_norm when the step read the parameters, grad_max_abs, nan, posinf, neginf), and the run's totals so far (skipped_steps,
     rolled_back_steps, events), each key prefixed "nanfast/". Empty before the first checked step.
 
     Args:

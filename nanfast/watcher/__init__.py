@@ -16,11 +16,12 @@ from . import agree, scaler_hook, step as steps
 from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
-from .fused_pass import Pass, run as run_fused_pass
+from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks
-from .options import ACTIONS, ON_EVENT, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options, validate
+from .options import (ACTIONS, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
+                      steps_option, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -52,6 +53,7 @@ class Watch(Hooks, Actions, Readings):
         activations: bool = True,
         grads: bool = True,
         params: bool = True,
+        params_every: int = PARAMS_EVERY,
         loss: bool = True,
         action: Union[str, Callable[[Event], Any]] = "raise",
         every: int = 1,
@@ -92,6 +94,7 @@ class Watch(Hooks, Actions, Readings):
         self._check_activations = activations
         self._check_grads = grads
         self._check_params = params
+        self._params_every = steps_option("params_every", params_every)
         self._check_loss = loss
         levels = thresholds(headroom)
         self._headroom: Optional[Headroom] = Headroom(levels) if levels else None
@@ -137,6 +140,7 @@ class Watch(Hooks, Actions, Readings):
         self._pending: Optional[Read] = None
         self._summary_values: Optional[list[float]] = None
         self._summary_step = -1
+        self._summary_params = False  # whether the last summary's pass read the parameters
         self._spikes = None if spiking is None else Spikes(spiking, ModuleGroups(model))
         self._timeline = Timeline(history, log_to, type(model).__name__,  # opens log_to files: last
                                   self._headroom.thresholds if self._headroom is not None else ())
@@ -254,6 +258,7 @@ class Watch(Hooks, Actions, Readings):
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
+            read.params_unread = self._step.params_unread
             if self._headroom is not None:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
@@ -276,13 +281,21 @@ class Watch(Hooks, Actions, Readings):
             self._rollback.step_ended(read.step, proven=self._pending is not read)
         return read
 
-    def _fused_pass(self) -> Optional[Pass]:
+    def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
+        """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
+        they add information] decides for this step."""
         if self.optimizer is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
         else:
             params = list(self.model.parameters())
+        if read_params is None:
+            read_params = reads_params(
+                self.step_count // self.every, self._params_every, eager=self.sync == "eager",
+                forward_checked=self._step.output_checked,
+                snapshot_due=self._rollback is not None and self._rollback.due(self.step_count))
+            self._step.params_unread = self._check_params and not read_params
         return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
-                              headroom=self._headroom is not None)
+                              headroom=self._headroom is not None, read_params=read_params)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"
@@ -297,7 +310,9 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Checks (each a bool option, all on by default): ``inputs`` (tensors entering model.forward),
     ``activations`` (every submodule's outputs), ``grads`` (gradients flowing out of each module in
     backward, and every parameter's grad before the optimizer step), ``params`` (every parameter, as
-    the previous optimizer step left it), ``loss`` (the model's outputs and the loss gradient at them,
+    the previous optimizer step left it; read every ``params_every`` checked steps, default 100, on
+    every step whose model output was not checked, in a lagged watch, and on a bad step to name them:
+    a non-finite parameter shows in the next forward's output), ``loss`` (the model's outputs and the loss gradient at them,
     and the loss value given to ``w.loss(loss)``).
 
     Options: ``action`` ("raise", "warn", "skip", "rollback" or a callable taking the Event), ``every`` (check one

@@ -31,7 +31,9 @@ class Actions:
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
         before_step = read.host is None
         bad, summary, rows = steps.verdict(read)
-        self._summary_values, self._summary_step = summary, read.step
+        if bad and read.params_unread:
+            rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
+        self._summary_values, self._summary_step, self._summary_params = summary, read.step, read.tail.params
         headroom = self._headroom.observe(read.step, read.headroom) if self._headroom is not None else []
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:

@@ -42,7 +42,7 @@ def entries(grad: torch.Tensor) -> torch.Tensor:
 
 
 def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
-        profile: Optional[Profile] = None, headroom: bool = False) -> Optional[Pass]:
+        profile: Optional[Profile] = None, headroom: bool = False, read_params: bool = True) -> Optional[Pass]:
     """One fused call over `params` and their gradients; None without parameters.
 
     Args:
@@ -51,7 +51,9 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         sharded: the parameters are DTensors: their local shards are read.
         device: where the results land.
         profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch]).
-        headroom: give each row's largest finite value, for the overflow headroom (watcher/headroom.py)."""
+        headroom: give each row's largest finite value, for the overflow headroom (watcher/headroom.py).
+        read_params: read the parameters too; False: only their gradients (see NOTE: [Parameters read
+            when they add information]); the pass then has no parameter rows (n_params 0)."""
     # NOTE: [Parameters and gradients in one pass]
     # At the read, before the optimizer step, one fused call covers every parameter (as the previous
     # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
@@ -62,6 +64,10 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
     grads = [g for _, g in with_grad]
     if not params:
         return None
+    if not read_params:
+        if not grads:
+            return None
+        params, names = [], []
     if sharded:
         params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
     grads = [entries(g) for g in grads]
@@ -70,3 +76,31 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         counts, norm, absmax = stats_on(params + grads, device)
     limits = limits_of(params + grads) if headroom else []
     return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params), limits)
+
+
+def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool, snapshot_due: bool) -> bool:
+    """Whether this step's pass reads the parameters, or only their gradients.
+
+    Args:
+        checked: the number of checked steps before this one.
+        every: ``params_every``.
+        eager: the watch reads each step's verdict before the optimizer step (sync="eager").
+        forward_checked: a forward of the model ran this step with its output checked.
+        snapshot_due: action="rollback" takes a snapshot at this step's end (it must be proven finite).
+
+    Returns:
+        True to read them."""
+    # NOTE: [Parameters read when they add information]
+    # A non-finite parameter shows in the next forward's output: a NaN or inf weight makes NaN or inf
+    # in every matmul, convolution, normalisation or sum it enters (0 * inf is NaN). So in an eager
+    # watch whose forward output was checked, reading every parameter at every step (half the pass's
+    # bytes, more than every activation of a small model) adds nothing but a name, and the name is
+    # needed only on a bad step: there the parameters, still as the step found them (the read comes
+    # before the optimizer step), are read once more and their rows come first (Actions._evaluate).
+    # What a parameter that no checked value depends on would hide (an embedding row not looked up,
+    # an unused or masked branch) is found by the full read every `params_every` checked steps, which
+    # also gives the timeline its parameter norm. Every step reads them when the forward's output was
+    # not checked (activations or loss off, ignored, no forward or a compiled one this step), in a
+    # lagged watch (its verdict comes after the optimizer changed them), and when a rollback snapshot
+    # is due (it must be proven finite).
+    return checked % every == 0 or not (eager and forward_checked) or snapshot_due

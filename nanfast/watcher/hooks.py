@@ -116,14 +116,20 @@ class Hooks:
         if self._check_grads and not site.ignored and torch.is_grad_enabled():
             self._hook_grads(args, "backward", site, site.calls)
 
-    def _check_output(self, phase: str, site: Site, output: Any) -> None:
+    def _check_output(self, phase: str, site: Site, output: Any) -> bool:
+        """Records the check of a module's output; returns whether its floating values are checked."""
         tensors = floating_tensors(output)
         if not tensors:
-            return
-        if len(tensors) == 1 and self._step.checked_before(tensors[0]):
-            return
-        if not site.ignored:
+            return False
+        single = len(tensors) == 1
+        if single and self._step.checked_before(tensors[0]):
+            return self._step.last_recorded  # in the slot of the module that made it (NOTE: [Checking each tensor once])
+        recorded = not site.ignored
+        if recorded:
             self._record(phase, site, site.calls, self._step.microbatch, tensors)
+        if single:
+            self._step.last_recorded = recorded
+        return recorded
 
     def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
         """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
@@ -212,7 +218,8 @@ class Hooks:
         self._steps.end_forward()
         if self._active:
             if self._check_loss:
-                self._check_output("forward", self._root, output)
+                if self._check_output("forward", self._root, output):
+                    self._step.output_checked = True
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()

@@ -15,6 +15,9 @@ SKIPPING = ("skip", "rollback")  # the actions that skip a bad step (rollback: o
 # NOTE: [Rolling back] in rollback.py for why these defaults).
 ROLLBACK_EVERY = 100
 ROLLBACK_DEVICE = "cpu"
+# Read every parameter at least once in PARAMS_EVERY checked steps (see NOTE: [Parameters read when they
+# add information] in fused_pass.py).
+PARAMS_EVERY = 100
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 
@@ -42,6 +45,23 @@ def ignored(ignore: tuple[str, ...], name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
 
 
+def steps_option(name: str, value: Any) -> int:
+    """A number of steps given as an option (every, params_every, rollback_every).
+
+    Args:
+        name: the option's name, for the error.
+        value: what was given.
+
+    Returns:
+        value, an int >= 1.
+
+    Raises:
+        ValueError: value is not an int >= 1."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"nanfast.watch: {name} must be an int >= 1, got {value!r}")
+    return value
+
+
 def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: Any, sync: str, scaler: Optional[Any],
              on_event: Optional[str], rerun: Optional[Callable]) -> bool:
     """Rejects options the watch could not honour.
@@ -64,8 +84,7 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
         raise ValueError(f"nanfast.watch: action must be one of {ACTIONS} or a callable, got {action!r}")
     if sync not in SYNC_MODES:
         raise ValueError(f"nanfast.watch: sync must be one of {SYNC_MODES}, got {sync!r}")
-    if not isinstance(every, int) or every < 1:
-        raise ValueError(f"nanfast.watch: every must be an int >= 1, got {every!r}")
+    steps_option("every", every)
     if scaler is not None and optimizer is None:
         raise ValueError("nanfast.watch: scaler= needs the optimizer it steps")
     if on_event not in ON_EVENT:
@@ -128,9 +147,7 @@ def rollback_options(action: Union[str, Callable], params: bool, every: Optional
     if not params:
         raise ValueError("nanfast.watch: action='rollback' needs params=True: the parameters' check is what finds "
                          "them non-finite")
-    every = ROLLBACK_EVERY if every is None else every
-    if type(every) is not int or every < 1:
-        raise ValueError(f"nanfast.watch: rollback_every must be an int >= 1, got {every!r}")
+    every = steps_option("rollback_every", ROLLBACK_EVERY if every is None else every)
     device = ROLLBACK_DEVICE if device is None else device
     try:
         where = torch.device(device)

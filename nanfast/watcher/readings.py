@@ -32,16 +32,22 @@ class Readings:
     def stats(self) -> dict[str, float]:
         """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
         |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
-        the first checked step. They come with the step's one read.
+        the first checked step. They come with the step's one read. The param norm is there only on
+        steps whose pass read the parameters (every ``params_every`` checked steps by default; see
+        `nanfast.watch`).
 
         Returns:
-            A dict with keys step, grad_norm, param_norm, grad_max_abs, nan, posinf, neginf (floats)."""
+            A dict with keys step, grad_norm, param_norm (when read), grad_max_abs, nan, posinf, neginf
+            (floats)."""
         if self._summary_values is None:
             return {}
         values = dict(zip(SUMMARY, self._summary_values))
-        return {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
-                "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
-                "neginf": values["neginf"]}
+        stats = {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
+                 "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
+                 "neginf": values["neginf"]}
+        if not self._summary_params:
+            del stats["param_norm"]
+        return stats
 
     @property
     def history(self) -> list[StepRecord]:

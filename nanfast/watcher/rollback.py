@@ -78,6 +78,11 @@ class Rollback:
         twins = [s.twins for s in (self._confirmed, self._pending) if s is not None] + [self._spare]
         return sum(t.nbytes for t in twins if t is not None)
 
+    def due(self, step: int) -> bool:
+        """Whether a snapshot is due at the end of `step` (its pass must then read the parameters)."""
+        latest = self._pending or self._confirmed
+        return step > self._blocked_through and (latest is None or step - latest.step >= self.every)
+
     def step_ended(self, step: int, proven: bool) -> None:
         """At the end of checked step `step`, before the optimizer applies it: takes a snapshot of the
         state the step began with if one is due.

@@ -36,13 +36,15 @@ class Read:
     copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
+    params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
 
 
 class Step:
     """The Python side of one step's records: what each slot id stands for (see NOTE: [The watch's
     recorder]), the forwards so far and the last output checked. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "microbatch", "clipped", "losses", "_last_output", "_last_version")
+    __slots__ = ("slots", "forwards", "microbatch", "clipped", "losses", "output_checked", "params_unread",
+                 "last_recorded", "_last_output", "_last_version")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -50,6 +52,8 @@ class Step:
         self.microbatch = 0
         self.clipped: Optional[Pass] = None  # the fused pass Watch.clip_grad_norm_ made
         self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
+        self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
+        self.params_unread = False  # the step's pass left the parameters out (same NOTE)
         self.forget_last()
 
     def slot(self, phase: str, site: Any, call: int, microbatch: int) -> int:
@@ -60,6 +64,7 @@ class Step:
     def forget_last(self) -> None:
         self._last_output: Optional[torch.Tensor] = None
         self._last_version = -1
+        self.last_recorded = False  # whether the last output was recorded (not an ignored module's)
 
     def checked_before(self, t: torch.Tensor) -> bool:
         """Whether `t` is the last output checked, unchanged since (see NOTE: [Checking each tensor
@@ -117,7 +122,7 @@ def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple
     keep = [i for i, name in enumerate(names) if not ignored(ignore, name)] if ignore else None
     if keep is not None and len(keep) < len(names):
         names = [names[i] for i in keep]
-        counts = counts.index_select(0, torch.tensor(keep, device=counts.device))
+        counts = counts.index_select(0, torch.tensor(keep, dtype=torch.long, device=counts.device))
     if not names:
         return
     slot = (phase, tuple(names), 1, 0, len(names))
@@ -127,6 +132,30 @@ def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple
     else:
         all_counts.append(counts)
         slots.append(slot)
+
+
+def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tuple[str, ...]) -> list:
+    """A bad step's rows with its parameters' rows in front, from a pass made now (see NOTE: [Parameters
+    read when they add information]); `read.slots` and the summary's counts take them in too.
+
+    Args:
+        read: the bad step's read (eager, so the parameters are still as the step found them).
+        rows, summary: what verdict() gave for it.
+        fused: the pass over the parameters made now.
+        ignore: the watch's ignore patterns.
+
+    Returns:
+        The rows, the parameters' first."""
+    counts: list = []
+    slots: list = []
+    _add_named("param", fused.param_names, fused.counts[:fused.n_params], ignore, counts, slots, front=True)
+    if not counts:
+        return rows
+    found = counts[0].tolist()
+    read.slots = slots + read.slots
+    for k in range(3):
+        summary[1 + k] += sum(row[k] for row in found)
+    return found + rows
 
 
 def start_copy(read: Read) -> None:

@@ -1,0 +1,144 @@
+"""When the watch reads the parameters (NOTE: [Parameters read when they add information]): every
+`params_every` checked steps, at every step whose forward output was not checked, in a lagged watch, at
+a due rollback snapshot, and on a bad step to name them; a non-finite parameter is still found at the
+step it would have been found at, named first, and the skip, raise and rollback actions see it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanfast
+from op_recorder import OpRecorder
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def step(model, opt, w, x=None):
+    opt.zero_grad()
+    x = torch.randn(4, 8) if x is None else x
+    w.loss(model(x).square().mean()).backward()
+    opt.step()
+
+
+def param_reads(w) -> list[bool]:
+    return [r.param_norm is not None for r in w.history]
+
+
+def test_parameters_are_read_every_params_every_checked_steps():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = sum(p.numel() for p in model.parameters()) * 4
+    with nanfast.watch(model, opt, params_every=3, profile=True) as w:
+        passes = []
+        for _ in range(7):
+            before = w.costs()["pass_bytes"]
+            step(model, opt, w)
+            passes.append(w.costs()["pass_bytes"] - before)
+    assert param_reads(w) == [True, False, False, True, False, False, True]
+    # The pass reads the gradients at every step, the parameters only where they were read.
+    assert passes == [2 * grads if read else grads for read in param_reads(w)]
+    assert "param_norm" in w.stats()  # step 6 read them
+    with nanfast.watch(model, opt, every=2, params_every=2) as w:  # counted in checked steps
+        for _ in range(6):
+            step(model, opt, w)
+    assert [r.step for r in w.history] == [0, 2, 4] and param_reads(w) == [True, False, True]
+
+
+@pytest.mark.parametrize("action", ["raise", "skip"])
+def test_a_parameter_made_nonfinite_is_named_first_at_the_next_step(action):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action=action, params_every=1000) as w:
+        for _ in range(3):
+            step(model, opt, w)
+        with torch.no_grad():
+            model[2].weight[1, 4] = float("inf")  # as a bad update would leave it
+        opt.zero_grad()
+        w.loss(model(torch.randn(4, 8)).square().mean()).backward()
+        with OpRecorder() as ops, pytest.raises(nanfast.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.report
+    assert (event.step, event.phase, event.name, event.first.posinf) == (3, "param", "2.weight", 1)
+    if action == "skip":
+        assert "cannot be skipped once the parameters are non-finite" in str(raised.value)
+    # The step's pass over the gradients, then the parameters read to name them: on a bad step only.
+    assert ops.counts["nanfast.stats.default"] == 2 and ops.host_syncs == 1
+    assert not torch.isfinite(model[2].weight).all()  # nothing was applied over it
+    assert w.history[-1].posinf >= 1 and w.history[-1].param_norm is None
+
+
+def test_a_clean_step_without_the_parameters_makes_one_read():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, params_every=1000) as w:
+        step(model, opt, w)
+        with OpRecorder() as ops:
+            step(model, opt, w)
+    assert ops.host_syncs == 1 and param_reads(w) == [True, False]
+
+
+def test_an_embedding_row_no_step_looks_up_is_found_by_the_periodic_read():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model[0].weight[9] = float("nan")  # a row no batch below uses
+    seen = []
+    with nanfast.watch(model, opt, action=seen.append, params_every=4) as w:
+        for _ in range(6):
+            opt.zero_grad()
+            w.loss(model(torch.randint(0, 9, (3, 2))).mean()).backward()
+            opt.step()
+    # Steps 1-3 did not read it and no checked value depended on it; step 4 read it.
+    assert [(e.step, e.phase, e.name, e.first.nan) for e in seen] == [(0, "param", "0.weight", 4),
+                                                                    (4, "param", "0.weight", 4)]
+
+
+@pytest.mark.parametrize("options", [dict(loss=False), dict(ignore="*"), dict(sync="lagged")],
+                         ids=["output-unchecked", "model-ignored", "lagged"])
+def test_every_step_reads_them_when_no_checked_output_stands_for_them(options):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, params_every=1000, **options) as w:
+        for _ in range(3):
+            step(model, opt, w)
+    assert param_reads(w) == [True, True, True]
+
+
+def test_a_step_with_no_forward_through_the_model_reads_them():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, params_every=1000) as w:
+        step(model, opt, w)
+        opt.zero_grad()
+        model[2].weight.grad = torch.ones_like(model[2].weight)  # a step with no forward
+        opt.step()
+    assert param_reads(w) == [True, True]
+
+
+def test_a_due_rollback_snapshot_reads_them_and_a_rollback_restores_it():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="rolled back"):
+        with nanfast.watch(model, opt, action="rollback", rollback_every=2, params_every=1000) as w:
+            for _ in range(2):
+                step(model, opt, w)
+            good = [p.detach().clone() for p in model.parameters()]  # as step 2 begins: its snapshot
+            step(model, opt, w)
+            with torch.no_grad():
+                model[0].bias[0] = float("nan")
+            step(model, opt, w)
+    assert param_reads(w)[:3] == [True, False, True]
+    assert w.rolled_back_steps == 1 and w.last_rollback == (3, 2)
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), good))
+
+
+def test_params_every_must_be_a_positive_int():
+    model = mlp()
+    for bad in (0, -1, 2.0, True, "10"):
+        with pytest.raises(ValueError, match=r"params_every must be an int >= 1, got"):
+            nanfast.watch(model, params_every=bad)
