@@ -102,12 +102,19 @@ TORCH_LIBRARY(nanfast, m) {
       "stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)",
       {at::Tag::pt2_compliant_tag});
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("combine_norms(Tensor norms) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def(
+      "step_summary(Tensor recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
+      "bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, int[] loss_calls, Tensor? scale, "
+      "Tensor? groups, int n_groups) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
 }
 
 // The outputs are statistics, not differentiable functions of the inputs.
 TORCH_LIBRARY_IMPL(nanfast, Autograd, m) {
   m.impl("stats", torch::CppFunction::makeFallthrough());
   m.impl("any_nonfinite", torch::CppFunction::makeFallthrough());
+  m.impl("step_summary", torch::CppFunction::makeFallthrough());
 }
 
 // See NOTE: [Inputs as the kernels see them]: negative views are read in place.

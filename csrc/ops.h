@@ -1,6 +1,7 @@
 #pragma once
 // Host-side code shared by every backend: how an input list is validated and described to kernels.
 
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,23 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors);
 
 // Swaps the +inf and -inf columns of `counts` ([N, 3]) for inputs read with their negative bit.
 void fix_negated_counts(const std::vector<InputRun>& runs, at::Tensor& counts);
+
+// The L2 norm of a concatenation from its parts' L2 norms (float64 [N] -> 0-dim): torch.ops.nanfast.combine_norms
+// (csrc/combine_norms.cpp, see NOTE: [Combining norms]).
+at::Tensor combine_norms(const at::Tensor& norms);
+
+// Checks the inputs of nanfast.step_summary (csrc/step_summary.cpp, see NOTE: [The step's summary in one
+// call]); errors name the argument.
+void check_step_summary_inputs(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+                               const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
+                               int64_t n_params, const std::optional<at::Tensor>& counted,
+                               const std::optional<at::Tensor>& found_inf,
+                               const std::optional<at::Tensor>& grad_scale, at::TensorList losses,
+                               at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
+                               const std::optional<at::Tensor>& groups, int64_t n_groups);
+
+// The length of nanfast.step_summary's result: 8, one per loss name, the scale, one per module.
+int64_t step_summary_size(at::IntArrayRef loss_calls, bool has_scale, int64_t n_groups);
 
 // Scales the counts ([N, 3]) and norms ([N]) of expanded inputs by their repeats: each element read
 // stands for `repeats` elements, so counts and squares are that many times larger.

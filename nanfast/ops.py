@@ -46,6 +46,15 @@ def _any_nonfinite_fake(tensors):
     return torch.empty((), dtype=torch.bool, device=device)
 
 
+@torch.library.register_fake("nanfast::step_summary")
+def _step_summary_fake(recorded, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, losses,
+                       loss_calls, scale, groups, n_groups):
+    # The watch's per-step summary (see NOTE: [The step's summary in one call]): 8 values, one per loss
+    # name, the scale, one per module.
+    size = 8 + len(loss_calls) + (scale is not None) + n_groups
+    return torch.empty((size,), dtype=torch.float64, device=recorded.device)
+
+
 def _as_tuple(tensors: TensorOrTensors, api: str) -> tuple[torch.Tensor, ...]:
     """The entries as one tuple: the bindings hold it for the call, and Stats keeps it."""
     if isinstance(tensors, torch.Tensor):
@@ -118,10 +127,9 @@ def _in_fake_mode() -> bool:
 
 def combine_norms(norms: torch.Tensor) -> torch.Tensor:
     """The L2 norm of a concatenation, from the L2 norms of its parts (float64 [N] -> 0-dim), relative
-    to the largest part: squaring float64 tensors' norms could overflow. No host sync."""
-    top = norms.amax() if norms.numel() else norms.new_zeros(())
-    scale = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
-    return scale * torch.linalg.vector_norm(norms / scale)
+    to the largest part: squaring float64 tensors' norms could overflow. No host sync. The op
+    torch.ops.nanfast.combine_norms (see NOTE: [Combining norms]), traceable by torch.compile."""
+    return torch.ops.nanfast.combine_norms(norms)
 
 
 @dataclasses.dataclass(frozen=True)

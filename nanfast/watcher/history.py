@@ -32,20 +32,10 @@ class Tail(NamedTuple):
     params: bool = False
 
     @staticmethod
-    def pack(losses: Mapping[str, list], scale: Optional[torch.Tensor], modules: Optional[tuple],
-             grads: bool, params: bool, device: torch.device) -> tuple[Tail, list[torch.Tensor]]:
-        """The tail's layout and its tensors (float64, on `device`, no sync): each loss's mean over
-        its microbatches, the scale (if it lives on `device`: another device would cost a sync), the
-        modules' norms."""
-        values = [torch.stack([m.to(device) for m in means]).mean().reshape(1) for means in losses.values()]
-        scale = scale if isinstance(scale, torch.Tensor) and scale.device == device and scale.numel() == 1 else None
-        if scale is not None:
-            values.append(scale.detach().reshape(1).to(torch.float64))
-        names: tuple[str, ...] = ()
-        if modules is not None:
-            names = modules[0]
-            values.append(modules[1])
-        return Tail(tuple(losses), scale is not None, names, grads, params), values
+    def scale_kept(scale: Any, device: torch.device) -> Optional[torch.Tensor]:
+        """The GradScaler's scale tensor if the tail can hold it: on `device` (another device would cost
+        a sync), one value; else None."""
+        return scale if isinstance(scale, torch.Tensor) and scale.device == device and scale.numel() == 1 else None
 
     def unpack(self, tail: list[float]) -> tuple[dict[str, float], Optional[float], dict[str, float]]:
         """The losses, the scale and the modules' norms from the tail's values."""

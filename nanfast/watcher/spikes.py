@@ -95,8 +95,8 @@ def spike_options(spikes: Union[bool, Mapping, SpikeOptions], action: Any, sync:
 
 
 class ModuleGroups:
-    """Each gradient's owning module (the parameter name less its last part), and the modules'
-    gradient norms from the per-gradient norms of the fused pass, on the device."""
+    """Each gradient's owning module (the parameter name less its last part), as the index the step's
+    summary sums the gradients' squared norms by (see NOTE: [The step's summary in one call])."""
 
     def __init__(self, model: torch.nn.Module):
         self._classes = {name: type(module).__name__ for name, module in model.named_modules()}
@@ -108,24 +108,24 @@ class ModuleGroups:
     def module_class(self, name: str) -> str:
         return self._classes.get(name, "")
 
-    def norms(self, norm: torch.Tensor, grad_names: list[str]) -> tuple[tuple[str, ...], torch.Tensor]:
-        """The L2 norm of each module's parameters' gradients (float64, on norm's device, no sync).
+    def index(self, grad_names: list[str], device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
+        """Which module each gradient belongs to (made once per set of names).
 
         Args:
-            norm: the gradients' norms, float64 [len(grad_names)].
             grad_names: the gradients' parameter names ("param[i]" for a parameter outside the model
                 is its own group).
+            device: where the index goes (the fused pass's results).
 
         Returns:
-            The modules' names, in order of first appearance, and their norms."""
+            The modules' names, in order of first appearance, and each gradient's module number (int64
+            [len(grad_names)] on `device`)."""
         key = tuple(grad_names)
-        if key != self._key or self._index is None or self._index.device != norm.device:
+        if key != self._key or self._index is None or self._index.device != device:
             owners = [name.rpartition(".")[0] if name in self._params else name for name in key]
             order = {name: i for i, name in enumerate(dict.fromkeys(owners))}
             self._key, self._names = key, tuple(order)
-            self._index = torch.tensor([order[o] for o in owners], dtype=torch.long, device=norm.device)
-        squares = torch.zeros(len(self._names), dtype=torch.float64, device=norm.device)
-        return self._names, squares.index_add_(0, self._index, norm.square()).sqrt()
+            self._index = torch.tensor([order[o] for o in owners], dtype=torch.long, device=device)
+        return self._names, self._index
 
 
 class _Window:

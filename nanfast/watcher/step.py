@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops import combine_norms
 from .events import Place
 from .fused_pass import Pass
 from .history import Tail
@@ -28,7 +27,7 @@ class Read:
 
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
-    counts: torch.Tensor  # int64 [rows, 3] on the device
+    parts: list  # where the counts' rows come from, in row order: (int64 [*, 3] tensor, start, stop, kept rows or None)
     slots: list  # (phase, label, call, microbatch, rows) in row order
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
@@ -37,6 +36,17 @@ class Read:
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
+
+    def all_counts(self) -> torch.Tensor:
+        """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
+        read (a bad step, a lagged copy), since a good eager step never reads them."""
+        rows = []
+        for counts, start, stop, kept in self.parts:
+            part = counts[start:stop]
+            if kept is not None:
+                part = part.index_select(0, torch.tensor(kept, dtype=torch.long, device=part.device))
+            rows.append(part)
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 class Step:
@@ -78,60 +88,63 @@ class Step:
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
              grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool,
              scale: Optional[torch.Tensor] = None, groups: Optional[Any] = None) -> Read:
-        """This step's counts, in execution order (parameters, then the hooks' slots, then gradients),
-        and the summary: [flag, nan, +inf, -inf, grad norm, max |grad|, param norm, scaler's found_inf]
-        and its Tail (the losses' means, the GradScaler's `scale`, with `groups` (spikes.ModuleGroups)
-        each module's gradient norm)."""
-        counts = [recorded]
+        """This step's read: the summary, [flag, nan, +inf, -inf, grad norm, max |grad|, param norm,
+        scaler's found_inf] and its Tail (the losses' means, the GradScaler's `scale`, with `groups`
+        (spikes.ModuleGroups) each module's gradient norm), made in one call (see NOTE: [The step's
+        summary in one call]); and where its counts come from, in execution order (parameters, then the
+        hooks' slots, then gradients), put together only when they are read (Read.all_counts)."""
         slots = [(*self.slots[slot], rows) for slot, rows in recorded_slots]
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        grad_norm = grad_max = param_norm = zero
-        modules = None
-        with torch.no_grad():
-            if fused is not None:
-                n = fused.n_params
-                if params:
-                    _add_named("param", fused.param_names, fused.counts[:n], ignore, counts, slots, front=True)
-                if grads:
-                    _add_named("grad", fused.grad_names, fused.counts[n:], ignore, counts, slots, front=False)
-                param_norm = combine_norms(fused.norm[:n])
-                if fused.grads:
-                    grad_norm = combine_norms(fused.norm[n:])
-                    grad_max = fused.absmax[n:].max()
-                    if groups is not None:
-                        modules = groups.norms(fused.norm[n:], fused.grad_names)
-                    if isinstance(grad_scale, torch.Tensor):  # a fused optimizer under GradScaler: grads are scaled
-                        inv = 1.0 / grad_scale.to(device=device, dtype=torch.float64)
-                        grad_norm, grad_max = grad_norm * inv, grad_max * inv
-                        if modules is not None:
-                            modules = (modules[0], modules[1] * inv)
-            packed = torch.cat(counts) if len(counts) > 1 else recorded
-            totals = packed.sum(0)
-            flag = totals[:1] if nan_only else totals.sum(0, keepdim=True)
-            found = zero if found_inf is None else found_inf.to(device=device, dtype=torch.float64)
-            tail, extra = Tail.pack(self.losses, scale, modules, grads=fused is not None and bool(fused.grads),
-                                    params=fused is not None and fused.n_params > 0, device=device)
-            summary = torch.cat([torch.cat([flag, totals]).double(), torch.stack([grad_norm, grad_max, param_norm, found]),
-                                 *extra])
-        return Read(step, summary, packed, slots, scaler_skipped, tail=tail)
+        parts: list = [(recorded, 0, recorded.shape[0], None)]
+        pass_args: tuple = (None, None, None, 0, None)
+        index, modules = None, ()
+        if fused is not None:
+            n, rows = fused.n_params, fused.counts.shape[0]
+            kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), parts, slots)
+            kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), parts, slots)
+            counted = None
+            if kept_params is not None or kept_grads is not None:  # some rows are not counted
+                mask = [0] * rows
+                for i in range(n) if kept_params is None else kept_params:
+                    mask[i] = 1
+                for i in range(rows - n) if kept_grads is None else kept_grads:
+                    mask[n + i] = 1
+                counted = torch.tensor(mask, dtype=torch.int64, device=fused.counts.device)
+            pass_args = (fused.counts, fused.norm, fused.absmax, n, counted)
+            if groups is not None and fused.grads:
+                modules, index = groups.index(fused.grad_names, device)
+        scale = Tail.scale_kept(scale, device)
+        losses = [mean if mean.device == device else mean.to(device) for means in self.losses.values() for mean in means]
+        found_inf, grad_scale = (t.to(device) if isinstance(t, torch.Tensor) else None for t in (found_inf, grad_scale))
+        summary = torch.ops.nanfast.step_summary(
+            recorded, *pass_args, nan_only, found_inf, grad_scale, losses,
+            [len(means) for means in self.losses.values()], scale, index, len(modules))
+        tail = Tail(tuple(self.losses), scale is not None, modules, grads=fused is not None and bool(fused.grads),
+                    params=fused is not None and fused.n_params > 0)
+        return Read(step, summary, parts, slots, scaler_skipped, tail=tail)
 
 
-def _add_named(phase: str, names: list[str], counts: torch.Tensor, ignore: tuple[str, ...], all_counts: list,
-               slots: list, front: bool) -> None:
-    """Adds one row per named tensor (parameters or gradients), leaving out the ignored names."""
-    keep = [i for i, name in enumerate(names) if not ignored(ignore, name)] if ignore else None
-    if keep is not None and len(keep) < len(names):
-        names = [names[i] for i in keep]
-        counts = counts.index_select(0, torch.tensor(keep, dtype=torch.long, device=counts.device))
-    if not names:
-        return
-    slot = (phase, tuple(names), 1, 0, len(names))
-    if front:
-        all_counts.insert(0, counts)
-        slots.insert(0, slot)
-    else:
-        all_counts.append(counts)
-        slots.append(slot)
+def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, rows: tuple, parts: list,
+          slots: list) -> Optional[list[int]]:
+    """Adds the rows of the parameters or gradients a step reports (one per name, the ignored ones left
+    out; none if the check is off) to `parts` and `slots`: the parameters' in front, the gradients' at
+    the end. Returns the indices kept, or None when all are."""
+    keep = None
+    if not wanted:
+        keep = []
+    elif ignore:
+        keep = [i for i, name in enumerate(names) if not ignored(ignore, name)]
+        if len(keep) == len(names):
+            keep = None
+    kept = names if keep is None else [names[i] for i in keep]
+    if kept:
+        part, slot = (*rows, keep), (phase, tuple(kept), 1, 0, len(kept))
+        if phase == "param":
+            parts.insert(0, part)
+            slots.insert(0, slot)
+        else:
+            parts.append(part)
+            slots.append(slot)
+    return keep
 
 
 def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tuple[str, ...]) -> list:
@@ -146,12 +159,12 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
 
     Returns:
         The rows, the parameters' first."""
-    counts: list = []
+    parts: list = []
     slots: list = []
-    _add_named("param", fused.param_names, fused.counts[:fused.n_params], ignore, counts, slots, front=True)
-    if not counts:
+    _kept("param", fused.param_names, ignore, True, (fused.counts, 0, fused.n_params), parts, slots)
+    if not parts:
         return rows
-    found = counts[0].tolist()
+    found = Read(read.step, read.summary, parts, slots, False).all_counts().tolist()
     read.slots = slots + read.slots
     for k in range(3):
         summary[1 + k] += sum(row[k] for row in found)
@@ -160,7 +173,7 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
 
 def start_copy(read: Read) -> None:
     """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
-    read.host = _to_host(torch.cat([read.summary, read.counts.flatten().to(torch.float64)]))
+    read.host = _to_host(torch.cat([read.summary, read.all_counts().flatten().to(torch.float64)]))
     if read.host.device != read.summary.device:
         read.copied = torch.cuda.Event()
         read.copied.record()
@@ -192,7 +205,7 @@ def verdict(read: Read) -> tuple[bool, list[float], list]:
     # place stay on the device unless the step is bad.
     host = _to_host(read.summary)
     if read.summary[0].item() > 0:
-        return True, host.tolist(), read.counts.tolist()
+        return True, host.tolist(), read.all_counts().tolist()
     return False, host.tolist(), []
 
 
