@@ -1,6 +1,6 @@
 // nanfast::step_summary: a watched step's summary, the one thing the host reads per step. Its checks
 // of the inputs, its output layout, and the implementation for every device without a kernel of its
-// own (ATen ops); the CPU kernel is csrc/cpu/step_summary_cpu.cpp.
+// own (ATen ops); the CPU kernel is csrc/cpu/step_summary_cpu.cpp, the CUDA one in csrc/cuda/stats_cuda.cu.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -14,9 +14,9 @@ namespace nanfast {
 // each module's gradient norm. Made from Python that was about 38 ATen ops: 0.3-0.5 ms on a CPU step,
 // where each op paid Python's argument parsing and, right after the model's own kernels, cold caches
 // for its dispatch path (a call measured 8x slower inside a step than in a loop). One op does it:
-// on CPU a kernel of plain loops over a few hundred numbers (csrc/cpu/step_summary_cpu.cpp); on
-// other devices the same arithmetic as ATen ops (below), one launch each. A single-block CUDA kernel
-// would make it one launch: not written yet. Nothing here reads a value on the host (no sync).
+// on CPU a kernel of plain loops over a few hundred numbers (csrc/cpu/step_summary_cpu.cpp); on CUDA
+// one launch of one block (csrc/cuda/stats_cuda.cu; two with losses, which are stacked first); on
+// other devices the same arithmetic as ATen ops (below). Nothing here reads a value on the host.
 // * counts: the fused pass's rows (parameters first, n_params of them, then gradients) are summed
 //   where `counted` is 1 (the ignored names and the switched-off checks are 0); `recorded`'s always.
 // * norms: combine_norms of the parameters' and of the gradients' norms; max |grad| over the

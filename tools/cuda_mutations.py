@@ -60,6 +60,14 @@ MUTANTS = (
     Mutant("32-bit chunk offsets (dense kernel)",
            "  const int64_t begin = chunk * kChunkElements;\n  op(DenseChunk<T>",
            "  const int64_t begin = static_cast<int32_t>(chunk * kChunkElements);\n  op(DenseChunk<T>", huge=True),
+    Mutant("summary: off-by-one in the pass's rows", "  for (int64_t i = tid; i < a.rows; i += kThreads) {",
+           "  for (int64_t i = tid; i < a.rows - 1; i += kThreads) {"),
+    Mutant("summary: a module's last gradient left out", "    for (int64_t i = 0; i < grads; ++i) {\n      if (a.groups[i] == g)",
+           "    for (int64_t i = 0; i < grads - 1; ++i) {\n      if (a.groups[i] == g)"),
+    Mutant("summary: barrier in a non-uniform branch", "  if (n == 0) {  // uniform", "  if (n == 0 || threadIdx.x == 5) {  // uniform"),
+    Mutant("summary: missing launch check",
+           "(args, out.mutable_data_ptr<double>());\n  C10_CUDA_KERNEL_LAUNCH_CHECK();\n",
+           "(args, out.mutable_data_ptr<double>());\n"),
 )
 
 # The file's own static_assert on FinishBatch would catch the 4 KB mutant first: it goes with it, so
@@ -106,7 +114,7 @@ def check(mutant: Mutant, work: Path) -> tuple[str, str]:
         env["NANFAST_CUDA_EMU_ORDER"] = order
         # --capture=sys: UBSan's report on the process's stderr survives the abort
         tested = run([sys.executable, "-m", "pytest", "-q", "-x", "--capture=sys", "-p", "no:cacheprovider",
-                      "tests/test_cuda.py", "-k", selection], env)
+                      "tests/test_cuda.py", "tests/test_cuda_step_summary.py", "-k", selection], env)
         if tested.returncode != 0:
             failed = re.search(r"^FAILED (\S+)", tested.stdout, re.MULTILINE)
             where = failed.group(1).split("::")[-1] if failed else f"pytest exit {tested.returncode}"

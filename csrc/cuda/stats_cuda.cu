@@ -1,4 +1,5 @@
-// CUDA implementation of nanfast::stats and nanfast::any_nonfinite.
+// CUDA implementation of nanfast::stats, nanfast::any_nonfinite and nanfast::step_summary (one file: the
+// CPU emulation of CUDA rewrites this file's text, and the summary shares its block_reduce).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -9,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -265,6 +267,153 @@ __global__ void __launch_bounds__(kThreads) finish_stats_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
+// nanfast.step_summary (see NOTE: [The step's summary in one call]): one launch of one block, plus a
+// stack of the losses' means when there are any. Every sum runs in a fixed order (deterministic).
+
+constexpr int kMaxLossNames = 64;
+
+// A one-value float32 or float64 tensor's data; data == nullptr: absent.
+struct Scalar {
+  const void* data;
+  bool is_double;
+};
+
+struct SummaryArgs {
+  const int64_t* recorded;
+  int64_t recorded_rows;
+  const int64_t* counts;  // the fused pass's rows: n_params parameters, then gradients
+  const double* norm;
+  const double* absmax;
+  const int64_t* counted;  // nullptr: every row counts
+  int64_t rows;
+  int64_t n_params;
+  const int64_t* groups;  // each gradient's module number; numbers outside [0, n_groups) match none
+  int64_t n_groups;
+  const double* losses;  // the means of every Watch.loss call, name after name
+  int64_t loss_first[kMaxLossNames + 1];  // name j's calls are losses[loss_first[j], loss_first[j + 1])
+  int loss_names;
+  Scalar found_inf, grad_scale, scale;
+  bool nan_only;
+};
+
+static_assert(sizeof(SummaryArgs) + sizeof(void*) <= 4096, "kernel arguments are limited to 4 KB");
+
+__device__ double scalar_value(const Scalar& s) {
+  return s.is_double ? *static_cast<const double*>(s.data) : static_cast<double>(*static_cast<const float*>(s.data));
+}
+
+struct Sum3 {
+  int64_t v[3];
+};
+
+struct AddSum3 {
+  __device__ void operator()(Sum3& a, const Sum3& b) const {
+    for (int k = 0; k < 3; ++k) {
+      a.v[k] += b.v[k];
+    }
+  }
+};
+
+struct AddDouble {
+  __device__ void operator()(double& a, const double& b) const {
+    a += b;
+  }
+};
+
+// As torch.amax: NaN if either is NaN.
+__device__ double max_or_nan(double a, double b) {
+  return (a != a || b != b) ? NAN : (a > b ? a : b);
+}
+
+struct MaxOrNan {
+  __device__ void operator()(double& a, const double& b) const {
+    a = max_or_nan(a, b);
+  }
+};
+
+// nanfast.combine_norms over x[0, n), by the whole block (see NOTE: [Combining norms]).
+__device__ double block_combine_norms(const double* x, int64_t n) {
+  if (n == 0) {  // uniform: every thread sees the same n
+    return 0.0;
+  }
+  double top = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    top = max_or_nan(top, x[i]);
+  }
+  top = block_reduce(top, MaxOrNan{});
+  const double scale = (fabs(top) < INFINITY && top > 0) ? top : 1.0;
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const double r = x[i] / scale;
+    sum += r * r;
+  }
+  return scale * sqrt(block_reduce(sum, AddDouble{}));
+}
+
+__global__ void __launch_bounds__(kThreads) step_summary_kernel(SummaryArgs a, double* out) {
+  const int tid = threadIdx.x;
+  Sum3 mine{{0, 0, 0}};
+  for (int64_t i = tid; i < a.recorded_rows; i += kThreads) {
+    for (int k = 0; k < 3; ++k) {
+      mine.v[k] += a.recorded[3 * i + k];
+    }
+  }
+  for (int64_t i = tid; i < a.rows; i += kThreads) {
+    const int64_t weight = a.counted != nullptr ? a.counted[i] : 1;
+    for (int k = 0; k < 3; ++k) {
+      mine.v[k] += a.counts[3 * i + k] * weight;
+    }
+  }
+  const Sum3 totals = block_reduce(mine, AddSum3{});
+  const int64_t grads = a.rows - a.n_params;
+  const double param_norm = block_combine_norms(a.norm, a.n_params);
+  double grad_norm = 0.0, grad_max = 0.0, inverse = 1.0;
+  if (grads > 0) {
+    grad_norm = block_combine_norms(a.norm + a.n_params, grads);
+    double top = -INFINITY;
+    for (int64_t i = tid; i < grads; i += kThreads) {
+      top = max_or_nan(top, a.absmax[a.n_params + i]);
+    }
+    grad_max = block_reduce(top, MaxOrNan{});
+    if (a.grad_scale.data != nullptr) {  // a fused optimizer under a GradScaler: its gradients are still scaled
+      inverse = 1.0 / scalar_value(a.grad_scale);
+    }
+  }
+  // One thread per module: its gradients' squares summed in their order.
+  const int64_t modules_at = 8 + a.loss_names + (a.scale.data != nullptr ? 1 : 0);
+  for (int64_t g = tid; g < a.n_groups; g += kThreads) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < grads; ++i) {
+      if (a.groups[i] == g) {
+        const double x = a.norm[a.n_params + i];
+        squares += x * x;
+      }
+    }
+    out[modules_at + g] = sqrt(squares) * inverse;
+  }
+  if (tid == 0) {
+    out[0] = static_cast<double>(a.nan_only ? totals.v[0] : totals.v[0] + totals.v[1] + totals.v[2]);
+    for (int k = 0; k < 3; ++k) {
+      out[1 + k] = static_cast<double>(totals.v[k]);
+    }
+    out[4] = grad_norm * inverse;
+    out[5] = grad_max * inverse;
+    out[6] = param_norm;
+    out[7] = a.found_inf.data != nullptr ? scalar_value(a.found_inf) : 0.0;
+    for (int j = 0; j < a.loss_names; ++j) {
+      double sum = 0.0;
+      for (int64_t i = a.loss_first[j]; i < a.loss_first[j + 1]; ++i) {
+        sum += a.losses[i];
+      }
+      out[8 + j] = sum / static_cast<double>(a.loss_first[j + 1] - a.loss_first[j]);
+    }
+    if (a.scale.data != nullptr) {
+      out[8 + a.loss_names] = scalar_value(a.scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side: planning and launching.
 
 int64_t chunks_of(int64_t numel) {
@@ -432,10 +581,77 @@ at::Tensor any_nonfinite_cuda(at::TensorList tensors) {
   return found;
 }
 
+// The data of an optional one-value tensor as the kernel reads it (float32 or float64; another
+// floating dtype is converted, its copy kept alive in `keep`).
+Scalar scalar_of(const std::optional<at::Tensor>& t, at::Tensor& keep) {
+  if (!t.has_value()) {
+    return {nullptr, false};
+  }
+  const bool kept = t->scalar_type() == at::kDouble || t->scalar_type() == at::kFloat;
+  keep = kept ? t->contiguous() : t->to(at::kFloat);
+  return {keep.const_data_ptr(), keep.scalar_type() == at::kDouble};
+}
+
+at::Tensor step_summary_cuda(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+                             const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
+                             int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
+                             const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
+                             at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
+                             const std::optional<at::Tensor>& groups, int64_t n_groups) {
+  check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
+                            loss_calls, scale, groups, n_groups);
+  TORCH_CHECK(static_cast<int64_t>(loss_calls.size()) <= kMaxLossNames, "nanfast.step_summary: at most ",
+              kMaxLossNames, " loss names on CUDA, got ", loss_calls.size());
+  const c10::cuda::CUDAGuard device_guard(recorded.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  SummaryArgs args{};
+  const at::Tensor rec = recorded.contiguous();
+  args.recorded = rec.const_data_ptr<int64_t>();
+  args.recorded_rows = rec.size(0);
+  at::Tensor c, nm, am, mask, g, means, found_keep, grad_scale_keep, scale_keep;
+  if (counts.has_value()) {
+    c = counts->contiguous();
+    nm = norm->contiguous();
+    am = absmax->contiguous();
+    args.counts = c.const_data_ptr<int64_t>();
+    args.norm = nm.const_data_ptr<double>();
+    args.absmax = am.const_data_ptr<double>();
+    args.rows = c.size(0);
+    args.n_params = n_params;
+  }
+  if (counted.has_value()) {
+    mask = counted->contiguous();
+    args.counted = mask.const_data_ptr<int64_t>();
+  }
+  if (groups.has_value()) {
+    g = groups->contiguous();
+    args.groups = g.const_data_ptr<int64_t>();
+    args.n_groups = n_groups;
+  }
+  if (!losses.empty()) {
+    means = at::stack(losses).reshape({-1});
+    args.losses = means.const_data_ptr<double>();
+  }
+  args.loss_names = static_cast<int>(loss_calls.size());
+  for (size_t j = 0; j < loss_calls.size(); ++j) {
+    args.loss_first[j + 1] = args.loss_first[j] + loss_calls[j];
+  }
+  args.found_inf = scalar_of(found_inf, found_keep);
+  args.grad_scale = scalar_of(grad_scale, grad_scale_keep);
+  args.scale = scalar_of(scale, scale_keep);
+  args.nan_only = nan_only;
+  at::Tensor out = at::empty({step_summary_size(loss_calls, scale.has_value(), n_groups)},
+                             recorded.options().dtype(at::kDouble));
+  step_summary_kernel<<<1, kThreads, 0, stream>>>(args, out.mutable_data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 }  // namespace nanfast::cuda
 
 TORCH_LIBRARY_IMPL(nanfast, CUDA, m) {
   m.impl("stats", &nanfast::cuda::stats_cuda);
   m.impl("any_nonfinite", &nanfast::cuda::any_nonfinite_cuda);
+  m.impl("step_summary", &nanfast::cuda::step_summary_cuda);
 }

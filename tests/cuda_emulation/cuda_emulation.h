@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -100,12 +101,18 @@ class Launch {
 // The kernels the .cu file registers (its TORCH_LIBRARY_IMPL lands here, see below).
 using StatsKernel = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(at::TensorList);
 using FlagKernel = at::Tensor (*)(at::TensorList);
+using OptionalTensor = const std::optional<at::Tensor>&;
+using SummaryKernel = at::Tensor (*)(const at::Tensor&, OptionalTensor, OptionalTensor, OptionalTensor, int64_t,
+                                     OptionalTensor, bool, OptionalTensor, OptionalTensor, at::TensorList,
+                                     at::IntArrayRef, OptionalTensor, OptionalTensor, int64_t);
 
 struct KernelTable {
   StatsKernel stats = nullptr;
   FlagKernel any_nonfinite = nullptr;
+  SummaryKernel step_summary = nullptr;
   void impl(const char* name, StatsKernel kernel);
   void impl(const char* name, FlagKernel kernel);
+  void impl(const char* name, SummaryKernel kernel);
 };
 
 KernelTable& kernels();

@@ -504,6 +504,11 @@ void KernelTable::impl(const char* name, FlagKernel kernel) {
   any_nonfinite = kernel;
 }
 
+void KernelTable::impl(const char* name, SummaryKernel kernel) {
+  TORCH_INTERNAL_ASSERT(std::string(name) == "step_summary", "CUDA emulation: unexpected kernel ", name);
+  step_summary = kernel;
+}
+
 KernelTable& kernels() {
   static KernelTable table;
   return table;
@@ -512,15 +517,15 @@ KernelTable& kernels() {
 namespace {
 
 // Runs one op of the .cu file: fresh host state, and no launch left unchecked at its end.
-template <typename Kernel>
-auto run_op(const char* op, Kernel kernel, at::TensorList tensors) {
+template <typename Kernel, typename... Args>
+auto run_op(const char* op, Kernel kernel, Args&&... args) {
   TORCH_INTERNAL_ASSERT(kernel != nullptr, "CUDA emulation: stats_cuda.cu registered no ", op, " kernel");
   {
     const std::lock_guard<std::mutex> lock(config_mutex);
     host = Host{};
     host.rng.seed(config().seed);
   }
-  auto result = kernel(tensors);
+  auto result = kernel(std::forward<Args>(args)...);
   TORCH_CHECK(
       host.unchecked.file == nullptr, "CUDA emulation: ", op, ": the launch at ", where(host.unchecked),
       " has no C10_CUDA_KERNEL_LAUNCH_CHECK()");
@@ -534,6 +539,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats(at::TensorList tensors) {
 
 at::Tensor any_nonfinite(at::TensorList tensors) {
   return run_op("nanfast_emu.any_nonfinite", kernels().any_nonfinite, tensors);
+}
+
+at::Tensor step_summary(const at::Tensor& recorded, OptionalTensor counts, OptionalTensor norm, OptionalTensor absmax,
+                        int64_t n_params, OptionalTensor counted, bool nan_only, OptionalTensor found_inf,
+                        OptionalTensor grad_scale, at::TensorList losses, at::IntArrayRef loss_calls,
+                        OptionalTensor scale, OptionalTensor groups, int64_t n_groups) {
+  return run_op("nanfast_emu.step_summary", kernels().step_summary, recorded, counts, norm, absmax, n_params, counted,
+                nan_only, found_inf, grad_scale, losses, loss_calls, scale, groups, n_groups);
 }
 
 void configure(std::string order, int64_t seed) {
@@ -552,6 +565,10 @@ std::vector<int64_t> last_launches() {
 TORCH_LIBRARY(nanfast_emu, m) {
   m.def("stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)");
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor");
+  m.def(
+      "step_summary(Tensor recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
+      "bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, int[] loss_calls, Tensor? scale, "
+      "Tensor? groups, int n_groups) -> Tensor");
   m.def("configure(str order, int seed=0) -> ()", &cuda_emu::configure);
   m.def("last_launches() -> int[]", &cuda_emu::last_launches);
 }
@@ -559,12 +576,14 @@ TORCH_LIBRARY(nanfast_emu, m) {
 TORCH_LIBRARY_IMPL(nanfast_emu, CPU, m) {
   m.impl("stats", &cuda_emu::stats);
   m.impl("any_nonfinite", &cuda_emu::any_nonfinite);
+  m.impl("step_summary", &cuda_emu::step_summary);
 }
 
 // As for torch.ops.nanfast: statistics are not differentiated, and negative views are read in place.
 TORCH_LIBRARY_IMPL(nanfast_emu, Autograd, m) {
   m.impl("stats", torch::CppFunction::makeFallthrough());
   m.impl("any_nonfinite", torch::CppFunction::makeFallthrough());
+  m.impl("step_summary", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(nanfast_emu, Negative, m) {

@@ -1,0 +1,97 @@
+"""nanfast.step_summary's CUDA kernel (one block; NOTE: [The step's summary in one call]) against the
+CPU kernel, which test_step_summary.py compares with a float64 reference: on a GPU (skipped without
+one) and on the CPU emulation of CUDA (tests/cuda_emulation), under every thread order it offers."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import cuda_emulation
+import pytest
+import torch
+
+import nanfast  # noqa: F401  (registers torch.ops.nanfast)
+from test_step_summary import random_inputs
+
+CPU_KERNEL = torch.ops.nanfast.step_summary.default
+
+
+def on(device, args):
+    return tuple(a.to(device) if isinstance(a, torch.Tensor)
+                 else [t.to(device) for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)
+                 else a for a in args)
+
+
+class Emulated:
+    """The emulation's kernel: a function of CPU inputs, as the GPU's below."""
+
+    def __init__(self, ops):
+        self.op = ops.step_summary
+
+    def __call__(self, *args):
+        return self.op(*args)
+
+
+@pytest.fixture(scope="module", params=["gpu", "emulated"])
+def summary(request):
+    """The CUDA kernel as a function of CPU inputs returning a CPU result."""
+    if request.param == "gpu":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        return lambda *args: CPU_KERNEL(*on("cuda", args)).cpu()
+    try:
+        ops = cuda_emulation.ops()
+    except FileNotFoundError as error:  # a copy of tests/ without the sources; CI always has them
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(str(error))
+    return Emulated(ops)
+
+
+def same(a: float, b: float) -> bool:
+    return a == pytest.approx(b, rel=1e-12, abs=0) or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffled"])
+def test_matches_the_cpu_kernel_on_random_inputs(summary, order):
+    if not isinstance(summary, Emulated) and order != "forward":
+        pytest.skip("thread orders are the emulation's")
+    if order != "forward":
+        torch.ops.nanfast_emu.configure(order, 7)
+    try:
+        for seed in range(120):
+            args = random_inputs(seed)
+            want, got = CPU_KERNEL(*args).tolist(), summary(*args).tolist()
+            assert len(got) == len(want), seed
+            assert all(same(g, w) for g, w in zip(got, want)), (seed, got, want)
+    finally:
+        if order != "forward":
+            torch.ops.nanfast_emu.configure("forward", 0)
+
+
+def test_one_launch(summary):
+    if not isinstance(summary, Emulated):
+        pytest.skip("counts the emulation's launches")
+    for seed in range(10):
+        summary(*random_inputs(seed))
+        assert torch.ops.nanfast_emu.last_launches() == [1, 1], seed
+
+
+def test_nonfinite_norms_and_many_rows(summary):
+    # More rows and modules than the block has threads; a NaN and an inf among the norms.
+    rows, n_params, n_groups = 1000, 300, 300
+    gen = torch.Generator().manual_seed(0)
+    norm = torch.rand(rows, generator=gen, dtype=torch.float64)
+    for bad_at in (None, 5, 700):
+        for bad in (math.nan, math.inf):
+            n = norm.clone()
+            if bad_at is not None:
+                n[bad_at] = bad
+            args = (torch.randint(0, 5, (700, 3), generator=gen), torch.randint(0, 5, (rows, 3), generator=gen), n,
+                    torch.rand(rows, generator=gen, dtype=torch.float64), n_params,
+                    torch.randint(0, 2, (rows,), generator=gen), False, None, torch.tensor(512.0),
+                    [torch.tensor(1.5, dtype=torch.float64)], [1], None,
+                    torch.randint(0, n_groups, (rows - n_params,), generator=gen), n_groups)
+            want, got = CPU_KERNEL(*args).tolist(), summary(*args).tolist()
+            assert all(same(g, w) for g, w in zip(got, want)), (bad_at, bad)
