@@ -86,13 +86,34 @@ std::vector<double> limits_of(at::TensorList tensors) {
   return limits;
 }
 
+// NOTE: [Fused records]
+// By default each record is one fused call made at once, while the tensor is fresh in cache: on a CPU
+// the cheapest way. On a GPU each call is a launch and a host round of dispatch, so a watch made with
+// fuse=True defers them: a record keeps its tensors (and its place in execution order), and one call
+// checks every deferred tensor when the forward ends (forget()), when the step's records are taken,
+// or when the deferred tensors reach `fuse_bytes` (a bound on the memory they keep alive past their
+// use). A step is then about four calls: each forward's, the backward's (at take()), the pass over
+// parameters and gradients, and the summary. What it gives up: a value checked at the flush is the
+// tensor as it is then; a later in-place op that made it finite (ReLU over -inf) hides it.
+
+// A record whose tensors wait for the next flush: its entry's index and its tensors (owned).
+struct Deferred {
+  size_t entry;
+  std::vector<at::Tensor> tensors;
+};
+
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
 // autograd engine thread (one per CUDA device) and which live as long as their graph.
 struct Records {
-  Records(at::Device device, bool profiled) : device(device), profiled(profiled) {}
+  Records(at::Device device, bool profiled, int64_t fuse_bytes)
+      : device(device), fuse_bytes(fuse_bytes), profiled(profiled) {}
 
   // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
   void add(at::TensorList tensors, int64_t slot, bool grad_check) {
+    if (fuse_bytes > 0) {
+      defer(tensors, slot);
+      return;
+    }
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
     auto [counts, norm, absmax] = stats_on(tensors, device);
     std::vector<double> limits = limits_of(tensors);
@@ -113,6 +134,64 @@ struct Records {
       }
     }
   }
+
+  // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
+  void defer(at::TensorList tensors, int64_t slot) {
+    int64_t nbytes = 0;
+    for (const at::Tensor& t : tensors) {
+      nbytes += t.numel() * t.element_size();
+    }
+    bool full = false;
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      entries.push_back(Entry{at::Tensor(), slot, at::Tensor(), {}});
+      deferred.push_back(Deferred{entries.size() - 1, tensors.vec()});
+      deferred_bytes += nbytes;
+      full = deferred_bytes >= fuse_bytes;
+    }
+    if (full) {
+      flush();
+    }
+  }
+
+  // Checks every deferred tensor in one call and fills their entries. Call it without the mutex and,
+  // from Python, without the GIL: dropping the last reference to a tensor may take the GIL.
+  void flush() {
+    std::vector<Deferred> done;
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      if (deferred.empty()) {
+        return;
+      }
+      const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
+      std::vector<at::Tensor> all;
+      for (const Deferred& d : deferred) {
+        all.insert(all.end(), d.tensors.begin(), d.tensors.end());
+      }
+      auto [counts, norm, absmax] = stats_on(all, device);
+      const std::vector<double> limits = limits_of(all);
+      int64_t row = 0;
+      for (const Deferred& d : deferred) {
+        const int64_t rows = static_cast<int64_t>(d.tensors.size());
+        TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
+        Entry& entry = entries[d.entry];
+        entry.counts = counts.narrow(0, row, rows);
+        if (!limits.empty() &&
+            std::any_of(limits.begin() + row, limits.begin() + row + rows, [](double l) { return l > 0; })) {
+          entry.absmax = absmax.narrow(0, row, rows);
+          entry.limits.assign(limits.begin() + row, limits.begin() + row + rows);
+        }
+        row += rows;
+      }
+      if (profiled) {
+        kernel_time += Clock::now() - start;
+        ++calls;
+        bytes += deferred_bytes;
+      }
+      done.swap(deferred);
+      deferred_bytes = 0;
+    }
+  }  // `done` releases the tensors here, outside the mutex
 
   // NOTE: [A backward that raised]
   // The first check to fire in a backward (a graph task) notes the task and queues an engine callback,
@@ -137,6 +216,7 @@ struct Records {
   }
 
   const at::Device device;
+  const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
   // NOTE: [Profiling the watch]
   // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
   // the benchmark reads): an ordinary watch reads no clock on its hot path.
@@ -147,6 +227,8 @@ struct Records {
   std::atomic<int64_t> epoch{0};
   std::mutex mutex;
   std::vector<Entry> entries;
+  std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
+  int64_t deferred_bytes = 0;
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read, and the number of
@@ -212,8 +294,8 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
 
 class WatchRecorder {
  public:
-  WatchRecorder(at::Device device, bool profiled)
-      : records_(std::make_shared<Records>(device, profiled)) {}
+  WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes)
+      : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
 
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`.
   void record(py::handle tensors, int64_t slot) {
@@ -247,9 +329,12 @@ class WatchRecorder {
     }
   }
 
-  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes).
+  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes); the
+  // deferred records are checked (see NOTE: [Fused records]).
   void forget() {
     hooked_.clear();
+    py::gil_scoped_release no_gil;
+    records_->flush();
   }
 
   // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
@@ -258,6 +343,10 @@ class WatchRecorder {
   // when there is none) with (slot, largest finite value of the row's dtype or 0) per row.
   py::tuple take() {
     std::vector<Entry> entries;
+    {
+      py::gil_scoped_release no_gil;
+      records_->flush();
+    }
     {
       const std::lock_guard<std::mutex> lock(records_->mutex);
       entries.swap(records_->entries);
@@ -295,8 +384,11 @@ class WatchRecorder {
 
   // Drops the records; the gradient checks placed so far do nothing from now on.
   void clear() {
+    std::vector<Deferred> dropped;
     const std::lock_guard<std::mutex> lock(records_->mutex);
     records_->entries.clear();
+    dropped.swap(records_->deferred);  // released after the lock (declared before it)
+    records_->deferred_bytes = 0;
     ++records_->epoch;
   }
 
@@ -307,6 +399,10 @@ class WatchRecorder {
       hooked.slot->id = kDeadSlot;
     }
     hooked_.clear();
+    {
+      py::gil_scoped_release no_gil;
+      records_->flush();  // entries are addressed by index: none may be deferred while some are erased
+    }
     const std::lock_guard<std::mutex> lock(records_->mutex);
     auto& entries = records_->entries;
     entries.erase(std::remove_if(entries.begin(), entries.end(),
@@ -359,7 +455,8 @@ class WatchRecorder {
 void bind_watch_recorder(py::module_& m) {
   py::class_<WatchRecorder>(m, "WatchRecorder",
                             "Where nanfast.watch's hooks leave a step's counts (see NOTE: [The watch's recorder]).")
-      .def(py::init<at::Device, bool>(), py::arg("device"), py::arg("profiled") = false)
+      .def(py::init<at::Device, bool, int64_t>(), py::arg("device"), py::arg("profiled") = false,
+           py::arg("fuse_bytes") = 0)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"))
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("forget", &WatchRecorder::forget)

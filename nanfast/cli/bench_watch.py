@@ -20,7 +20,7 @@ from ..watcher import watch
 # make_workloads is also benchmarks/watch_versions.py's entry point, by the name _workloads.
 from .watch_workloads import KEYS as WORKLOAD_KEYS, Batch, make_workloads as _workloads
 
-METHODS = ("none", "nanfast.watch", "isnan hooks", "detect_anomaly")
+METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly")
 
 
 @contextlib.contextmanager
@@ -43,6 +43,8 @@ def isnan_hooks(model: torch.nn.Module) -> Iterator[None]:
 def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
     if name == "nanfast.watch":
         return watch(model, optimizer)
+    if name == "nanfast.watch(fuse=True)":  # the mode for GPUs (see NOTE: [Fused records])
+        return watch(model, optimizer, fuse=True)
     if name == "isnan hooks":
         return isnan_hooks(model)
     if name == "detect_anomaly":

@@ -20,7 +20,7 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks
-from .options import (ACTIONS, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
+from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
                       steps_option, validate)
 from .profile import Profile
 from .readings import Readings
@@ -66,6 +66,7 @@ class Watch(Hooks, Actions, Readings):
         on_event: Optional[str] = None,
         rerun: Optional[Callable[[], Any]] = None,
         profile: bool = False,
+        fuse: bool = False,
         headroom: Union[None, float, Iterable[float]] = DEFAULT_THRESHOLDS,
         rollback_every: Optional[int] = None,
         rollback_device: Optional[Union[str, torch.device]] = None,
@@ -117,7 +118,7 @@ class Watch(Hooks, Actions, Readings):
         self._handles: list = []
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
-        self._recorder = _C.WatchRecorder(self._device, profile)
+        self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}
@@ -327,7 +328,10 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
-    watch reads no clock), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
+    watch reads no clock), ``fuse`` (check a forward's activations in one call when it ends, and the
+    backward's gradients in one call at the step: about four fused calls per step instead of two per
+    module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
+    keeps up to 64 MiB of checked tensors alive until their call), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
     per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).
     action="rollback" skips bad steps as "skip" does, and when a step finds the

@@ -18,6 +18,9 @@ ROLLBACK_DEVICE = "cpu"
 # Read every parameter at least once in PARAMS_EVERY checked steps (see NOTE: [Parameters read when they
 # add information] in fused_pass.py).
 PARAMS_EVERY = 100
+# fuse=True: the most bytes of deferred tensors a watch keeps alive past their use before checking them
+# (see NOTE: [Fused records] in csrc/python/watch_recorder.cpp).
+FUSE_BYTES = 64 << 20
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 

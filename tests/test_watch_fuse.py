@@ -1,0 +1,160 @@
+"""watch(fuse=True) (NOTE: [Fused records]): a forward's checks in one call at its end, the backward's
+in one at the step; the same events as the default watch on real faults, a few fused calls per step
+whatever the model, no host read before the step's one, and the memory bound on deferred tensors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanfast
+from nanfast.cli import watch_workloads
+from op_recorder import OpRecorder
+
+NAN, INF = float("nan"), float("inf")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.act = torch.nn.Tanh()
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc2(self.act(self.fc1(x)))))
+
+
+class SqrtOfNegative(torch.autograd.Function):
+    """Finite forward, NaN gradient: a backward-only fault."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.tensor(-1.0).sqrt()
+
+
+class BackwardFault(torch.nn.Module):
+    def forward(self, x):
+        return SqrtOfNegative.apply(x)
+
+
+def faults():
+    """(name, model maker, batch maker): faults a user meets, each in a different phase."""
+    def net():
+        torch.manual_seed(0)
+        return Net()
+
+    def weight_nan():
+        model = net()
+        with torch.no_grad():
+            model.fc2.weight[3, 2] = NAN
+        return model
+
+    def backward_nan():
+        model = net()
+        model.fc2 = torch.nn.Sequential(model.fc2, BackwardFault())
+        return model
+
+    def overflow():  # finite weights whose products overflow float32 in the second layer
+        model = net()
+        with torch.no_grad():
+            model.fc1.weight.mul_(1e20)
+            model.fc2.weight.mul_(1e20)
+        return model
+
+    clean = lambda: torch.randn(8, 6)  # noqa: E731
+
+    def dirty():
+        x = torch.randn(8, 6)
+        x[2, 1] = -INF
+        return x
+
+    return [("weight", weight_nan, clean), ("backward", backward_nan, clean), ("overflow", overflow, clean),
+            ("input", net, dirty)]
+
+
+def first_event(fuse, make_model, make_batch):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    seen = []
+    with nanfast.watch(model, opt, fuse=fuse, action=seen.append) as w:
+        for _ in range(2):
+            opt.zero_grad()
+            w.loss(F.cross_entropy(model(make_batch()), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))).backward()
+            opt.step()
+    return [(e.step, [(p.phase, p.name, p.nan, p.posinf, p.neginf) for p in (e.first, *e.later)]) for e in seen]
+
+
+@pytest.mark.parametrize("name,make_model,make_batch", faults(), ids=[f[0] for f in faults()])
+def test_the_same_events_as_the_default_watch(name, make_model, make_batch):
+    fused, default = first_event(True, make_model, make_batch), first_event(False, make_model, make_batch)
+    assert fused and fused == default
+
+
+@pytest.mark.parametrize("workload", ["mlp", "transformer-small"])
+def test_three_fused_calls_per_step_whatever_the_model(workload, monkeypatch):
+    monkeypatch.setattr(watch_workloads, "MLP", dict(watch_workloads.MLP, batch=4))
+    [(_, model, batch)] = watch_workloads.make_workloads("cpu", [workload])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanfast.watch(model, opt, fuse=True, profile=True) as w:
+        for _ in range(3):
+            x, y = batch()
+            opt.zero_grad()
+            with OpRecorder() as ops:
+                out = model(x)
+                loss = w.loss(F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten()))
+                loss.backward()
+            assert ops.host_syncs == 0  # forward and backward: nothing read on the host
+            assert ops.counts["nanfast.stats.default"] == 1  # the forward's one call, at its end
+            with OpRecorder() as ops:
+                opt.step()
+            # The backward's call, the pass over gradients, the summary; then the step's one read.
+            assert ops.counts["nanfast.stats.default"] == 2 and ops.counts["nanfast.step_summary.default"] == 1
+            assert ops.host_syncs == 1
+    assert w.costs()["calls"] == 3 * 3 and w.events == []
+
+
+def test_deferred_tensors_are_checked_when_they_reach_the_bound():
+    recorder = nanfast._C.WatchRecorder(torch.device("cpu"), True, 4000)  # a 4000-byte bound
+    for slot in range(5):
+        recorder.record([torch.full((250,), float(slot))], slot)  # 1000 bytes each
+    assert recorder.costs()[3] == 1  # the fourth record reached the bound: one call for four
+    counts, slots, _, _ = recorder.take()  # the fifth, at the take
+    assert recorder.costs()[3] == 2 and slots == [(s, 1) for s in range(5)] and counts.sum() == 0
+    recorder.record([torch.tensor([NAN, INF])], 7)
+    counts, slots, _, _ = recorder.take()
+    assert slots == [(7, 1)] and counts.tolist() == [[1, 1, 0]]
+
+
+def test_what_it_gives_up_a_value_made_finite_in_place_before_the_forward_ends():
+    # Documented: the fused check reads a tensor when the forward ends; a ReLU(inplace=True) after the
+    # layer that made -inf has replaced it with 0 by then. The default watch checks at once and sees it.
+    class Net2(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+            self.relu = torch.nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.relu(self.fc(x))
+
+    model = Net2()
+    with torch.no_grad():
+        model.fc.bias[0] = -INF
+    found = {}
+    for fuse in (False, True):
+        with nanfast.watch(model, fuse=fuse, action="warn") as w, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(3, 2))
+        found[fuse] = [(e.phase, e.name) for e in w.events]
+    assert found[False] == [("forward", "fc")] and found[True] == []
