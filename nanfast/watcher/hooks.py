@@ -207,7 +207,7 @@ class Hooks:
 
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
-            tensors = floating_tensors((args, kwargs))
+            tensors = floating_tensors((args, kwargs) if kwargs else args)  # a tuple of tensors: the fast path
             if tensors:
                 self._record("input", self._input, 1, step.microbatch, tensors)
         self._enter(self._root, args)
