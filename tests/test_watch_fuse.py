@@ -1,5 +1,5 @@
 """watch(fuse=True) (NOTE: [Fused records]): a forward's checks in one call at its end, the backward's
-in one at the step; the same events as the default watch on real faults, a few fused calls per step
+in the step's pass; the same events as the default watch on real faults, a few fused calls per step
 whatever the model, no host read before the step's one, and the memory bound on deferred tensors."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_the_same_events_as_the_default_watch(name, make_model, make_batch):
 
 
 @pytest.mark.parametrize("workload", ["mlp", "transformer-small"])
-def test_three_fused_calls_per_step_whatever_the_model(workload, monkeypatch):
+def test_three_calls_per_step_whatever_the_model(workload, monkeypatch):
     monkeypatch.setattr(watch_workloads, "MLP", dict(watch_workloads.MLP, batch=4))
     [(_, model, batch)] = watch_workloads.make_workloads("cpu", [workload])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -118,10 +118,25 @@ def test_three_fused_calls_per_step_whatever_the_model(workload, monkeypatch):
             assert ops.counts["nanfast.stats.default"] == 1  # the forward's one call, at its end
             with OpRecorder() as ops:
                 opt.step()
-            # The backward's call, the pass over gradients, the summary; then the step's one read.
-            assert ops.counts["nanfast.stats.default"] == 2 and ops.counts["nanfast.step_summary.default"] == 1
+            # The pass over the gradients with the backward's checks in it, the summary; then the one read.
+            assert ops.counts["nanfast.stats.default"] == 1 and ops.counts["nanfast.step_summary.default"] == 1
             assert ops.host_syncs == 1
-    assert w.costs()["calls"] == 3 * 3 and w.events == []
+    assert w.costs()["calls"] == 2 * 3 and w.events == []
+
+
+def test_the_pass_checks_the_deferred_records_in_its_call():
+    recorder = nanfast._C.WatchRecorder(torch.device("cpu"), True, 1 << 20)
+    recorder.record([torch.tensor([1.0, NAN])], 0)
+    recorder.record([torch.tensor([-INF]), torch.ones(3)], 1)
+    grads = [torch.tensor([INF, 2.0]), torch.zeros(5)]
+    counts, norm, absmax = recorder.stats_with_deferred(grads, torch.device("cpu"))
+    assert counts.tolist() == [[0, 1, 0], [0, 0, 0]] and norm.tolist() == [2.0, 0.0]  # the pass's own rows
+    assert recorder.costs()[3] == 0  # the call is the pass's (its caller counts it)
+    recorded, slots, _, _ = recorder.take()  # nothing left to check
+    assert slots == [(0, 1), (1, 2)] and recorded.tolist() == [[1, 0, 0], [0, 0, 1], [0, 0, 0]]
+    assert recorder.costs()[3] == 0
+    with pytest.raises(RuntimeError, match="is not the recorder's"):
+        recorder.stats_with_deferred(grads, torch.device("meta"))
 
 
 def test_deferred_tensors_are_checked_when_they_reach_the_bound():

@@ -5,6 +5,8 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -92,8 +94,8 @@ std::vector<double> limits_of(at::TensorList tensors) {
 // fuse=True defers them: a record keeps its tensors (and its place in execution order), and one call
 // checks every deferred tensor when the forward ends (forget()), when the step's records are taken,
 // or when the deferred tensors reach `fuse_bytes` (a bound on the memory they keep alive past their
-// use). A step is then about four calls: each forward's, the backward's (at take()), the pass over
-// parameters and gradients, and the summary. What it gives up: a value checked at the flush is the
+// use). A step is then three calls: each forward's, the pass over parameters and gradients with the
+// backward's deferred checks in it (stats_with_deferred), and the summary. What it gives up: a value checked at the flush is the
 // tensor as it is then; a later in-place op that made it finite (ReLU over -inf) hides it.
 
 // A record whose tensors wait for the next flush: its entry's index and its tensors (owned).
@@ -154,20 +156,30 @@ struct Records {
     }
   }
 
-  // Checks every deferred tensor in one call and fills their entries. Call it without the mutex and,
-  // from Python, without the GIL: dropping the last reference to a tensor may take the GIL.
-  void flush() {
+  using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+  // Checks every deferred tensor in one call and fills their entries; with `extra` tensors (the step's
+  // pass over parameters and gradients) in the same call, whose rows it returns (that call is the
+  // pass's: the caller counts it). Call it without the mutex and, from Python, without the GIL:
+  // dropping the last reference to a tensor may take the GIL.
+  std::optional<Stats> flush(at::TensorList extra = {}) {
     std::vector<Deferred> done;
+    std::optional<Stats> result;
     {
       const std::lock_guard<std::mutex> lock(mutex);
       if (deferred.empty()) {
-        return;
+        if (!extra.empty()) {
+          result = stats_on(extra, device);
+        }
+        return result;
       }
       const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
       std::vector<at::Tensor> all;
       for (const Deferred& d : deferred) {
         all.insert(all.end(), d.tensors.begin(), d.tensors.end());
       }
+      const int64_t own = static_cast<int64_t>(all.size());
+      all.insert(all.end(), extra.begin(), extra.end());
       auto [counts, norm, absmax] = stats_on(all, device);
       const std::vector<double> limits = limits_of(all);
       int64_t row = 0;
@@ -183,14 +195,21 @@ struct Records {
         }
         row += rows;
       }
+      if (!extra.empty()) {
+        const int64_t n = static_cast<int64_t>(extra.size());
+        result = Stats{counts.narrow(0, own, n), norm.narrow(0, own, n), absmax.narrow(0, own, n)};
+      }
       if (profiled) {
-        kernel_time += Clock::now() - start;
-        ++calls;
         bytes += deferred_bytes;
+        if (extra.empty()) {
+          kernel_time += Clock::now() - start;
+          ++calls;
+        }
       }
       done.swap(deferred);
       deferred_bytes = 0;
     }
+    return result;
   }  // `done` releases the tensors here, outside the mutex
 
   // NOTE: [A backward that raised]
@@ -329,6 +348,17 @@ class WatchRecorder {
     }
   }
 
+  // torch.ops.nanfast.stats over `tensors` (as nanfast._C.stats_on) in the same call as the deferred
+  // records (see NOTE: [Fused records]): the step's pass and the backward's checks in one.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_with_deferred(py::handle tensors, at::Device device) {
+    const BorrowedTensors inputs("nanfast._C.WatchRecorder.stats_with_deferred", tensors);
+    TORCH_CHECK(!inputs.list().empty(), "nanfast._C.WatchRecorder.stats_with_deferred: tensors is empty");
+    TORCH_CHECK(device == records_->device, "nanfast._C.WatchRecorder.stats_with_deferred: device ", device,
+                " is not the recorder's ", records_->device);
+    py::gil_scoped_release no_gil;
+    return *records_->flush(inputs.list());
+  }
+
   // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes); the
   // deferred records are checked (see NOTE: [Fused records]).
   void forget() {
@@ -459,6 +489,7 @@ void bind_watch_recorder(py::module_& m) {
            py::arg("fuse_bytes") = 0)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"))
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
+      .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)
       .def("take", &WatchRecorder::take)
       .def("clear", &WatchRecorder::clear)

@@ -119,6 +119,7 @@ class Watch(Hooks, Actions, Readings):
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
+        self._pass_op = self._recorder.stats_with_deferred if fuse else _C.stats_on
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}
@@ -296,7 +297,7 @@ class Watch(Hooks, Actions, Readings):
                 snapshot_due=self._rollback is not None and self._rollback.due(self.step_count))
             self._step.params_unread = self._check_params and not read_params
         return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
-                              headroom=self._headroom is not None, read_params=read_params)
+                              headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"
@@ -329,8 +330,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
     watch reads no clock), ``fuse`` (check a forward's activations in one call when it ends, and the
-    backward's gradients in one call at the step: about four fused calls per step instead of two per
-    module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
+    backward's gradients in the step's pass over parameters and gradients: three calls per step with
+    the summary instead of two per module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
     keeps up to 64 MiB of checked tensors alive until their call), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
     per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).

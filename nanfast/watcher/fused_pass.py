@@ -3,6 +3,7 @@ gradients in one pass]): their NaN/+inf/-inf counts and norms, from one call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,7 +43,8 @@ def entries(grad: torch.Tensor) -> torch.Tensor:
 
 
 def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
-        profile: Optional[Profile] = None, headroom: bool = False, read_params: bool = True) -> Optional[Pass]:
+        profile: Optional[Profile] = None, headroom: bool = False, read_params: bool = True,
+        op: Callable = _stats_on) -> Optional[Pass]:
     """One fused call over `params` and their gradients; None without parameters.
 
     Args:
@@ -53,7 +55,9 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch]).
         headroom: give each row's largest finite value, for the overflow headroom (watcher/headroom.py).
         read_params: read the parameters too; False: only their gradients (see NOTE: [Parameters read
-            when they add information]); the pass then has no parameter rows (n_params 0)."""
+            when they add information]); the pass then has no parameter rows (n_params 0).
+        op: the call that reads them, as _C.stats_on (a fused watch's recorder.stats_with_deferred
+            checks its deferred records in the same call: NOTE: [Fused records])."""
     # NOTE: [Parameters and gradients in one pass]
     # At the read, before the optimizer step, one fused call covers every parameter (as the previous
     # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
@@ -72,7 +76,7 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
         params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
     grads = [entries(g) for g in grads]
     with torch.no_grad():
-        stats_on = _stats_on if profile is None else profile.counted_pass(_stats_on)
+        stats_on = op if profile is None else profile.counted_pass(op)
         counts, norm, absmax = stats_on(params + grads, device)
     limits = limits_of(params + grads) if headroom else []
     return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params), limits)
