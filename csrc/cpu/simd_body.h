@@ -120,9 +120,19 @@ inline V vmax(V a, V b) {
   return a > b ? a : b;
 }
 
+// NOTE: [16-bit floats read as 16-bit patterns]
+// bfloat16 and float16 take their magnitudes (a segment's max |x|, hence the fast-or-precise decision
+// and absmax) and any_nonfinite its NaN/inf from the 16-bit patterns in memory: sign bit cleared,
+// integer max, two registers' worth of elements per instruction; only the squares use widened float
+// registers. Cleared patterns order as magnitudes do (NaN above inf above every finite value), so the
+// maxima, decisions and results are those of the widened registers, bit for bit. On the AMD EPYC of
+// issue 19 (1 thread, 512 KB in L2), with the one-shuffle load_bf16 and to_doubles(): bfloat16 stats
+// from 23 to 30 GB/s (AVX2) and 27 to 35 GB/s (AVX-512), any_nonfinite from 24-41 to 63-66 GB/s; GPT-2
+// in bfloat16, 2 threads: see benchmarks/results/cpu-kernels-19.md.
+//
 // The magnitudes of 2 * kLanes<T> elements of a narrow type from p, as abs_bits() gives them for the
-// same type (sign bit cleared: integer order is magnitude order, NaN above inf), read without widening:
-// one integer max per two registers of elements where abs_bits() of the widened ones takes four.
+// same type, read without widening: one integer max per two registers of elements where abs_bits() of
+// the widened ones takes four.
 template <typename T>
 inline vbits16 narrow_abs_bits(const T* p) {
   static_assert(kNarrow<T>);
