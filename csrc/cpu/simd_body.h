@@ -20,6 +20,8 @@
 // in double lanes (a float64 one needs precise_stats' rescaling). The decision is per segment, so
 // results stay deterministic.
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -75,12 +77,20 @@ struct Simd<c10::BFloat16> : FloatLike {
   static vec load(const c10::BFloat16* p) {
     return load_bf16(p);
   }
+  static constexpr uint16_t kInfBits = 0x7f80;
+  static uint32_t float_bits(uint16_t bits) {
+    return uint32_t{bits} << 16;
+  }
 };
 
 template <>
 struct Simd<c10::Half> : FloatLike {
   static vec load(const c10::Half* p) {
     return load_half(p);
+  }
+  static constexpr uint16_t kInfBits = 0x7c00;
+  static uint32_t float_bits(uint16_t bits) {
+    return std::bit_cast<uint32_t>(static_cast<float>(c10::Half(bits, c10::Half::from_bits())));
   }
 };
 
@@ -90,6 +100,13 @@ constexpr int kLanes = sizeof(typename Simd<T>::vec) / sizeof(typename Simd<T>::
 // The signed integer vector with V's lane width.
 template <typename V>
 using Bits = decltype(V{} < V{});
+
+// 16-bit lanes over a register's width: bfloat16 or float16 elements as they lie in memory.
+typedef int16_t vbits16 __attribute__((vector_size(NANFAST_VEC_BYTES)));
+
+// bfloat16 and float16, whose elements are read as vbits16 for their magnitudes (see narrow_abs_bits()).
+template <typename T>
+constexpr bool kNarrow = sizeof(T) == 2;
 
 // |x| as bits: for non-negative floats (NaN included, above inf) integer order is float order, so
 // magnitudes are compared with integer max, one instruction where a float compare-and-select is two.
@@ -103,19 +120,56 @@ inline V vmax(V a, V b) {
   return a > b ? a : b;
 }
 
+// NOTE: [16-bit floats read as 16-bit patterns]
+// bfloat16 and float16 take their magnitudes (a segment's max |x|, hence the fast-or-precise decision
+// and absmax) and any_nonfinite its NaN/inf from the 16-bit patterns in memory: sign bit cleared,
+// integer max, two registers' worth of elements per instruction; only the squares use widened float
+// registers. Cleared patterns order as magnitudes do (NaN above inf above every finite value), so the
+// maxima, decisions and results are those of the widened registers, bit for bit. On the AMD EPYC of
+// issue 19 (1 thread, 512 KB in L2), with the one-shuffle load_bf16 and to_doubles(): bfloat16 stats
+// from 23 to 30 GB/s (AVX2) and 27 to 35 GB/s (AVX-512), any_nonfinite from 24-41 to 63-66 GB/s; GPT-2
+// in bfloat16, 2 threads: see benchmarks/results/cpu-kernels-19.md.
+//
+// The magnitudes of 2 * kLanes<T> elements of a narrow type from p, as abs_bits() gives them for the
+// same type, read without widening: one integer max per two registers of elements where abs_bits() of
+// the widened ones takes four.
+template <typename T>
+inline vbits16 narrow_abs_bits(const T* p) {
+  static_assert(kNarrow<T>);
+  return load_raw<vbits16>(p) & 0x7fff;
+}
+
 template <size_t kShift, typename V, size_t... I>
 inline V rotate_lanes(V v, std::index_sequence<I...>) {
   return __builtin_shufflevector(v, v, ((I + kShift) % sizeof...(I))...);
 }
 
-// The largest of the magnitudes m (abs_bits() of vectors of V), as a double: integer max over halves,
-// log2(lanes) steps where a scalar loop would convert and compare every lane (a cost per small tensor).
-template <typename V, size_t kShift = sizeof(V) / sizeof(V{}[0]) / 2>
-inline double max_lane(Bits<V> m) {
+// The largest lane of the integer vector m: max over halves, log2(lanes) steps where a scalar loop
+// would compare every lane (a cost per small tensor).
+template <typename B, size_t kShift = sizeof(B) / sizeof(B{}[0]) / 2>
+inline auto max_bits(B m) {
   if constexpr (kShift == 0) {
-    return ((V)m)[0];
+    return m[0];
   } else {
-    return max_lane<V, kShift / 2>(vmax(m, rotate_lanes<kShift>(m, std::make_index_sequence<sizeof(V) / sizeof(V{}[0])>{})));
+    return max_bits<B, kShift / 2>(vmax(m, rotate_lanes<kShift>(m, std::make_index_sequence<sizeof(B) / sizeof(B{}[0])>{})));
+  }
+}
+
+// The largest of the magnitudes m (abs_bits() of vectors of V), as a double.
+template <typename V>
+inline double max_lane(Bits<V> m) {
+  return std::bit_cast<std::remove_cvref_t<decltype(V{}[0])>>(max_bits(m));
+}
+
+// A segment's largest magnitude: of its widened registers (wide), and for a narrow type of the 16-bit
+// magnitudes of its blocks (narrow, unused otherwise).
+template <typename T>
+inline double segment_top(Bits<typename Simd<T>::vec> wide, vbits16 narrow) {
+  if constexpr (kNarrow<T>) {
+    const uint32_t widened = Simd<T>::float_bits(static_cast<uint16_t>(max_bits(narrow)));
+    return std::bit_cast<float>(std::max(static_cast<uint32_t>(max_bits(wide)), widened));
+  } else {
+    return max_lane<typename Simd<T>::vec>(wide);
   }
 }
 
@@ -128,18 +182,28 @@ inline double sum_lanes(V v) {
   return acc;
 }
 
+typedef double vdouble2 __attribute__((vector_size(2 * NANFAST_VEC_BYTES)));
+
+// The lanes of s as doubles: its low half in lo, its high half in hi. The whole register is converted
+// at once: GCC 12 converts half a register as two quarters and a merge, and spilled the accumulator
+// of the AVX2 loop that calls it.
 template <size_t... I>
-inline void widen_add(vdouble& acc, vfloat s, std::index_sequence<I...>) {
-  constexpr size_t half = sizeof...(I);
-  acc += __builtin_convertvector(__builtin_shufflevector(s, s, I...), vdouble);
-  acc += __builtin_convertvector(__builtin_shufflevector(s, s, (I + half)...), vdouble);
+inline void to_doubles(vfloat s, vdouble& lo, vdouble& hi, std::index_sequence<I...>) {
+  const vdouble2 d = __builtin_convertvector(s, vdouble2);
+  lo = __builtin_shufflevector(d, d, I...);
+  hi = __builtin_shufflevector(d, d, (I + sizeof...(I))...);
 }
 
-template <size_t... I>
-inline void widen_add_squares(vdouble& acc, vfloat x, std::index_sequence<I...>) {
-  constexpr size_t half = sizeof...(I);
-  const vdouble lo = __builtin_convertvector(__builtin_shufflevector(x, x, I...), vdouble);
-  const vdouble hi = __builtin_convertvector(__builtin_shufflevector(x, x, (I + half)...), vdouble);
+inline void widen_add(vdouble& acc, vfloat s) {
+  vdouble lo, hi;
+  to_doubles(s, lo, hi, std::make_index_sequence<sizeof(vdouble) / sizeof(double)>{});
+  acc += lo;
+  acc += hi;
+}
+
+inline void widen_add_squares(vdouble& acc, vfloat x) {
+  vdouble lo, hi;
+  to_doubles(x, lo, hi, std::make_index_sequence<sizeof(vdouble) / sizeof(double)>{});
   acc += lo * lo + hi * hi;
 }
 
@@ -149,7 +213,7 @@ template <typename T>
 inline vdouble widened_sumsq(const T* p, int64_t vec_len) {
   vdouble acc = {};
   for (int64_t i = 0; i < vec_len; i += kLanes<T>) {
-    widen_add_squares(acc, Simd<T>::load(p + i), std::make_index_sequence<sizeof(vfloat) / sizeof(float) / 2>{});
+    widen_add_squares(acc, Simd<T>::load(p + i));
   }
   return acc;
 }
@@ -159,13 +223,13 @@ inline void add_squares(vdouble& acc, vdouble s) {
 }
 
 inline void add_squares(vdouble& acc, vfloat s) {
-  widen_add(acc, s, std::make_index_sequence<sizeof(vfloat) / sizeof(float) / 2>{});
+  widen_add(acc, s);
 }
 
 // The squares of 8 registers from p, summed pairwise (short dependency chains, 3 roundings); their
-// magnitudes go into seg_max.
+// magnitudes go into seg_max, or for a narrow type into seg_max16.
 template <typename T>
-inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::vec>& seg_max) {
+inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::vec>& seg_max, vbits16& seg_max16) {
   using S = Simd<T>;
   using vec = typename S::vec;
   constexpr int L = kLanes<T>;
@@ -173,9 +237,15 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
   for (int k = 0; k < 8; ++k) {
     x[k] = S::load(p + k * L);
   }
-  const Bits<vec> m01 = vmax(abs_bits(x[0]), abs_bits(x[1])), m23 = vmax(abs_bits(x[2]), abs_bits(x[3]));
-  const Bits<vec> m45 = vmax(abs_bits(x[4]), abs_bits(x[5])), m67 = vmax(abs_bits(x[6]), abs_bits(x[7]));
-  seg_max = vmax(seg_max, vmax(vmax(m01, m23), vmax(m45, m67)));
+  if constexpr (kNarrow<T>) {
+    const vbits16 m01 = vmax(narrow_abs_bits(p), narrow_abs_bits(p + 2 * L));
+    const vbits16 m23 = vmax(narrow_abs_bits(p + 4 * L), narrow_abs_bits(p + 6 * L));
+    seg_max16 = vmax(seg_max16, vmax(m01, m23));
+  } else {
+    const Bits<vec> m01 = vmax(abs_bits(x[0]), abs_bits(x[1])), m23 = vmax(abs_bits(x[2]), abs_bits(x[3]));
+    const Bits<vec> m45 = vmax(abs_bits(x[4]), abs_bits(x[5])), m67 = vmax(abs_bits(x[6]), abs_bits(x[7]));
+    seg_max = vmax(seg_max, vmax(vmax(m01, m23), vmax(m45, m67)));
+  }
   return ((x[0] * x[0] + x[1] * x[1]) + (x[2] * x[2] + x[3] * x[3])) +
       ((x[4] * x[4] + x[5] * x[5]) + (x[6] * x[6] + x[7] * x[7]));
 }
@@ -217,30 +287,31 @@ Partial stats_run(const T* data, int64_t n) {
   }
   Partial result = empty_partial();
   vdouble sumsq = {};
-  Bits<vec> absmax = {};
+  double absmax = 0.0;  // of the segments summed fast: all finite
   for (int64_t start = 0; start < n; start += kSegment) {
     const T* p = data + start;
     const int64_t len = n - start < kSegment ? n - start : kSegment;
     const int64_t vec_len = len / L * L;
     Bits<vec> seg_max = {};
+    vbits16 seg_max16 = {};
     vdouble seg_sumsq = {};
     int64_t i = 0;
     for (; i + 32 * L <= vec_len; i += 32 * L) {
       if constexpr (kPrefetch) {
         prefetch_ahead(p + i, 32 * L);
       }
-      add_squares(seg_sumsq, (block_squares(p + i, seg_max) + block_squares(p + i + 8 * L, seg_max)) +
-                                 (block_squares(p + i + 16 * L, seg_max) + block_squares(p + i + 24 * L, seg_max)));
+      add_squares(seg_sumsq, (block_squares(p + i, seg_max, seg_max16) + block_squares(p + i + 8 * L, seg_max, seg_max16)) +
+                                 (block_squares(p + i + 16 * L, seg_max, seg_max16) + block_squares(p + i + 24 * L, seg_max, seg_max16)));
     }
     for (; i + 8 * L <= vec_len; i += 8 * L) {
-      add_squares(seg_sumsq, block_squares(p + i, seg_max));
+      add_squares(seg_sumsq, block_squares(p + i, seg_max, seg_max16));
     }
     for (; i < vec_len; i += L) {
       const vec x = S::load(p + i);
       seg_max = vmax(seg_max, abs_bits(x));
       add_squares(seg_sumsq, x * x);
     }
-    const double top = max_lane<vec>(seg_max);
+    const double top = segment_top<T>(seg_max, seg_max16);
     const bool tiny = top > 0 && top < S::kBelow;
     if (!(sum_lanes(seg_sumsq) < INFINITY) || top > S::kAbove || (tiny && std::is_same_v<vec, vdouble>)) {
       merge(result, precise_stats(p, vec_len, 1));
@@ -251,7 +322,7 @@ Partial stats_run(const T* data, int64_t n) {
         }
       }
       sumsq += seg_sumsq;
-      absmax = vmax(absmax, seg_max);
+      absmax = std::max(absmax, top);
     }
     if (vec_len < len) {
       merge(result, precise_stats(p + vec_len, len - vec_len, 1));
@@ -259,9 +330,37 @@ Partial stats_run(const T* data, int64_t n) {
   }
   Partial fast = empty_partial();
   fast.sumsq = sum_lanes(sumsq);
-  fast.absmax = max_lane<vec>(absmax);
+  fast.absmax = absmax;
   merge(result, fast);
   return result;
+}
+
+// A narrow type's NaN and inf are the 16-bit patterns with every exponent bit set: found by an
+// integer max over the patterns, without widening.
+template <typename T, bool kPrefetch>
+bool any_run_narrow(const T* data, int64_t n) {
+  constexpr int W = 2 * kLanes<T>;  // elements per vbits16
+  const int64_t vec_len = n / W * W;
+  for (int64_t start = 0; start < vec_len; start += kSegment) {
+    const T* p = data + start;
+    const int64_t len = vec_len - start < kSegment ? vec_len - start : kSegment;
+    vbits16 acc0 = {}, acc1 = {};
+    int64_t i = 0;
+    for (; i + 2 * W <= len; i += 2 * W) {
+      if constexpr (kPrefetch) {
+        prefetch_ahead(p + i, 2 * W);
+      }
+      acc0 = vmax(acc0, narrow_abs_bits(p + i));
+      acc1 = vmax(acc1, narrow_abs_bits(p + i + W));
+    }
+    for (; i < len; i += W) {
+      acc0 = vmax(acc0, narrow_abs_bits(p + i));
+    }
+    if (max_bits(vmax(acc0, acc1)) >= Simd<T>::kInfBits) {
+      return true;
+    }
+  }
+  return precise_any_nonfinite(data + vec_len, n - vec_len, 1);
 }
 
 template <typename T, bool kPrefetch>
@@ -304,8 +403,8 @@ const SimdKernels& table() {
       stats_run<c10::BFloat16, kPrefetch>,
       any_run<double, kPrefetch>,
       any_run<float, kPrefetch>,
-      any_run<c10::Half, kPrefetch>,
-      any_run<c10::BFloat16, kPrefetch>,
+      any_run_narrow<c10::Half, kPrefetch>,
+      any_run_narrow<c10::BFloat16, kPrefetch>,
   };
   return kernels;
 }
