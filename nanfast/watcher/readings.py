@@ -16,8 +16,9 @@ class Readings:
     def costs(self) -> dict[str, float]:
         """What this watch has cost so far, for benchmarks: seconds inside it ("hooks": its hooks and
         its gradient checks, reads included), seconds in its fused kernels ("kernels"), the bytes they
-        read ("bytes") and the number of fused-op calls made ("calls": one per record and one per fused
-        pass, each a kernel launch on a GPU; the step's packing of the counts is not included), and the
+        read ("bytes") and the number of fused-op calls made ("calls": one per record, or with fuse=True
+        one per forward, and one per fused pass; each a few kernel launches on a GPU; the step's summary,
+        one more call, is not included), and the
         part of those in the step's pass over parameters and gradients ("pass", "pass_bytes").
 
         Returns:
