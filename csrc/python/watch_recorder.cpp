@@ -117,32 +117,56 @@ struct Records {
       return;
     }
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
-    auto [counts, norm, absmax] = stats_on(tensors, device);
-    std::vector<double> limits = limits_of(tensors);
-    if (limits.empty()) {
-      absmax = at::Tensor();
-    }
+    const auto [counts, norm, absmax] = stats_on(tensors, device);
+    const std::vector<double> limits = limits_of(tensors);
+    Entry entry{at::Tensor(), slot, at::Tensor(), {}};
+    fill(entry, counts, absmax, limits, 0, static_cast<int64_t>(tensors.size()));
     const std::lock_guard<std::mutex> lock(mutex);
-    entries.push_back(Entry{std::move(counts), slot, std::move(absmax), std::move(limits)});
+    entries.push_back(std::move(entry));
     if (profiled) {
-      const auto spent = Clock::now() - start;
-      kernel_time += spent;
-      if (grad_check) {
-        check_time += spent;
-      }
-      ++calls;
-      for (const at::Tensor& t : tensors) {
-        bytes += t.numel() * t.element_size();
-      }
+      count_call(start, bytes_of(tensors), grad_check);
     }
   }
 
-  // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
-  void defer(at::TensorList tensors, int64_t slot) {
+  // Fills `entry` with rows [row, row + rows) of one fused call whose inputs' limits are `limits`
+  // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
+  // [Overflow headroom in the recorder]).
+  static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
+                   int64_t row, int64_t rows) {
+    const bool whole = row == 0 && rows == counts.size(0);  // no view to make (the hot path)
+    entry.counts = whole ? counts : counts.narrow(0, row, rows);
+    if (limits.empty()) {
+      return;
+    }
+    const auto first = limits.begin() + row, last = first + rows;
+    if (std::any_of(first, last, [](double limit) { return limit > 0; })) {
+      entry.absmax = whole ? absmax : absmax.narrow(0, row, rows);
+      entry.limits.assign(first, last);
+    }
+  }
+
+  static int64_t bytes_of(at::TensorList tensors) {
     int64_t nbytes = 0;
     for (const at::Tensor& t : tensors) {
       nbytes += t.numel() * t.element_size();
     }
+    return nbytes;
+  }
+
+  // A profiled watch's accounting of one fused call (under `mutex`).
+  void count_call(Clock::time_point start, int64_t nbytes, bool grad_check) {
+    const auto spent = Clock::now() - start;
+    kernel_time += spent;
+    if (grad_check) {
+      check_time += spent;
+    }
+    ++calls;
+    bytes += nbytes;
+  }
+
+  // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
+  void defer(at::TensorList tensors, int64_t slot) {
+    const int64_t nbytes = bytes_of(tensors);
     bool full = false;
     {
       const std::lock_guard<std::mutex> lock(mutex);
@@ -186,13 +210,7 @@ struct Records {
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        Entry& entry = entries[d.entry];
-        entry.counts = counts.narrow(0, row, rows);
-        if (!limits.empty() &&
-            std::any_of(limits.begin() + row, limits.begin() + row + rows, [](double l) { return l > 0; })) {
-          entry.absmax = absmax.narrow(0, row, rows);
-          entry.limits.assign(limits.begin() + row, limits.begin() + row + rows);
-        }
+        fill(entries[d.entry], counts, absmax, limits, row, rows);
         row += rows;
       }
       if (!extra.empty()) {
@@ -200,10 +218,10 @@ struct Records {
         result = Stats{counts.narrow(0, own, n), norm.narrow(0, own, n), absmax.narrow(0, own, n)};
       }
       if (profiled) {
-        bytes += deferred_bytes;
         if (extra.empty()) {
-          kernel_time += Clock::now() - start;
-          ++calls;
+          count_call(start, deferred_bytes, /*grad_check=*/false);
+        } else {
+          bytes += deferred_bytes;  // the call itself is the pass's, which its caller counts
         }
       }
       done.swap(deferred);
