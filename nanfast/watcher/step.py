@@ -40,13 +40,7 @@ class Read:
     def all_counts(self) -> torch.Tensor:
         """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
         read (a bad step, a lagged copy), since a good eager step never reads them."""
-        rows = []
-        for counts, start, stop, kept in self.parts:
-            part = counts[start:stop]
-            if kept is not None:
-                part = part.index_select(0, torch.tensor(kept, dtype=torch.long, device=part.device))
-            rows.append(part)
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+        return _rows_of(self.parts)
 
 
 class Step:
@@ -123,6 +117,17 @@ class Step:
         return Read(step, summary, parts, slots, scaler_skipped, tail=tail)
 
 
+def _rows_of(parts: list) -> torch.Tensor:
+    """The rows `parts` name ((counts, start, stop, kept rows or None) each), in order, as one tensor."""
+    rows = []
+    for counts, start, stop, kept in parts:
+        part = counts[start:stop]
+        if kept is not None:
+            part = part.index_select(0, torch.tensor(kept, dtype=torch.long, device=part.device))
+        rows.append(part)
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+
 def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, rows: tuple, parts: list,
           slots: list) -> Optional[list[int]]:
     """Adds the rows of the parameters or gradients a step reports (one per name, the ignored ones left
@@ -164,7 +169,7 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
     _kept("param", fused.param_names, ignore, True, (fused.counts, 0, fused.n_params), parts, slots)
     if not parts:
         return rows
-    found = Read(read.step, read.summary, parts, slots, False).all_counts().tolist()
+    found = _rows_of(parts).tolist()
     read.slots = slots + read.slots
     for k in range(3):
         summary[1 + k] += sum(row[k] for row in found)
