@@ -458,9 +458,12 @@ class WatchRecorder {
                   entries.end());
   }
 
-  // True if a backward that checks fired in raised (see NOTE: [A backward that raised]), once: call
-  // it only when no backward is running.
+  // True if a backward that checks fired in raised (see NOTE: [A backward that raised]), once; false
+  // while a backward is running (a checkpointed model's forward runs again inside one).
   bool backward_failed() {
+    if (torch::autograd::get_current_graph_task_id() >= 0) {
+      return false;
+    }
     const std::lock_guard<std::mutex> lock(records_->mutex);
     const bool failed = !records_->backwards.empty();
     records_->backwards.clear();

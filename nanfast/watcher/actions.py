@@ -43,7 +43,7 @@ class Actions:
         event = spike = None
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-            event = agree.event(read.step, steps.places(rows, read.slots, scaler_skipped, self.nan_only),
+            event = agree.event(read.step, steps.places(rows, read.slots(), scaler_skipped, self.nan_only),
                                 self.process_group)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, values["grad_norm"] if read.tail.grads else None, modules)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import _C
 from .events import Place
 from .fused_pass import Pass
 from .history import Tail
@@ -28,7 +29,10 @@ class Read:
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
     parts: list  # where the counts' rows come from, in row order: (int64 [*, 3] tensor, start, stop, kept rows or None)
-    slots: list  # (phase, label, call, microbatch, rows) in row order
+    labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)
+    recorded: list  # (slot id, rows) of each record, in row order
+    front: list  # the parameters' slot (phase, names, call, microbatch, rows), before the records' rows
+    back: list  # the gradients' slot, after them
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
     host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
@@ -36,6 +40,11 @@ class Read:
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
+
+    def slots(self) -> list:
+        """(phase, label, call, microbatch, rows) in row order: made when read (a bad step), since a good
+        eager step never reads them."""
+        return [*self.front, *((*self.labels[slot], rows) for slot, rows in self.recorded), *self.back]
 
     def all_counts(self) -> torch.Tensor:
         """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
@@ -87,14 +96,15 @@ class Step:
         (spikes.ModuleGroups) each module's gradient norm), made in one call (see NOTE: [The step's
         summary in one call]); and where its counts come from, in execution order (parameters, then the
         hooks' slots, then gradients), put together only when they are read (Read.all_counts)."""
-        slots = [(*self.slots[slot], rows) for slot, rows in recorded_slots]
+        front: list = []
+        back: list = []
         parts: list = [(recorded, 0, recorded.shape[0], None)]
         pass_args: tuple = (None, None, None, 0, None)
         index, modules = None, ()
         if fused is not None:
             n, rows = fused.n_params, fused.counts.shape[0]
-            kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), parts, slots)
-            kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), parts, slots)
+            kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), parts, front)
+            kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), parts, back)
             counted = None
             if kept_params is not None or kept_grads is not None:  # some rows are not counted
                 mask = [0] * rows
@@ -109,12 +119,12 @@ class Step:
         scale = Tail.scale_kept(scale, device)
         losses = [mean if mean.device == device else mean.to(device) for means in self.losses.values() for mean in means]
         found_inf, grad_scale = (t.to(device) if isinstance(t, torch.Tensor) else None for t in (found_inf, grad_scale))
-        summary = torch.ops.nanfast.step_summary(
+        summary = _C.step_summary(
             recorded, *pass_args, nan_only, found_inf, grad_scale, losses,
             [len(means) for means in self.losses.values()], scale, index, len(modules))
         tail = Tail(tuple(self.losses), scale is not None, modules, grads=fused is not None and bool(fused.grads),
                     params=fused is not None and fused.n_params > 0)
-        return Read(step, summary, parts, slots, scaler_skipped, tail=tail)
+        return Read(step, summary, parts, self.slots, recorded_slots, front, back, scaler_skipped, tail=tail)
 
 
 def _rows_of(parts: list) -> torch.Tensor:
@@ -131,8 +141,8 @@ def _rows_of(parts: list) -> torch.Tensor:
 def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, rows: tuple, parts: list,
           slots: list) -> Optional[list[int]]:
     """Adds the rows of the parameters or gradients a step reports (one per name, the ignored ones left
-    out; none if the check is off) to `parts` and `slots`: the parameters' in front, the gradients' at
-    the end. Returns the indices kept, or None when all are."""
+    out; none if the check is off) to `parts` and their slot to `slots` (the read's front or back):
+    the parameters' in front, the gradients' at the end. Returns the indices kept, or None when all are."""
     keep = None
     if not wanted:
         keep = []
@@ -145,16 +155,15 @@ def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, r
         part, slot = (*rows, keep), (phase, tuple(kept), 1, 0, len(kept))
         if phase == "param":
             parts.insert(0, part)
-            slots.insert(0, slot)
         else:
             parts.append(part)
-            slots.append(slot)
+        slots.append(slot)
     return keep
 
 
 def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tuple[str, ...]) -> list:
     """A bad step's rows with its parameters' rows in front, from a pass made now (see NOTE: [Parameters
-    read when they add information]); `read.slots` and the summary's counts take them in too.
+    read when they add information]); the read's slots and the summary's counts take them in too.
 
     Args:
         read: the bad step's read (eager, so the parameters are still as the step found them).
@@ -170,7 +179,7 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
     if not parts:
         return rows
     found = _rows_of(parts).tolist()
-    read.slots = slots + read.slots
+    read.front = slots + read.front
     for k in range(3):
         summary[1 + k] += sum(row[k] for row in found)
     return found + rows
