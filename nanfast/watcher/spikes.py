@@ -193,20 +193,23 @@ class Spikes:
             return None
         found: list[tuple[Place, str]] = []
         vanishing = False
+        windows, lows, alarmed = self._windows, self._low, self._alarmed
         for key, value in series:
-            window = self._windows.get(key)
+            window = windows.get(key)
             if window is None:
-                window = self._windows[key] = _Window(opts.window)
+                window = windows[key] = _Window(opts.window)
             above, below, median = window.judge(value, opts.factor, opts.warmup)
-            low = self._low[key] = self._low.get(key, 0) + 1 if below else 0
+            low = lows[key] = lows.get(key, 0) + 1 if below else 0
             vanished = key[0] == "module" and low >= opts.vanishing_steps
+            if not (above or vanished or alarmed):
+                continue  # nothing crossed and no alarm to re-arm: a healthy step's every series
             for direction, crossed in (("up", above), ("down", vanished)):
                 alarm = (key, direction)
                 if not crossed:
                     if math.isfinite(value):
-                        self._alarmed.discard(alarm)
-                elif alarm not in self._alarmed:
-                    self._alarmed.add(alarm)
+                        alarmed.discard(alarm)
+                elif alarm not in alarmed:
+                    alarmed.add(alarm)
                     vanishing |= direction == "down"
                     found.append(self._describe(key, direction, value, median))
         if not found:
