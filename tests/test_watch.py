@@ -492,6 +492,27 @@ def test_inference_under_no_grad_checks_activations_only_each_forward():
     w.remove()
 
 
+def test_inference_mode_is_watched_like_no_grad():
+    """A watched model run under torch.inference_mode() (an eval loop; Lightning validates so) raised
+    RuntimeError: Inference tensors do not track version counter, from the check that tells a
+    container's output from its last child's (NOTE: [Checking each tensor once]). Such a tensor has no
+    version counter, so it is checked again: a NaN still names the module that made it, first."""
+    model = MLP().eval()
+    w = nanfast.watch(model)
+    x = batch()[0]
+    with torch.inference_mode():
+        model(x)
+    assert (w.step_count, w.events) == (1, [])
+    with torch.no_grad():
+        model.l2.bias[1] = NAN
+    with torch.inference_mode(), pytest.raises(nanfast.NonFiniteError):
+        model(x)
+    assert (w.last.phase, w.last.name, w.last.nan) == ("forward", "l2", 5)
+    assert [(p.name, p.nan) for p in w.last.later] == [("", 5)]  # the model's output: the same tensor, read again
+    assert w.step_count == 2
+    w.remove()
+
+
 def test_frozen_parameters_are_checked_without_grads():
     model = MLP()
     model.l1.requires_grad_(False)

@@ -53,4 +53,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, 
 // Defines nanfast._C.WatchRecorder (csrc/python/watch_recorder.cpp).
 void bind_watch_recorder(py::module_& m);
 
+// The floating and complex strided tensors of a Tensor, or of a tuple or list of Tensors and None; None
+// for any other object (csrc/python/module_hooks.cpp).
+py::object plain_floating_tensors(py::handle obj);
+
+// Defines nanfast._C.WatchSite, nanfast._C.ModuleHooks and nanfast._C.plain_floating_tensors
+// (csrc/python/module_hooks.cpp).
+void bind_module_hooks(py::module_& m);
+
 }  // namespace nanfast::python

@@ -120,43 +120,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats_on(py::handle tensors,
   return stats_on(inputs.list(), device);
 }
 
-// The floating and complex strided tensors in `obj` when it is a plain Tensor (or Parameter), or a
-// tuple or list of those and None: what most modules take and return. None for anything else (a
-// subclass, a dict, a nesting), which nanfast.watcher.hooks.floating_tensors walks in Python with the
-// one container walker; the same tensors in the same order either way. The watch calls it twice per
-// module call, right after the module's own kernels, where each Python line pays cold caches.
-py::object plain_floating_tensors(py::handle obj) {
-  auto wanted = [](PyObject* item) {
-    const at::Tensor& t = THPVariable_Unpack(item);
-    return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.layout() == at::kStrided;
-  };
-  py::list found;
-  if (THPVariable_CheckExact(obj.ptr())) {
-    if (wanted(obj.ptr())) {
-      found.append(obj);
-    }
-    return found;
-  }
-  const bool tuple = PyTuple_CheckExact(obj.ptr());
-  if (!tuple && !PyList_CheckExact(obj.ptr())) {
-    return py::none();
-  }
-  const Py_ssize_t n = tuple ? PyTuple_GET_SIZE(obj.ptr()) : PyList_GET_SIZE(obj.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = tuple ? PyTuple_GET_ITEM(obj.ptr(), i) : PyList_GET_ITEM(obj.ptr(), i);
-    if (item == Py_None) {
-      continue;
-    }
-    if (!THPVariable_CheckExact(item)) {
-      return py::none();
-    }
-    if (wanted(item)) {
-      found.append(item);
-    }
-  }
-  return found;
-}
-
 using OptTensor = std::optional<at::Tensor>;
 
 // torch.ops.nanfast.step_summary, unboxed: the watch calls it once per step, right after the model's
@@ -197,11 +160,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
         py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
-  m.def("plain_floating_tensors", &plain_floating_tensors,
-        "The floating and complex strided tensors of a Tensor, or of a tuple or list of Tensors and None; None for "
-        "any other object.",
-        py::arg("obj"));
   bind_watch_recorder(m);
+  bind_module_hooks(m);
   m.def("cpu_isa", [] { return std::string(nanfast::cpu::simd_kernels().isa); },
         "The instruction set of the CPU kernels in use: avx512, avx2 or baseline.");
   m.def("set_cpu_isa", [](const std::string& isa) { return std::string(nanfast::cpu::set_cpu_isa(isa.c_str())); },

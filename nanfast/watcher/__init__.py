@@ -11,6 +11,7 @@ import torch
 
 from .. import _C, distributed
 from ..check import uncompiled
+from ..recompute import recomputation
 from ..clip import check_norm_type, scale_grads_, total_norm
 from . import agree, scaler_hook, step as steps
 from .actions import Actions
@@ -19,7 +20,7 @@ from .forwards import StepState
 from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
-from .hooks import Hooks
+from .hooks import Hooks, floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
                       steps_option, validate)
 from .profile import Profile
@@ -120,12 +121,14 @@ class Watch(Hooks, Actions, Readings):
         # NOTE: [The watch's recorder]).
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
         self._pass_op = self._recorder.stats_with_deferred if fuse else _C.stats_on
+        # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
+        self._hooks = _C.ModuleHooks(self._recorder.record, self._recorder.hook_grads, floating_tensors,
+                                     recomputation, self._check_grads)
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}
         self._scaler_shared: Optional[Any] = None
         self._installed = True
-        self._forward_id = 0
         self._stepped = False
         self._skip_now = False
         self._held_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -184,9 +187,19 @@ class Watch(Hooks, Actions, Readings):
             self._undo.close()
         self._active = self._installed and self.step_count % self.every == 0
         self._recorder.clear()
-        self._recorder.forget()
+        self._forget_last()
         self._step = Step()
+        self._hooks.slots = self._step.slots
         self._steps.reset()
+
+    @property
+    def _active(self) -> bool:
+        """Whether this step is checked and the hooks are on (the module hooks read it in C++)."""
+        return self._hooks.active
+
+    @_active.setter
+    def _active(self, value: bool) -> None:
+        self._hooks.active = value
 
     def step(self) -> None:
         """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the

@@ -1,33 +1,19 @@
 """The watch's hooks: installing them on the model and optimizer, and what each does per call (records
 the fused checks of the tensors it sees in a slot of the step; see NOTE: [The watch's recorder]), and
-`Watch.loss`, the one check the loop calls itself. The hot path: one Python call and one fused op each."""
+`Watch.loss`, the one check the loop calls itself. The hot path, a module's hooks: one call each into
+C++ (NOTE: [Module hooks in C++]) and one fused op."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from .. import _C, _tree
-from ..recompute import REENTRANT, UNPACK, recomputation
+from ..recompute import recomputation
 from . import scaler_hook
 from .forwards import Forward
 from .options import SKIPPING, ignored
-
-
-class Site:
-    """A place that records slots: a watched module (or the input / the model), with its call count in
-    the current forward."""
-
-    __slots__ = ("name", "module_class", "ignored", "calls", "forward_id")
-
-    def __init__(self, name: str, module_class: str, ignored: bool):
-        self.name = name
-        self.module_class = module_class
-        self.ignored = ignored
-        self.calls = 0
-        self.forward_id = -1
 
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
@@ -44,8 +30,24 @@ def floating_tensors(obj: Any) -> list[torch.Tensor]:
 class Hooks:
     """The hooks of `Watch` (a part of it: the state they use is the Watch's)."""
 
-    def _site(self, name: str, module_class: str) -> Site:
-        return Site(name, module_class, ignored(self.ignore, name))
+    def _site(self, name: str, module_class: str) -> Any:
+        """A place that records slots (a module, the input, the model, a loss), with its call count."""
+        return _C.WatchSite(name, module_class, ignored(self.ignore, name))
+
+    def _hooks_of(self, site: Any) -> tuple:
+        """A module's pre-hook and forward hook: each one call into C++ (see NOTE: [The watch and
+        torch.compile])."""
+        is_compiling, hooks = torch.compiler.is_compiling, self._hooks
+
+        def before(module: torch.nn.Module, args: tuple) -> None:
+            if not is_compiling():
+                hooks.before_module(site, args)
+
+        def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not is_compiling():
+                hooks.after_module(site, output)
+
+        return before, after
 
     def _hook(self, fn: Any) -> Any:
         """What is registered for `fn`: itself, or timed in a profiled watch (see NOTE: [Profiling the watch])."""
@@ -61,10 +63,10 @@ class Hooks:
             for name, module in model.named_modules():
                 if module is model or isinstance(module, self.pass_through):
                     continue
-                site = self._site(name, type(module).__name__)
-                self._handles.append(module.register_forward_pre_hook(hook(functools.partial(self._before_module, site))))
+                before, after = self._hooks_of(self._site(name, type(module).__name__))
+                self._handles.append(module.register_forward_pre_hook(hook(before)))
                 if self._check_activations:
-                    self._handles.append(module.register_forward_hook(hook(functools.partial(self._after_module, site))))
+                    self._handles.append(module.register_forward_hook(hook(after)))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
@@ -87,13 +89,13 @@ class Hooks:
         # modules (a container and its first child, a block's main path and its downsample) is hooked
         # once, for the module that took it last. Both are dropped when the forward returns: no
         # activation outlives its use.
-        self._step.forget_last()
+        self._hooks.forget_last()
         self._recorder.forget()
 
-    def _record(self, phase: str, site: Site, call: int, microbatch: int, tensors: list) -> None:
-        self._recorder.record(tensors, self._step.slot(phase, site, call, microbatch))
+    def _record(self, phase: str, site: Any, call: int, tensors: list) -> None:
+        self._recorder.record(tensors, self._step.slot(phase, site, call, self._hooks.microbatch))
 
-    def _hook_grads(self, args: Any, phase: str, site: Site, call: int) -> None:
+    def _hook_grads(self, obj: Any, phase: str, site: Any, call: int) -> None:
         # NOTE: [Where a gradient is checked]
         # The gradient w.r.t. each input of a module is what the module's backward (and any other
         # consumer of the tensor) produced. It is caught by a pre-hook on the autograd node that made the
@@ -102,33 +104,7 @@ class Hooks:
         # backward hooks would wrap every module in an autograd Function and forbid in-place ops on module
         # outputs. Leaves have no node (their gradients are the parameters', phase grad); the hooks go
         # with the graph. The recorder places them (C++ pre-hooks, see NOTE: [The watch's recorder]).
-        tensors = floating_tensors(args)
-        if tensors:
-            self._recorder.hook_grads(tensors, self._step.slot(phase, site, call, self._step.microbatch))
-
-    def _enter(self, site: Site, args: Any, recomputed: bool = False) -> None:
-        if not recomputed:
-            if site.forward_id != self._forward_id:
-                site.forward_id = self._forward_id
-                site.calls = 0
-            site.calls += 1
-        if self._check_grads and not site.ignored and torch.is_grad_enabled():
-            self._hook_grads(args, "backward", site, site.calls)
-
-    def _check_output(self, phase: str, site: Site, output: Any) -> bool:
-        """Records the check of a module's output; returns whether its floating values are checked."""
-        tensors = floating_tensors(output)
-        if not tensors:
-            return False
-        single = len(tensors) == 1
-        if single and self._step.checked_before(tensors[0]):
-            return self._step.last_recorded  # in the slot of the module that made it (NOTE: [Checking each tensor once])
-        recorded = not site.ignored
-        if recorded:
-            self._record(phase, site, site.calls, self._step.microbatch, tensors)
-        if single:
-            self._step.last_recorded = recorded
-        return recorded
+        self._hooks.hook_grads(obj, phase, site, call)
 
     def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
         """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
@@ -161,7 +137,7 @@ class Hooks:
                 site = self._loss_sites[name] = self._site(name, "")
             tensors = floating_tensors(value)
             if tensors and not site.ignored:
-                self._record("loss_value", site, 1, self._step.microbatch, tensors)
+                self._record("loss_value", site, 1, tensors)
         return value
 
     # NOTE: [The watch and torch.compile]
@@ -174,16 +150,6 @@ class Hooks:
     # another call nor another forward, and its values were checked when the forward ran. Only with
     # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.
 
-    def _before_module(self, site: Site, module: torch.nn.Module, args: tuple) -> None:
-        if self._active and not torch.compiler.is_compiling():
-            recomputed = recomputation()
-            if recomputed != UNPACK:
-                self._enter(site, args, recomputed == REENTRANT)
-
-    def _after_module(self, site: Site, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self._active and not torch.compiler.is_compiling() and recomputation() is None:
-            self._check_output("forward", site, output)
-
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
@@ -194,22 +160,22 @@ class Hooks:
         self._steps.note_forward(grad, has_optimizer)
         if not self._active:
             return
-        step = self._step
+        step, hooks = self._step, self._hooks
         self._steps.begin_forward(len(step.slots), step.forwards)
-        self._forward_id += 1
-        step.microbatch = step.forwards
+        hooks.forward_id += 1
+        hooks.microbatch = step.forwards
         step.forwards += 1
-        if self._undo is not None and step.microbatch == 0:
+        if self._undo is not None and hooks.microbatch == 0:
             self._undo.begin()
-        if self.on_event == "locate" and step.microbatch == 0:
+        if self.on_event == "locate" and hooks.microbatch == 0:
             from ..locator import StepState
 
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
             tensors = floating_tensors((args, kwargs) if kwargs else args)  # a tuple of tensors: the fast path
             if tensors:
-                self._record("input", self._input, 1, step.microbatch, tensors)
-        self._enter(self._root, args)
+                self._record("input", self._input, 1, tensors)
+        hooks.enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_compiling() or recomputation() is not None:
@@ -217,7 +183,7 @@ class Hooks:
         self._steps.end_forward()
         if self._active:
             if self._check_loss:
-                if self._check_output("forward", self._root, output):
+                if self._hooks.check_output("forward", self._root, output):
                     self._step.output_checked = True
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)

@@ -54,38 +54,23 @@ class Read:
 
 class Step:
     """The Python side of one step's records: what each slot id stands for (see NOTE: [The watch's
-    recorder]), the forwards so far and the last output checked. A new step is a new Step."""
+    recorder]; the module hooks append to `slots` too, NOTE: [Module hooks in C++]) and the forwards so
+    far. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "microbatch", "clipped", "losses", "output_checked", "params_unread",
-                 "last_recorded", "_last_output", "_last_version")
+    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
         self.forwards = 0
-        self.microbatch = 0
         self.clipped: Optional[Pass] = None  # the fused pass Watch.clip_grad_norm_ made
         self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
-        self.forget_last()
 
     def slot(self, phase: str, site: Any, call: int, microbatch: int) -> int:
         """A new slot id for records of `site` in `phase`."""
         self.slots.append((phase, site, call, microbatch))
         return len(self.slots) - 1
-
-    def forget_last(self) -> None:
-        self._last_output: Optional[torch.Tensor] = None
-        self._last_version = -1
-        self.last_recorded = False  # whether the last output was recorded (not an ignored module's)
-
-    def checked_before(self, t: torch.Tensor) -> bool:
-        """Whether `t` is the last output checked, unchanged since (see NOTE: [Checking each tensor
-        once]); else it becomes the last output."""
-        if t is self._last_output and t._version == self._last_version:
-            return True
-        self._last_output, self._last_version = t, t._version
-        return False
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],

@@ -1,0 +1,249 @@
+// nanfast._C.ModuleHooks: what nanfast.watch's module hooks do at each module call.
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "bindings.h"
+
+namespace nanfast::python {
+
+// The floating and complex strided tensors in `obj` when it is a plain Tensor (or Parameter), or a
+// tuple or list of those and None: what most modules take and return. None for anything else (a
+// subclass, a dict, a nesting), which nanfast.watcher.hooks.floating_tensors walks in Python with the
+// one container walker; the same tensors in the same order either way. The watch calls it twice per
+// module call, right after the module's own kernels, where each Python line pays cold caches.
+py::object plain_floating_tensors(py::handle obj) {
+  auto wanted = [](PyObject* item) {
+    const at::Tensor& t = THPVariable_Unpack(item);
+    return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.layout() == at::kStrided;
+  };
+  py::list found;
+  if (THPVariable_CheckExact(obj.ptr())) {
+    if (wanted(obj.ptr())) {
+      found.append(obj);
+    }
+    return found;
+  }
+  const bool tuple = PyTuple_CheckExact(obj.ptr());
+  if (!tuple && !PyList_CheckExact(obj.ptr())) {
+    return py::none();
+  }
+  const Py_ssize_t n = tuple ? PyTuple_GET_SIZE(obj.ptr()) : PyList_GET_SIZE(obj.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = tuple ? PyTuple_GET_ITEM(obj.ptr(), i) : PyList_GET_ITEM(obj.ptr(), i);
+    if (item == Py_None) {
+      continue;
+    }
+    if (!THPVariable_CheckExact(item)) {
+      return py::none();
+    }
+    if (wanted(item)) {
+      found.append(item);
+    }
+  }
+  return found;
+}
+
+namespace {
+
+// NOTE: [Module hooks in C++]
+// Each hooked module call runs two hooks: before it, the check of the gradient w.r.t. its inputs is
+// placed (NOTE: [Where a gradient is checked]); after it, its output is checked. In Python each was a
+// chain of small calls (the call count, the slot, the floating tensors, the recorder) running right
+// after the module's own kernels had evicted the interpreter's caches: 5-15 us a call inside a step
+// for about 1 us of work in a loop. The hooks registered on the modules stay Python functions (so
+// that torch.compile, tracing them, sees their is_compiling() guard and nothing else), each one call
+// into ModuleHooks, which holds the state the hooks of one forward share: whether the step is checked,
+// the forward's number and microbatch, the step's slots (the Step's Python list, appended to here and
+// by the Python side alike) and the last output checked (NOTE: [Checking each tensor once]). What is
+// rare stays in Python: the container walk of an output that is not a tensor or a tuple of them, and
+// telling a checkpoint's recomputation apart, which is asked only when an autograd node is running.
+
+// A place that records slots: a watched module (or the model's input or output, or a loss), with its
+// call count in the current forward.
+struct Site {
+  Site(std::string name, std::string module_class, bool ignored)
+      : name(std::move(name)), module_class(std::move(module_class)), ignored(ignored) {}
+  const std::string name;
+  const std::string module_class;
+  const bool ignored;
+  int64_t calls = 0;
+  int64_t forward_id = -1;
+};
+
+class ModuleHooks {
+ public:
+  // record(tensors, slot) and hook_grads(tensors, slot): the recorder's; walk(obj): the floating
+  // tensors of any object (the container walker); recomputation(): None, "reentrant" or "unpack"
+  // (nanfast/recompute.py).
+  ModuleHooks(py::object record, py::object hook_grads, py::object walk, py::object recomputation, bool check_grads)
+      : record_(std::move(record)),
+        hook_grads_(std::move(hook_grads)),
+        walk_(std::move(walk)),
+        recomputation_(std::move(recomputation)),
+        check_grads_(check_grads) {}
+
+  // A module's forward pre-hook.
+  void before_module(py::handle site, py::handle args) {
+    if (!active) {
+      return;
+    }
+    const Recomputed recomputed = recomputation();
+    if (recomputed != Recomputed::kUnpack) {
+      enter(site, args, recomputed == Recomputed::kReentrant);
+    }
+  }
+
+  // A module's forward hook.
+  void after_module(py::handle site, py::handle output) {
+    if (active && recomputation() == Recomputed::kNo) {
+      check_output(kForward, site, output);
+    }
+  }
+
+  // A call of `site` begins: its call count (unless the call is a recomputation, which is not another
+  // call) and the check of the gradients w.r.t. its floating inputs.
+  void enter(py::handle site, py::handle args, bool recomputed) {
+    Site& s = site.cast<Site&>();
+    if (!recomputed) {
+      if (s.forward_id != forward_id) {
+        s.forward_id = forward_id;
+        s.calls = 0;
+      }
+      ++s.calls;
+    }
+    if (check_grads_ && !s.ignored && at::GradMode::is_enabled()) {
+      hook_grads(args, kBackward, site, s.calls);
+    }
+  }
+
+  // Places the checks of the gradients w.r.t. the floating tensors in `obj` as a new slot (phase,
+  // site, call).
+  void hook_grads(py::handle obj, const char* phase, py::handle site, int64_t call) {
+    const py::list tensors = floating(obj);
+    if (!tensors.empty()) {
+      hook_grads_(tensors, new_slot(phase, site, call));
+    }
+  }
+
+  // Records the check of an output of `site`; returns whether its floating values are checked (an
+  // ignored site's are not; a tensor checked last and unchanged since is in the slot that checked it).
+  bool check_output(const char* phase, py::handle site, py::handle output) {
+    const py::list tensors = floating(output);
+    if (tensors.empty()) {
+      return false;
+    }
+    const bool single = tensors.size() == 1;
+    if (single && checked_before(THPVariable_Unpack(tensors[0].ptr()))) {
+      return last_recorded_;
+    }
+    const Site& s = site.cast<const Site&>();
+    const bool recorded = !s.ignored;
+    if (recorded) {
+      record_(tensors, new_slot(phase, site, s.calls));
+    }
+    if (single) {
+      last_recorded_ = recorded;
+    }
+    return recorded;
+  }
+
+  // The forward returned: no output of it is "the last checked" for the next one.
+  void forget_last() {
+    last_output_.reset();
+    last_version_ = -1;
+    last_recorded_ = false;
+  }
+
+  bool active = false;     // this step is checked and the hooks are on
+  int64_t forward_id = 0;  // numbers the model's forwards (a site's calls count within one)
+  int64_t microbatch = 0;  // of the forward running
+  py::list slots;          // the Step's: (phase, site, call, microbatch) by slot id
+
+ private:
+  enum class Recomputed { kNo, kReentrant, kUnpack };
+  static constexpr const char* kForward = "forward";
+  static constexpr const char* kBackward = "backward";
+
+  Recomputed recomputation() const {
+    if (!torch::autograd::get_current_node()) {
+      return Recomputed::kNo;  // not inside backward: the usual case, without calling Python
+    }
+    const py::object found = recomputation_();
+    if (found.is_none()) {
+      return Recomputed::kNo;
+    }
+    return found.cast<std::string>() == "unpack" ? Recomputed::kUnpack : Recomputed::kReentrant;
+  }
+
+  py::list floating(py::handle obj) const {
+    py::object found = plain_floating_tensors(obj);
+    return found.is_none() ? py::list(walk_(obj)) : py::reinterpret_steal<py::list>(found.release());
+  }
+
+  int64_t new_slot(const char* phase, py::handle site, int64_t call) {
+    slots.append(py::make_tuple(phase, site, call, microbatch));
+    return static_cast<int64_t>(slots.size()) - 1;
+  }
+
+  // Whether `t` is the last output checked, unchanged since (its version counter); else it becomes the
+  // last output. An inference tensor has no version counter: it is checked again.
+  bool checked_before(const at::Tensor& t) {
+    if (t.is_inference()) {
+      forget_last();
+      return false;
+    }
+    const int64_t version = static_cast<int64_t>(t._version());
+    if (last_output_.defined() && t.is_same(last_output_) && version == last_version_) {
+      return true;
+    }
+    last_output_ = t;
+    last_version_ = version;
+    return false;
+  }
+
+  const py::object record_;
+  const py::object hook_grads_;
+  const py::object walk_;
+  const py::object recomputation_;
+  const bool check_grads_;
+  at::Tensor last_output_;  // kept alive until forget_last(), as its identity is what is compared
+  int64_t last_version_ = -1;
+  bool last_recorded_ = false;
+};
+
+}  // namespace
+
+void bind_module_hooks(py::module_& m) {
+  m.def("plain_floating_tensors", &plain_floating_tensors,
+        "The floating and complex strided tensors of a Tensor, or of a tuple or list of Tensors and None; None for "
+        "any other object.",
+        py::arg("obj"));
+  py::class_<Site>(m, "WatchSite", "A place nanfast.watch records slots for: a module, the input, the output, a loss.")
+      .def(py::init<std::string, std::string, bool>(), py::arg("name"), py::arg("module_class"), py::arg("ignored"))
+      .def_readonly("name", &Site::name)
+      .def_readonly("module_class", &Site::module_class)
+      .def_readonly("ignored", &Site::ignored)
+      .def_readwrite("calls", &Site::calls)
+      .def_readwrite("forward_id", &Site::forward_id);
+  py::class_<ModuleHooks>(m, "ModuleHooks",
+                          "What nanfast.watch's module hooks do at each call (see NOTE: [Module hooks in C++]).")
+      .def(py::init<py::object, py::object, py::object, py::object, bool>(), py::arg("record"), py::arg("hook_grads"),
+           py::arg("walk"), py::arg("recomputation"), py::arg("check_grads"))
+      .def("before_module", &ModuleHooks::before_module, py::arg("site"), py::arg("args"))
+      .def("after_module", &ModuleHooks::after_module, py::arg("site"), py::arg("output"))
+      .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
+      .def("hook_grads", &ModuleHooks::hook_grads, py::arg("obj"), py::arg("phase"), py::arg("site"), py::arg("call"))
+      .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"))
+      .def("forget_last", &ModuleHooks::forget_last)
+      .def_readwrite("active", &ModuleHooks::active)
+      .def_readwrite("forward_id", &ModuleHooks::forward_id)
+      .def_readwrite("microbatch", &ModuleHooks::microbatch)
+      .def_readwrite("slots", &ModuleHooks::slots);
+}
+
+}  // namespace nanfast::python
