@@ -25,16 +25,23 @@ ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
 
 # NOTE: [Modules that cannot make non-finite values]
-# These only select, zero, reorder or reshape their input, or (dropout) scale it by 1/(1-p): their
-# outputs and input gradients are non-finite only where their inputs are (a dropout could overflow only
-# values within 1/(1-p) of the dtype's maximum), so checking them would find propagation, never a
-# producer. They get no hooks: in a ResNet every ReLU re-reads the BatchNorm output it modified in place,
-# and in a transformer the dropouts are a third of all activation bytes. `pass_through=()` checks them too.
+# These only select, zero, reorder or reshape their input, scale it by 1/(1-p) (dropout), or map it
+# through a function whose value is bounded or at most |x| and whose derivative is at most about 1
+# (tanh, sigmoid, their hard versions, softsign, SiLU): their outputs and input gradients are
+# non-finite only where their inputs are (a dropout or SiLU could overflow only values or gradients
+# within 1/(1-p), resp. ~10%, of the dtype's maximum), so checking them would find propagation, never
+# a producer (tested on every 16-bit input). They get no hooks: in a ResNet every ReLU re-reads the
+# BatchNorm output it modified in place, in a transformer the dropouts are a third of all activation
+# bytes. (A value they squash to finite, tanh(-inf), was non-finite in their input; their own output
+# check would not see it either.) GELU is not one of them: its exact form overflows from inputs above
+# half the maximum (x * (1 + erf) in float32 or bfloat16), its tanh form's gradient is NaN above ~1e19.
+# `pass_through=()` checks them too.
 PASS_THROUGH = (
     torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten,
     torch.nn.MaxPool1d, torch.nn.MaxPool2d, torch.nn.MaxPool3d,
     torch.nn.AdaptiveMaxPool1d, torch.nn.AdaptiveMaxPool2d, torch.nn.AdaptiveMaxPool3d,
     torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+    torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Hardtanh, torch.nn.Hardsigmoid, torch.nn.Softsign, torch.nn.SiLU,
 )
 
 
