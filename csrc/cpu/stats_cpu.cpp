@@ -260,7 +260,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cpu(at::TensorList tensors)
   at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t piece, int64_t lo, int64_t hi) {
-        prefetch_input(runs, t + kPrefetchTensorsAhead);
+        if (lo == 0) {  // a tensor's first piece (a big tensor's others need no hint)
+          prefetch_input(runs, t + kPrefetchTensorsAhead);
+        }
         pieces[piece] = stats_of_piece(runs[t], lo, hi);
         return true;
       });
@@ -295,7 +297,9 @@ at::Tensor any_nonfinite_cpu(at::TensorList tensors) {
   at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end && !found.load(std::memory_order_relaxed); ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t /*piece*/, int64_t lo, int64_t hi) {
-        prefetch_input(runs, t + kPrefetchTensorsAhead);
+        if (lo == 0) {
+          prefetch_input(runs, t + kPrefetchTensorsAhead);
+        }
         if (any_of_piece(runs[t], lo, hi)) {
           found.store(true, std::memory_order_relaxed);
         }
