@@ -192,15 +192,6 @@ class Watch(Hooks, Actions, Readings):
         self._hooks.slots = self._step.slots
         self._steps.reset()
 
-    @property
-    def _active(self) -> bool:
-        """Whether this step is checked and the hooks are on (the module hooks read it in C++)."""
-        return self._hooks.active
-
-    @_active.setter
-    def _active(self, value: bool) -> None:
-        self._hooks.active = value
-
     def step(self) -> None:
         """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
         step's results. (With an optimizer, optimizer.step() does this.)"""

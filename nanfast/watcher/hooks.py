@@ -30,6 +30,15 @@ def floating_tensors(obj: Any) -> list[torch.Tensor]:
 class Hooks:
     """The hooks of `Watch` (a part of it: the state they use is the Watch's)."""
 
+    @property
+    def _active(self) -> bool:
+        """Whether this step is checked and the hooks are on (the module hooks read it in C++)."""
+        return self._hooks.active
+
+    @_active.setter
+    def _active(self, value: bool) -> None:
+        self._hooks.active = value
+
     def _site(self, name: str, module_class: str) -> Any:
         """A place that records slots (a module, the input, the model, a loss), with its call count."""
         return _C.WatchSite(name, module_class, ignored(self.ignore, name))
