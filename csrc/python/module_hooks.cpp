@@ -78,7 +78,8 @@ struct Site {
 class ModuleHooks {
  public:
   // record(tensors, slot) and hook_grads(tensors, slot): the recorder's; walk(obj): the floating
-  // tensors of any object (the container walker); recomputation(): None, "reentrant" or "unpack"
+  // tensors of an object plain_floating_tensors declines (the container walker); recomputation(): None,
+  // "reentrant" or "unpack"
   // (nanfast/recompute.py).
   ModuleHooks(py::object record, py::object hook_grads, py::object walk, py::object recomputation, bool check_grads)
       : record_(std::move(record)),
@@ -126,7 +127,7 @@ class ModuleHooks {
   void hook_grads(py::handle obj, const char* phase, py::handle site, int64_t call) {
     const py::list tensors = floating(obj);
     if (!tensors.empty()) {
-      hook_grads_(tensors, new_slot(phase, site, call));
+      hook_grads_(tensors, slot(phase, site, call));
     }
   }
 
@@ -144,12 +145,18 @@ class ModuleHooks {
     const Site& s = site.cast<const Site&>();
     const bool recorded = !s.ignored;
     if (recorded) {
-      record_(tensors, new_slot(phase, site, s.calls));
+      record_(tensors, slot(phase, site, s.calls));
     }
     if (single) {
       last_recorded_ = recorded;
     }
     return recorded;
+  }
+
+  // A new slot id for records of `site` in `phase` (call `call`, the running forward's microbatch).
+  int64_t slot(const char* phase, py::handle site, int64_t call) {
+    slots.append(py::make_tuple(phase, site, call, microbatch));
+    return static_cast<int64_t>(slots.size()) - 1;
   }
 
   // The forward returned: no output of it is "the last checked" for the next one.
@@ -183,11 +190,6 @@ class ModuleHooks {
   py::list floating(py::handle obj) const {
     py::object found = plain_floating_tensors(obj);
     return found.is_none() ? py::list(walk_(obj)) : py::reinterpret_steal<py::list>(found.release());
-  }
-
-  int64_t new_slot(const char* phase, py::handle site, int64_t call) {
-    slots.append(py::make_tuple(phase, site, call, microbatch));
-    return static_cast<int64_t>(slots.size()) - 1;
   }
 
   // Whether `t` is the last output checked, unchanged since (its version counter); else it becomes the
@@ -239,6 +241,7 @@ void bind_module_hooks(py::module_& m) {
       .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
       .def("hook_grads", &ModuleHooks::hook_grads, py::arg("obj"), py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"))
+      .def("slot", &ModuleHooks::slot, py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("forget_last", &ModuleHooks::forget_last)
       .def_readwrite("active", &ModuleHooks::active)
       .def_readwrite("forward_id", &ModuleHooks::forward_id)

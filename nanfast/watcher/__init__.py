@@ -11,8 +11,8 @@ import torch
 
 from .. import _C, distributed
 from ..check import uncompiled
-from ..recompute import recomputation
 from ..clip import check_norm_type, scale_grads_, total_norm
+from ..recompute import recomputation
 from . import agree, scaler_hook, step as steps
 from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
@@ -20,7 +20,7 @@ from .forwards import StepState
 from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
-from .hooks import Hooks, floating_tensors
+from .hooks import Hooks, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
                       steps_option, validate)
 from .profile import Profile
@@ -122,7 +122,7 @@ class Watch(Hooks, Actions, Readings):
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
         self._pass_op = self._recorder.stats_with_deferred if fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
-        self._hooks = _C.ModuleHooks(self._recorder.record, self._recorder.hook_grads, floating_tensors,
+        self._hooks = _C.ModuleHooks(self._recorder.record, self._recorder.hook_grads, walked_floating_tensors,
                                      recomputation, self._check_grads)
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)

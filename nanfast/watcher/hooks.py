@@ -17,12 +17,15 @@ from .options import SKIPPING, ignored
 
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
-    """The floating and complex strided tensors in obj, found by the one container walker (_tree); a
-    module's usual arguments and outputs (a tensor, a tuple of tensors and None) take a C++ fast path
-    that finds the same ones (two calls per hooked module call)."""
+    """The floating and complex strided tensors in obj: a module's usual arguments and outputs (a
+    tensor, a tuple of tensors and None) by a C++ fast path (two calls per hooked module call), anything
+    else by the one container walker; the same ones either way."""
     found = _C.plain_floating_tensors(obj)
-    if found is not None:
-        return found
+    return found if found is not None else walked_floating_tensors(obj)
+
+
+def walked_floating_tensors(obj: Any) -> list[torch.Tensor]:
+    """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
     return [t for t in _tree.leaves(obj) if isinstance(t, torch.Tensor)
             and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
 
@@ -102,7 +105,7 @@ class Hooks:
         self._recorder.forget()
 
     def _record(self, phase: str, site: Any, call: int, tensors: list) -> None:
-        self._recorder.record(tensors, self._step.slot(phase, site, call, self._hooks.microbatch))
+        self._recorder.record(tensors, self._hooks.slot(phase, site, call))
 
     def _hook_grads(self, obj: Any, phase: str, site: Any, call: int) -> None:
         # NOTE: [Where a gradient is checked]

@@ -54,7 +54,7 @@ class Read:
 
 class Step:
     """The Python side of one step's records: what each slot id stands for (see NOTE: [The watch's
-    recorder]; the module hooks append to `slots` too, NOTE: [Module hooks in C++]) and the forwards so
+    recorder]; `ModuleHooks.slot` appends to `slots`, NOTE: [Module hooks in C++]) and the forwards so
     far. A new step is a new Step."""
 
     __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread")
@@ -66,11 +66,6 @@ class Step:
         self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
-
-    def slot(self, phase: str, site: Any, call: int, microbatch: int) -> int:
-        """A new slot id for records of `site` in `phase`."""
-        self.slots.append((phase, site, call, microbatch))
-        return len(self.slots) - 1
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
