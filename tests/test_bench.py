@@ -120,6 +120,25 @@ def test_watch_suite_reports_per_step_calls_bytes_and_overhead(tmp_path, monkeyp
     assert "fused-op calls (kernel launches)" in out and f"| {inside['workload']} |" in out
 
 
+def test_watch_suite_times_watches_left_on_not_first_steps(monkeypatch):
+    # NOTE: [Measuring a watch left on]: one watch per watching method and workload, on its own copy of
+    # the model, installed for the whole run; the timed steps are its 4th onwards, not first steps.
+    monkeypatch.setattr(watch_workloads, "MLP", dict(features=6, width=5, layers=4, classes=3, batch=4))
+    made = []
+
+    def counted(model, optimizer=None, **options):
+        made.append((nanfast.watch(model, optimizer, **options), model, options))
+        return made[-1][0]
+
+    monkeypatch.setattr(bench_watch, "watch", counted)
+    suite = bench_watch.run_suite("cpu", repeats=5, only=["mlp"])
+    side_by_side = [(w, model) for w, model, options in made if not options.get("profile")]
+    assert [options for _, _, options in made] == [{}, {"fuse": True}, {"profile": True}]
+    assert all(w.step_count == 3 + 5 and not w._installed for w, _ in side_by_side)
+    assert side_by_side[0][1] is not side_by_side[1][1]  # each its own copy
+    assert all(r["samples"] == 5 for r in suite["rows"])
+
+
 def test_watch_suite_names_an_unknown_workload(tmp_path, capsys):
     assert cli.main(["bench", "--suite", "watch", "--workloads", "mlp,gpt5", "--out", str(tmp_path)]) == 2
     assert "gpt5" in capsys.readouterr().out and not (tmp_path / "results.json").exists()
