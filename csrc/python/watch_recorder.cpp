@@ -1,280 +1,28 @@
 // nanfast._C.WatchRecorder: where nanfast.watch's hooks leave the counts of a step.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <limits>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include "../dtypes.h"
 #include "bindings.h"
+#include "watch_records.h"
 
 namespace nanfast::python {
 namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-using Clock = std::chrono::steady_clock;
 // A shared_ptr before torch 2.14, an intrusive_ptr since.
 using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
-
-// NOTE: [The watch's recorder]
-// The watch checks the output of every module in forward and the gradient flowing out of every module
-// in backward. In Python, a gradient check cost more than reading a small activation: a Python object
-// for the autograd node, a RemovableHandle for its pre-hook, then a Python call in backward. The
-// recorder does that bookkeeping in C++. Each check appends its counts, in execution order, with the
-// id of its slot (what was checked: phase, module, call, which the Python side keeps); gradient checks
-// are C++ pre-hooks on the autograd nodes, which the engine runs without the GIL. The watch takes
-// everything once per step.
-
-// NOTE: [Overflow headroom in the recorder]
-// The watch warns when a low-precision place's max |x| nears its dtype's largest finite value
-// (nanfast/watcher/headroom.py). The fused op computes every tensor's max |x| anyway; the recorder keeps
-// it, with that maximum, for the records that hold a float16, bfloat16 or float8 tensor, decided on the
-// host from the dtype when the record is made. A record of float32/float64 tensors keeps nothing more
-// than its counts, so a model without low-precision places pays nothing (take() returns None for it).
-
-// The largest finite value of `dtype` for the dtypes whose headroom is watched; 0 for the others
-// (float32 and float64 need no watching; integers and float4 saturate or cannot overflow).
-double max_finite(at::ScalarType dtype) {
-  if (!can_be_nonfinite(dtype)) {
-    return 0.0;
-  }
-  return visit_dtype</*kFloatingOnly=*/true>(dtype, [](auto tag) {
-    using T = typename decltype(tag)::type;
-    // 16 bits or fewer, with a largest finite value (float4_e2m1fn_x2 packs two values and has none).
-    if constexpr (sizeof(T) <= 2 && std::numeric_limits<T>::is_specialized) {
-      return static_cast<double>(std::numeric_limits<T>::max());
-    } else {
-      return 0.0;
-    }
-  });
-}
-
-// One record: the counts [rows, 3] on the device and the slot id; for a record holding a low-precision
-// tensor, its max |x| per row (float64 [rows]) and each row's dtype's largest finite value (0 for a row
-// that needs none). See NOTE: [Overflow headroom in the recorder].
-struct Entry {
-  at::Tensor counts;
-  int64_t slot;
-  at::Tensor absmax;  // undefined unless `limits` is non-empty
-  std::vector<double> limits;
-};
-
-// The limits of `tensors` (see max_finite), or an empty vector when none of them needs one.
-std::vector<double> limits_of(at::TensorList tensors) {
-  std::vector<double> limits;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const double limit = max_finite(tensors[i].scalar_type());
-    if (limit > 0 && limits.empty()) {
-      limits.resize(tensors.size(), 0.0);
-    }
-    if (!limits.empty()) {
-      limits[i] = limit;
-    }
-  }
-  return limits;
-}
-
-// NOTE: [Fused records]
-// By default each record is one fused call made at once, while the tensor is fresh in cache: on a CPU
-// the cheapest way. On a GPU each call is a launch and a host round of dispatch, so a watch made with
-// fuse=True defers them: a record keeps its tensors (and its place in execution order), and one call
-// checks every deferred tensor when the forward ends (forget()), when the step's records are taken,
-// or when the deferred tensors reach `fuse_bytes` (a bound on the memory they keep alive past their
-// use). A step is then three calls: each forward's, the pass over parameters and gradients with the
-// backward's deferred checks in it (stats_with_deferred), and the summary. What it gives up: a value checked at the flush is the
-// tensor as it is then; a later in-place op that made it finite (ReLU over -inf) hides it.
-
-// A record whose tensors wait for the next flush: its entry's index and its tensors (owned).
-struct Deferred {
-  size_t entry;
-  std::vector<at::Tensor> tensors;
-};
-
-// The counts of one step, in execution order. Shared with the gradient checks, which may run on an
-// autograd engine thread (one per CUDA device) and which live as long as their graph.
-struct Records {
-  Records(at::Device device, bool profiled, int64_t fuse_bytes)
-      : device(device), fuse_bytes(fuse_bytes), profiled(profiled) {}
-
-  // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
-  void add(at::TensorList tensors, int64_t slot, bool grad_check) {
-    if (fuse_bytes > 0) {
-      defer(tensors, slot);
-      return;
-    }
-    const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
-    const auto [counts, norm, absmax] = stats_on(tensors, device);
-    const std::vector<double> limits = limits_of(tensors);
-    Entry entry{at::Tensor(), slot, at::Tensor(), {}};
-    fill(entry, counts, absmax, limits, 0, static_cast<int64_t>(tensors.size()));
-    const std::lock_guard<std::mutex> lock(mutex);
-    entries.push_back(std::move(entry));
-    if (profiled) {
-      count_call(start, bytes_of(tensors), grad_check);
-    }
-  }
-
-  // Fills `entry` with rows [row, row + rows) of one fused call whose inputs' limits are `limits`
-  // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
-  // [Overflow headroom in the recorder]).
-  static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
-                   int64_t row, int64_t rows) {
-    const bool whole = row == 0 && rows == counts.size(0);  // no view to make (the hot path)
-    entry.counts = whole ? counts : counts.narrow(0, row, rows);
-    if (limits.empty()) {
-      return;
-    }
-    const auto first = limits.begin() + row, last = first + rows;
-    if (std::any_of(first, last, [](double limit) { return limit > 0; })) {
-      entry.absmax = whole ? absmax : absmax.narrow(0, row, rows);
-      entry.limits.assign(first, last);
-    }
-  }
-
-  static int64_t bytes_of(at::TensorList tensors) {
-    int64_t nbytes = 0;
-    for (const at::Tensor& t : tensors) {
-      nbytes += t.numel() * t.element_size();
-    }
-    return nbytes;
-  }
-
-  // A profiled watch's accounting of one fused call (under `mutex`).
-  void count_call(Clock::time_point start, int64_t nbytes, bool grad_check) {
-    const auto spent = Clock::now() - start;
-    kernel_time += spent;
-    if (grad_check) {
-      check_time += spent;
-    }
-    ++calls;
-    bytes += nbytes;
-  }
-
-  // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
-  void defer(at::TensorList tensors, int64_t slot) {
-    const int64_t nbytes = bytes_of(tensors);
-    bool full = false;
-    {
-      const std::lock_guard<std::mutex> lock(mutex);
-      entries.push_back(Entry{at::Tensor(), slot, at::Tensor(), {}});
-      deferred.push_back(Deferred{entries.size() - 1, tensors.vec()});
-      deferred_bytes += nbytes;
-      full = deferred_bytes >= fuse_bytes;
-    }
-    if (full) {
-      flush();
-    }
-  }
-
-  using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-  // Checks every deferred tensor in one call and fills their entries; with `extra` tensors (the step's
-  // pass over parameters and gradients) in the same call, whose rows it returns (that call is the
-  // pass's: the caller counts it). Call it without the mutex and, from Python, without the GIL:
-  // dropping the last reference to a tensor may take the GIL.
-  std::optional<Stats> flush(at::TensorList extra = {}) {
-    std::vector<Deferred> done;
-    std::optional<Stats> result;
-    {
-      const std::lock_guard<std::mutex> lock(mutex);
-      if (deferred.empty()) {
-        if (!extra.empty()) {
-          result = stats_on(extra, device);
-        }
-        return result;
-      }
-      const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
-      std::vector<at::Tensor> all;
-      for (const Deferred& d : deferred) {
-        all.insert(all.end(), d.tensors.begin(), d.tensors.end());
-      }
-      const int64_t own = static_cast<int64_t>(all.size());
-      all.insert(all.end(), extra.begin(), extra.end());
-      auto [counts, norm, absmax] = stats_on(all, device);
-      const std::vector<double> limits = limits_of(all);
-      int64_t row = 0;
-      for (const Deferred& d : deferred) {
-        const int64_t rows = static_cast<int64_t>(d.tensors.size());
-        TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        fill(entries[d.entry], counts, absmax, limits, row, rows);
-        row += rows;
-      }
-      if (!extra.empty()) {
-        const int64_t n = static_cast<int64_t>(extra.size());
-        result = Stats{counts.narrow(0, own, n), norm.narrow(0, own, n), absmax.narrow(0, own, n)};
-      }
-      if (profiled) {
-        if (extra.empty()) {
-          count_call(start, deferred_bytes, /*grad_check=*/false);
-        } else {
-          bytes += deferred_bytes;  // the call itself is the pass's, which its caller counts
-        }
-      }
-      done.swap(deferred);
-      deferred_bytes = 0;
-    }
-    return result;
-  }  // `done` releases the tensors here, outside the mutex
-
-  // NOTE: [A backward that raised]
-  // The first check to fire in a backward (a graph task) notes the task and queues an engine callback,
-  // which runs when the task finishes without error and forgets it. A task still noted once no backward
-  // is running raised (an out-of-memory error the loop caught): backward_failed() tells the watch, which
-  // drops that microbatch's records. A backward that raises before any check fired goes unnoticed.
-  static void note_backward(const std::shared_ptr<Records>& self) {
-    const int task = torch::autograd::get_current_graph_task_id();
-    {
-      const std::lock_guard<std::mutex> lock(self->mutex);
-      if (!self->backwards.insert(task).second) {
-        return;
-      }
-    }
-    std::weak_ptr<Records> weak = self;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
-      if (const auto records = weak.lock()) {
-        const std::lock_guard<std::mutex> lock(records->mutex);
-        records->backwards.erase(task);
-      }
-    });
-  }
-
-  const at::Device device;
-  const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
-  // NOTE: [Profiling the watch]
-  // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
-  // the benchmark reads): an ordinary watch reads no clock on its hot path.
-  const bool profiled;
-  std::atomic<bool> enabled{true};  // false once the watch is removed: hooks left on a graph do nothing
-  // Bumped when the records are dropped (a step ended): gradient checks placed before then do nothing
-  // (see NOTE: [Gradient checks outliving their step]).
-  std::atomic<int64_t> epoch{0};
-  std::mutex mutex;
-  std::vector<Entry> entries;
-  std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
-  int64_t deferred_bytes = 0;
-  std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
-  // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
-  // spent by gradient checks (the time the Python hooks do not see), bytes read, and the number of
-  // fused-op calls (each one kernel launch on a GPU).
-  Clock::duration kernel_time{0};
-  Clock::duration check_time{0};
-  int64_t bytes = 0;
-  int64_t calls = 0;
-};
 
 // NOTE: [Gradient checks outliving their step]
 // A gradient check lives as long as its graph, and its slot id means something only within the step
