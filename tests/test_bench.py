@@ -3,6 +3,7 @@ Speed itself is not asserted here: it is measured by the benchmark, never in tes
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -133,10 +134,34 @@ def test_watch_suite_times_watches_left_on_not_first_steps(monkeypatch):
     monkeypatch.setattr(bench_watch, "watch", counted)
     suite = bench_watch.run_suite("cpu", repeats=5, only=["mlp"])
     side_by_side = [(w, model) for w, model, options in made if not options.get("profile")]
-    assert [options for _, _, options in made] == [{}, {"fuse": True}, {"profile": True}]
+    # nanfast.watch, fuse=True, the watch that clips, then the profiled one of the "inside" table.
+    assert [options for _, _, options in made] == [{}, {"fuse": True}, {}, {"profile": True}]
     assert all(w.step_count == 3 + 5 and not w._installed for w, _ in side_by_side)
-    assert side_by_side[0][1] is not side_by_side[1][1]  # each its own copy
+    assert len({id(model) for _, model in side_by_side}) == 3  # each its own copy
     assert all(r["samples"] == 5 for r in suite["rows"])
+    # The clipping watch against torch's clipping; everything else against no checks.
+    assert {r["method"]: r["baseline"] for r in suite["rows"] if r["baseline"] != "none"} == {
+        "nanfast.watch + w.clip_grad_norm_": "torch clip_grad_norm_"}
+    assert "clipping gradients" in suite["markdown"]
+
+
+def test_the_watch_suite_clips_as_torch_does(monkeypatch):
+    # Both clipping methods leave the same gradients (norm 1.0 when they exceed it).
+    monkeypatch.setattr(watch_workloads, "MLP", dict(features=6, width=5, layers=4, classes=3, batch=4))
+    [(_, model, batch)] = watch_workloads.make_workloads("cpu", ["mlp"])
+    x, y = batch()
+    grads = {}
+    for method in ("torch clip_grad_norm_", "nanfast.watch + w.clip_grad_norm_"):
+        copy_ = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in copy_.parameters():
+                p.mul_(30.0)  # gradients far above norm 1
+        optimizer = torch.optim.SGD(copy_.parameters(), lr=0.0)
+        with bench_watch._method(method, copy_, optimizer) as installed:
+            bench_watch._step(copy_, optimizer, x, y, clip=bench_watch._clip(method, copy_, installed))
+        grads[method] = torch.cat([p.grad.flatten() for p in copy_.parameters()])
+    torch.testing.assert_close(grads["torch clip_grad_norm_"], grads["nanfast.watch + w.clip_grad_norm_"])
+    assert grads["torch clip_grad_norm_"].norm().item() == pytest.approx(bench_watch.MAX_NORM, rel=1e-5)
 
 
 def test_watch_suite_names_an_unknown_workload(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Cost of an always-on `nanfast.watch` on a training step, side by side in one process with no checks,
-hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, on the
+hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, and, for a loop that clips its
+gradients, the watch's `w.clip_grad_norm_` against torch's `clip_grad_norm_` without checks, on the
 workloads of watch_workloads.py (an MLP, two transformers, ResNet-18 at two input sizes). Each method
 trains its own copy of the model and stays installed, as a watch left on does; their steps are
 interleaved across repeats; medians are reported. Per watched step, the suite also reports what the
@@ -13,7 +14,8 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,12 @@ from ..watcher import watch
 # make_workloads is also benchmarks/watch_versions.py's entry point, by the name _workloads.
 from .watch_workloads import KEYS as WORKLOAD_KEYS, Batch, make_workloads as _workloads
 
-METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly")
+METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly",
+           "torch clip_grad_norm_", "nanfast.watch + w.clip_grad_norm_")
+# What each method's overhead is taken against (the others: "none"). A loop that clips its gradients
+# reads them for the norm anyway: with Watch.clip_grad_norm_ the watch's pass is that read.
+BASELINES = {"nanfast.watch + w.clip_grad_norm_": "torch clip_grad_norm_"}
+MAX_NORM = 1.0
 
 
 @contextlib.contextmanager
@@ -43,7 +50,7 @@ def isnan_hooks(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
-    if name == "nanfast.watch":
+    if name in ("nanfast.watch", "nanfast.watch + w.clip_grad_norm_"):
         return watch(model, optimizer)
     if name == "nanfast.watch(fuse=True)":  # the mode for GPUs (see NOTE: [Fused records])
         return watch(model, optimizer, fuse=True)
@@ -54,23 +61,35 @@ def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return contextlib.nullcontext()
 
 
+def _clip(name: str, model: torch.nn.Module, installed: Any) -> Optional[Callable[[], object]]:
+    """What a method runs between backward and optimizer.step(): a gradient clipping, or nothing."""
+    if name == "torch clip_grad_norm_":
+        return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    if name == "nanfast.watch + w.clip_grad_norm_":
+        return lambda: installed.clip_grad_norm_(MAX_NORM)
+    return None
+
+
 # A process-wide switch: entered around each of its own steps, so that it leaves the others' alone.
 PER_STEP_METHODS = ("detect_anomaly",)
 
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+          clip: Optional[Callable[[], object]] = None) -> None:
     optimizer.zero_grad(set_to_none=True)
     out = model(x)
     loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
     loss.backward()
+    if clip is not None:
+        clip()
     optimizer.step()
 
 
-def _timed_step(model, optimizer, batch, device: str) -> float:
+def _timed_step(model, optimizer, batch, device: str, clip: Optional[Callable[[], object]] = None) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    _step(model, optimizer, *batch())
+    _step(model, optimizer, *batch(), clip=clip)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -100,14 +119,13 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
             for method in METHODS:
                 copy_ = copy.deepcopy(model)
                 optimizer = _optimizer(copy_)
-                if method not in PER_STEP_METHODS:
-                    installed.enter_context(_method(method, copy_, optimizer))
-                runs[method] = (copy_, optimizer)
+                entered = None if method in PER_STEP_METHODS else installed.enter_context(_method(method, copy_, optimizer))
+                runs[method] = (copy_, optimizer, _clip(method, copy_, entered))
 
             def timed(method: str) -> float:
-                model, optimizer = runs[method]
+                model, optimizer, clip = runs[method]
                 with _method(method, model, optimizer) if method in PER_STEP_METHODS else contextlib.nullcontext():
-                    return _timed_step(model, optimizer, batch, device)
+                    return _timed_step(model, optimizer, batch, device, clip)
 
             for method in METHODS:
                 for _ in range(warmup):
@@ -121,10 +139,11 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
                     this_repeat[method] = timed(method)
                 for method, t in this_repeat.items():
                     times[method].append(t)
-                    ratios[method].append(t / this_repeat["none"])
+                    ratios[method].append(t / this_repeat[BASELINES.get(method, "none")])
         for method in METHODS:
             low, high = median_interval(ratios[method])
-            rows.append({"workload": workload, "method": method, "median_ms": statistics.median(times[method]) * 1e3,
+            rows.append({"workload": workload, "method": method, "baseline": BASELINES.get(method, "none"),
+                         "median_ms": statistics.median(times[method]) * 1e3,
                          "overhead_pct": (statistics.median(ratios[method]) - 1) * 100,
                          "overhead_pct_ci95": [(low - 1) * 100, (high - 1) * 100],
                          "overhead_pct_range": [(min(ratios[method]) - 1) * 100, (max(ratios[method]) - 1) * 100],
@@ -182,21 +201,25 @@ def _per_step_table(rows: list[dict], inside: list[dict]) -> list[str]:
     """The issue's summary, one line per workload: the watch's overhead side by side, with what it
     spends per watched step."""
     lines = ["| workload | step without the watch (ms) | nanfast.watch overhead: median | its 95% interval | "
-             "host time in the watch (ms) | in its kernels (ms) | fused-op calls (kernel launches) | MB read |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "host time in the watch (ms) | in its kernels (ms) | fused-op calls (kernel launches) | MB read | "
+             "clipping gradients: the watch with w.clip_grad_norm_ against torch's clip_grad_norm_ |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in inside:
-        side = next(r for r in rows if r["workload"] == row["workload"] and r["method"] == "nanfast.watch")
-        none = next(r for r in rows if r["workload"] == row["workload"] and r["method"] == "none")
+        side, none, clipped = (next(r for r in rows if r["workload"] == row["workload"] and r["method"] == method)
+                               for method in ("nanfast.watch", "none", "nanfast.watch + w.clip_grad_norm_"))
         low, high = side["overhead_pct_ci95"]
+        clip_low, clip_high = clipped["overhead_pct_ci95"]
         lines.append(f"| {row['workload']} | {none['median_ms']:.1f} | {side['overhead_pct']:+.1f}% | "
                      f"{low:+.1f}..{high:+.1f}% | {row['inside_ms']:.2f} | {row['kernels_ms']:.2f} | "
-                     f"{row['calls']:.0f} | {row['mb_read']:.1f} |")
+                     f"{row['calls']:.0f} | {row['mb_read']:.1f} | {clipped['overhead_pct']:+.1f}% "
+                     f"({clip_low:+.1f}..{clip_high:+.1f}%) |")
     return lines
 
 
 def run_suite(device: str = "cpu", repeats: int = 40, only: Sequence[str] = ()) -> dict:
-    """Step time of each method on each workload, and its overhead over no checks; then, per watched
-    step, what the watch spends (host time, kernel time, fused-op calls, bytes read).
+    """Step time of each method on each workload, and its overhead over its baseline (no checks; for
+    the watch clipping gradients with Watch.clip_grad_norm_, no checks and torch's clip_grad_norm_);
+    then, per watched step, what the watch spends (host time, kernel time, fused-op calls, bytes read).
 
     Each method trains its own copy of the model with its hooks left on (see NOTE: [Measuring a watch
     left on]); each repeat times one step of every method, back to back, rotating the order from repeat
@@ -222,14 +245,15 @@ def run_suite(device: str = "cpu", repeats: int = 40, only: Sequence[str] = ()) 
         rows = _measure(workloads, device, repeats)
         inside = _measure_inside(workloads, device)
     lines = ["Per watched step:", "", *_per_step_table(rows, inside), "", "Side by side:", "",
-             "| workload | method | median step (ms) | overhead vs no checks: median | its 95% interval | "
-             "min..max over repeats |", "|---|---|---:|---:|---:|---:|"]
+             "| workload | method | median step (ms) | against | overhead: median | its 95% interval | "
+             "min..max over repeats |", "|---|---|---:|---|---:|---:|---:|"]
     for row in rows:
         if row["method"] == "none":
-            overhead = "- | - | -"
+            overhead = "- | - | - | -"
         else:
             (ci_low, ci_high), (low, high) = row["overhead_pct_ci95"], row["overhead_pct_range"]
-            overhead = f"{row['overhead_pct']:+.1f}% | {ci_low:+.1f}..{ci_high:+.1f}% | {low:+.0f}..{high:+.0f}%"
+            overhead = (f"{row['baseline']} | {row['overhead_pct']:+.1f}% | {ci_low:+.1f}..{ci_high:+.1f}% | "
+                        f"{low:+.0f}..{high:+.0f}%")
         lines.append(f"| {row['workload']} | {row['method']} | {row['median_ms']:.1f} | {overhead} |")
     lines += ["", "Inside the watch (timed within the watched steps themselves):", "",
               "| workload | step without the watch (ms) | in the watch per step (ms) | of which fused kernels (ms) | "
