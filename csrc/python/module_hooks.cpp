@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "bindings.h"
+#include "watch_recorder.h"
 
 namespace nanfast::python {
 
@@ -77,13 +78,12 @@ struct Site {
 
 class ModuleHooks {
  public:
-  // record(tensors, slot) and hook_grads(tensors, slot): the recorder's; walk(obj): the floating
-  // tensors of an object plain_floating_tensors declines (the container walker); recomputation(): None,
-  // "reentrant" or "unpack"
-  // (nanfast/recompute.py).
-  ModuleHooks(py::object record, py::object hook_grads, py::object walk, py::object recomputation, bool check_grads)
-      : record_(std::move(record)),
-        hook_grads_(std::move(hook_grads)),
+  // recorder: the watch's WatchRecorder, called directly; walk(obj): the floating tensors of an object
+  // plain_floating_tensors declines (the container walker); recomputation(): None, "reentrant" or
+  // "unpack" (nanfast/recompute.py).
+  ModuleHooks(py::object recorder, py::object walk, py::object recomputation, bool check_grads)
+      : recorder_object_(std::move(recorder)),
+        recorder_(recorder_object_.cast<WatchRecorder&>()),
         walk_(std::move(walk)),
         recomputation_(std::move(recomputation)),
         check_grads_(check_grads) {}
@@ -127,7 +127,7 @@ class ModuleHooks {
   void hook_grads(py::handle obj, const char* phase, py::handle site, int64_t call) {
     const py::list tensors = floating(obj);
     if (!tensors.empty()) {
-      hook_grads_(tensors, slot(phase, site, call));
+      recorder_.hook_grads(tensors, slot(phase, site, call));
     }
   }
 
@@ -145,7 +145,7 @@ class ModuleHooks {
     const Site& s = site.cast<const Site&>();
     const bool recorded = !s.ignored;
     if (recorded) {
-      record_(tensors, slot(phase, site, s.calls));
+      recorder_.record(tensors, slot(phase, site, s.calls));
     }
     if (single) {
       last_recorded_ = recorded;
@@ -208,8 +208,8 @@ class ModuleHooks {
     return false;
   }
 
-  const py::object record_;
-  const py::object hook_grads_;
+  const py::object recorder_object_;  // keeps recorder_ alive
+  WatchRecorder& recorder_;
   const py::object walk_;
   const py::object recomputation_;
   const bool check_grads_;
@@ -234,8 +234,8 @@ void bind_module_hooks(py::module_& m) {
       .def_readwrite("forward_id", &Site::forward_id);
   py::class_<ModuleHooks>(m, "ModuleHooks",
                           "What nanfast.watch's module hooks do at each call (see NOTE: [Module hooks in C++]).")
-      .def(py::init<py::object, py::object, py::object, py::object, bool>(), py::arg("record"), py::arg("hook_grads"),
-           py::arg("walk"), py::arg("recomputation"), py::arg("check_grads"))
+      .def(py::init<py::object, py::object, py::object, bool>(), py::arg("recorder"), py::arg("walk"),
+           py::arg("recomputation"), py::arg("check_grads"))
       .def("before_module", &ModuleHooks::before_module, py::arg("site"), py::arg("args"))
       .def("after_module", &ModuleHooks::after_module, py::arg("site"), py::arg("output"))
       .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)

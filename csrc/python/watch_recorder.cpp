@@ -1,28 +1,16 @@
 // nanfast._C.WatchRecorder: where nanfast.watch's hooks leave the counts of a step.
+#include "watch_recorder.h"
+
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <mutex>
-#include <tuple>
-#include <type_traits>
-#include <unordered_map>
-#include <utility>
+#include <vector>
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include "bindings.h"
-#include "watch_records.h"
-
 namespace nanfast::python {
-namespace {
-
-using torch::autograd::Node;
-using torch::autograd::variable_list;
-// A shared_ptr before torch 2.14, an intrusive_ptr since.
-using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
 
 // NOTE: [Gradient checks outliving their step]
 // A gradient check lives as long as its graph, and its slot id means something only within the step
@@ -40,6 +28,10 @@ struct GradSlot {
   std::atomic<int64_t> id;
   const int64_t epoch;  // the Records epoch it was placed in
 };
+
+namespace {
+
+using torch::autograd::variable_list;
 
 // A pre-hook on the autograd node that made a module's input: counts the gradient w.r.t. that input
 // (the node's grad output `output_nr`), i.e. what flows out of the module in backward.
@@ -77,179 +69,138 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
   const uint32_t output_nr_;
 };
 
-class WatchRecorder {
- public:
-  WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes)
-      : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
+}  // namespace
 
-  // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`.
-  void record(py::handle tensors, int64_t slot) {
-    const BorrowedTensors inputs("nanfast.watch", tensors);
-    if (inputs.list().empty()) {
-      return;
+void WatchRecorder::record(py::handle tensors, int64_t slot) {
+  const BorrowedTensors inputs("nanfast.watch", tensors);
+  if (inputs.list().empty()) {
+    return;
+  }
+  py::gil_scoped_release no_gil;
+  records_->add(inputs.list(), slot, /*grad_check=*/false);
+}
+
+void WatchRecorder::hook_grads(py::handle tensors, int64_t slot) {
+  const BorrowedTensors inputs("nanfast.watch", tensors);
+  for (const at::Tensor& t : inputs.list()) {
+    const NodePtr& node = t.grad_fn();
+    if (!node) {
+      continue;
     }
-    py::gil_scoped_release no_gil;
-    records_->add(inputs.list(), slot, /*grad_check=*/false);
-  }
-
-  // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
-  // node, output) until forget(); a tensor hooked before is retargeted to `slot`. Leaves (no node) are
-  // skipped: their gradients are the parameters'.
-  void hook_grads(py::handle tensors, int64_t slot) {
-    const BorrowedTensors inputs("nanfast.watch", tensors);
-    for (const at::Tensor& t : inputs.list()) {
-      const NodePtr& node = t.grad_fn();
-      if (!node) {
-        continue;
-      }
-      const uint32_t output_nr = t.output_nr();
-      const auto [it, added] = hooked_.try_emplace(Key{node.get(), output_nr});
-      if (!added) {
-        it->second.slot->id = slot;
-        continue;
-      }
-      it->second.node = node;  // keeps the address from being reused by another node until forget()
-      it->second.slot = std::make_shared<GradSlot>(slot, records_->epoch.load());
-      node->add_pre_hook(std::make_unique<GradCheck>(records_, it->second.slot, output_nr));
+    const uint32_t output_nr = t.output_nr();
+    const auto [it, added] = hooked_.try_emplace(Key{node.get(), output_nr});
+    if (!added) {
+      it->second.slot->id = slot;
+      continue;
     }
+    it->second.node = node;  // keeps the address from being reused by another node until forget()
+    it->second.slot = std::make_shared<GradSlot>(slot, records_->epoch.load());
+    node->add_pre_hook(std::make_unique<GradCheck>(records_, it->second.slot, output_nr));
   }
+}
 
-  // torch.ops.nanfast.stats over `tensors` (as nanfast._C.stats_on) in the same call as the deferred
-  // records (see NOTE: [Fused records]): the step's pass and the backward's checks in one.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_with_deferred(py::handle tensors, at::Device device) {
-    const BorrowedTensors inputs("nanfast._C.WatchRecorder.stats_with_deferred", tensors);
-    TORCH_CHECK(!inputs.list().empty(), "nanfast._C.WatchRecorder.stats_with_deferred: tensors is empty");
-    TORCH_CHECK(device == records_->device, "nanfast._C.WatchRecorder.stats_with_deferred: device ", device,
-                " is not the recorder's ", records_->device);
-    py::gil_scoped_release no_gil;
-    return *records_->flush(inputs.list());
-  }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> WatchRecorder::stats_with_deferred(py::handle tensors, at::Device device) {
+  const BorrowedTensors inputs("nanfast._C.WatchRecorder.stats_with_deferred", tensors);
+  TORCH_CHECK(!inputs.list().empty(), "nanfast._C.WatchRecorder.stats_with_deferred: tensors is empty");
+  TORCH_CHECK(device == records_->device, "nanfast._C.WatchRecorder.stats_with_deferred: device ", device,
+              " is not the recorder's ", records_->device);
+  py::gil_scoped_release no_gil;
+  return *records_->flush(inputs.list());
+}
 
-  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes); the
-  // deferred records are checked (see NOTE: [Fused records]).
-  void forget() {
-    hooked_.clear();
+void WatchRecorder::forget() {
+  hooked_.clear();
+  py::gil_scoped_release no_gil;
+  records_->flush();
+}
+
+py::tuple WatchRecorder::take() {
+  std::vector<Entry> entries;
+  {
     py::gil_scoped_release no_gil;
     records_->flush();
   }
-
-  // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
-  // device); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
-  // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
-  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row.
-  py::tuple take() {
-    std::vector<Entry> entries;
-    {
-      py::gil_scoped_release no_gil;
-      records_->flush();
-    }
-    {
-      const std::lock_guard<std::mutex> lock(records_->mutex);
-      entries.swap(records_->entries);
-    }
-    std::vector<std::pair<int64_t, int64_t>> slots;
-    std::vector<std::pair<int64_t, double>> limited;
-    std::vector<at::Tensor> counts;
-    std::vector<at::Tensor> absmax;
-    slots.reserve(entries.size());
-    counts.reserve(entries.size());
-    for (auto& entry : entries) {
-      slots.emplace_back(entry.slot, entry.counts.size(0));
-      counts.push_back(std::move(entry.counts));
-      if (!entry.limits.empty()) {
-        TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
-                              "nanfast.watch: a record's max |x| and its limits differ in length");
-        for (const double limit : entry.limits) {
-          limited.emplace_back(entry.slot, limit);
-        }
-        absmax.push_back(std::move(entry.absmax));
+  {
+    const std::lock_guard<std::mutex> lock(records_->mutex);
+    entries.swap(records_->entries);
+  }
+  std::vector<std::pair<int64_t, int64_t>> slots;
+  std::vector<std::pair<int64_t, double>> limited;
+  std::vector<at::Tensor> counts;
+  std::vector<at::Tensor> absmax;
+  slots.reserve(entries.size());
+  counts.reserve(entries.size());
+  for (auto& entry : entries) {
+    slots.emplace_back(entry.slot, entry.counts.size(0));
+    counts.push_back(std::move(entry.counts));
+    if (!entry.limits.empty()) {
+      TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
+                            "nanfast.watch: a record's max |x| and its limits differ in length");
+      for (const double limit : entry.limits) {
+        limited.emplace_back(entry.slot, limit);
       }
+      absmax.push_back(std::move(entry.absmax));
     }
-    at::Tensor packed;
-    at::Tensor packed_absmax;
-    {
-      py::gil_scoped_release no_gil;
-      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
-                              : at::cat(counts);
-      if (!absmax.empty()) {
-        packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);
-      }
+  }
+  at::Tensor packed;
+  at::Tensor packed_absmax;
+  {
+    py::gil_scoped_release no_gil;
+    packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
+                            : at::cat(counts);
+    if (!absmax.empty()) {
+      packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);
     }
-    return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
   }
+  return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
+}
 
-  // Drops the records; the gradient checks placed so far do nothing from now on.
-  void clear() {
-    std::vector<Deferred> dropped;
-    const std::lock_guard<std::mutex> lock(records_->mutex);
-    records_->entries.clear();
-    dropped.swap(records_->deferred);  // released after the lock (declared before it)
-    records_->deferred_bytes = 0;
-    ++records_->epoch;
+void WatchRecorder::clear() {
+  std::vector<Deferred> dropped;
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  records_->entries.clear();
+  dropped.swap(records_->deferred);  // released after the lock (declared before it)
+  records_->deferred_bytes = 0;
+  ++records_->epoch;
+}
+
+void WatchRecorder::discard(int64_t first_slot) {
+  for (auto& [key, hooked] : hooked_) {
+    hooked.slot->id = kDeadSlot;
   }
-
-  // Drops a forward that raised: the records of slots `first_slot` and later, and the gradient checks
-  // it placed (those since forget()), which do nothing from now on.
-  void discard(int64_t first_slot) {
-    for (auto& [key, hooked] : hooked_) {
-      hooked.slot->id = kDeadSlot;
-    }
-    hooked_.clear();
-    {
-      py::gil_scoped_release no_gil;
-      records_->flush();  // entries are addressed by index: none may be deferred while some are erased
-    }
-    const std::lock_guard<std::mutex> lock(records_->mutex);
-    auto& entries = records_->entries;
-    entries.erase(std::remove_if(entries.begin(), entries.end(),
-                                 [first_slot](const Entry& entry) { return entry.slot >= first_slot; }),
-                  entries.end());
+  hooked_.clear();
+  {
+    py::gil_scoped_release no_gil;
+    records_->flush();  // entries are addressed by index: none may be deferred while some are erased
   }
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  auto& entries = records_->entries;
+  entries.erase(std::remove_if(entries.begin(), entries.end(),
+                               [first_slot](const Entry& entry) { return entry.slot >= first_slot; }),
+                entries.end());
+}
 
-  // True if a backward that checks fired in raised (see NOTE: [A backward that raised]), once; false
-  // while a backward is running (a checkpointed model's forward runs again inside one).
-  bool backward_failed() {
-    if (torch::autograd::get_current_graph_task_id() >= 0) {
-      return false;
-    }
-    const std::lock_guard<std::mutex> lock(records_->mutex);
-    const bool failed = !records_->backwards.empty();
-    records_->backwards.clear();
-    return failed;
+bool WatchRecorder::backward_failed() {
+  if (torch::autograd::get_current_graph_task_id() >= 0) {
+    return false;
   }
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  const bool failed = !records_->backwards.empty();
+  records_->backwards.clear();
+  return failed;
+}
 
-  // Seconds in kernel calls, the part of them in gradient checks, bytes read, fused-op calls made: totals
-  // since the recorder began (zeros unless profiled).
-  std::tuple<double, double, int64_t, int64_t> costs() {
-    const std::lock_guard<std::mutex> lock(records_->mutex);
-    return {std::chrono::duration<double>(records_->kernel_time).count(),
-            std::chrono::duration<double>(records_->check_time).count(), records_->bytes, records_->calls};
-  }
+std::tuple<double, double, int64_t, int64_t> WatchRecorder::costs() {
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  return {std::chrono::duration<double>(records_->kernel_time).count(),
+          std::chrono::duration<double>(records_->check_time).count(), records_->bytes, records_->calls};
+}
 
-  // Hooks still on a graph do nothing from now on.
-  void disable() {
-    records_->enabled = false;
-    forget();
-    clear();
-  }
-
- private:
-  using Key = std::pair<const Node*, uint32_t>;
-  struct KeyHash {
-    size_t operator()(const Key& key) const {
-      return std::hash<const Node*>()(key.first) ^ (static_cast<size_t>(key.second) * 0x9e3779b97f4a7c15ULL);
-    }
-  };
-  struct Hooked {
-    NodePtr node;
-    std::shared_ptr<GradSlot> slot;
-  };
-
-  const std::shared_ptr<Records> records_;
-  std::unordered_map<Key, Hooked, KeyHash> hooked_;
-};
-
-}  // namespace
+void WatchRecorder::disable() {
+  records_->enabled = false;
+  forget();
+  clear();
+}
 
 void bind_watch_recorder(py::module_& m) {
   py::class_<WatchRecorder>(m, "WatchRecorder",

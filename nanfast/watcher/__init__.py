@@ -109,7 +109,8 @@ class Watch(Hooks, Actions, Readings):
         self.last_rollback: Optional[tuple[int, int]] = None  # (the step that rolled back, the step put back)
         self.step_count = 0  # steps ended so far (the number of the current step)
 
-        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        # The pass's parameters with their names and gradients (see NOTE: [The pass's parameters in C++]).
+        self._params = _C.ParamGrads({id(p): name for name, p in model.named_parameters()})
         # FSDP2 / tensor parallel: the fused pass reads the local shards (the op has no DTensor rule).
         self._sharded = distributed.has_dtensor(list(model.parameters()))
         first = next(model.parameters(), None)
@@ -122,8 +123,7 @@ class Watch(Hooks, Actions, Readings):
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
         self._pass_op = self._recorder.stats_with_deferred if fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
-        self._hooks = _C.ModuleHooks(self._recorder.record, self._recorder.hook_grads, walked_floating_tensors,
-                                     recomputation, self._check_grads)
+        self._hooks = _C.ModuleHooks(self._recorder, walked_floating_tensors, recomputation, self._check_grads)
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}
@@ -291,16 +291,16 @@ class Watch(Hooks, Actions, Readings):
         """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
         they add information] decides for this step."""
         if self.optimizer is not None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            gathered = self._params.gather(self.optimizer.param_groups, groups=True)
         else:
-            params = list(self.model.parameters())
+            gathered = self._params.gather(list(self.model.parameters()), groups=False)
         if read_params is None:
             read_params = reads_params(
                 self.step_count // self.every, self._params_every, eager=self.sync == "eager",
                 forward_checked=self._step.output_checked,
                 snapshot_due=self._rollback is not None and self._rollback.due(self.step_count))
             self._step.params_unread = self._check_params and not read_params
-        return run_fused_pass(params, self._param_names, self._sharded, self._device, self._profile,
+        return run_fused_pass(gathered, self._sharded, self._device, self._profile,
                               headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
 
     def __repr__(self) -> str:

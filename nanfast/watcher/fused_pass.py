@@ -21,9 +21,9 @@ _stats_on = _C.stats_on
 class Pass(NamedTuple):
     """The pass's results: counts, norms and max |x| of the parameters, then of the gradients."""
 
-    param_names: list
-    grad_names: list
-    grads: list
+    param_names: tuple
+    grad_names: tuple
+    grads: list  # the stored values of the gradients that are set
     counts: torch.Tensor  # int64 [params + grads, 3]
     norm: torch.Tensor
     absmax: torch.Tensor
@@ -31,25 +31,16 @@ class Pass(NamedTuple):
     limits: list  # per row, the dtype's largest finite value for headroom (0: not watched); [] if not asked
 
 
-def entries(grad: torch.Tensor) -> torch.Tensor:
-    """The stored values of a sparse gradient (nn.Embedding(sparse=True)), which scaling them in place
-    scales; a strided one as it is. Duplicates of a COO gradient stay uncoalesced (coalescing syncs
-    the host on CUDA): every non-finite entry is counted, and the norm is that of the entries."""
-    if grad.layout == torch.sparse_coo:
-        return grad._values()
-    if grad.layout != torch.strided:
-        return grad.values()  # CSR, CSC, BSR, BSC
-    return grad
-
-
-def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, device: torch.device,
-        profile: Optional[Profile] = None, headroom: bool = False, read_params: bool = True,
-        op: Callable = _stats_on) -> Optional[Pass]:
-    """One fused call over `params` and their gradients; None without parameters.
+def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[Profile] = None,
+        headroom: bool = False, read_params: bool = True, op: Callable = _stats_on) -> Optional[Pass]:
+    """One fused call over the parameters and their gradients; None without parameters.
 
     Args:
-        params: the parameters, in the optimizer's order (or the model's).
-        param_names: id(parameter) -> its name in the model; the others are named "param[i]".
+        gathered: ``_C.ParamGrads.gather``'s (parameters in the optimizer's order (or the model's),
+            their names, the stored values of the gradients that are set (a sparse gradient's values:
+            scaling them in place scales it; duplicates of a COO gradient stay uncoalesced, since
+            coalescing syncs the host on CUDA, so every non-finite entry is counted), those gradients'
+            parameter names).
         sharded: the parameters are DTensors: their local shards are read.
         device: where the results land.
         profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch]).
@@ -63,23 +54,20 @@ def run(params: list[torch.Tensor], param_names: dict[int, str], sharded: bool, 
     # step left it: an optimizer can make NaN out of finite grads; the check of step N's update is
     # read at step N+1, before anything else of that step) and every gradient. The same pass gives
     # w.stats() and w.clip_grad_norm_ their norms.
-    names = [param_names.get(id(p)) or f"param[{i}]" for i, p in enumerate(params)]
-    with_grad = [(n, p.grad) for n, p in zip(names, params) if p.grad is not None]
-    grads = [g for _, g in with_grad]
+    params, names, grads, grad_names = gathered
     if not params:
         return None
     if not read_params:
         if not grads:
             return None
-        params, names = [], []
+        params, names = [], ()
     if sharded:
         params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
-    grads = [entries(g) for g in grads]
     with torch.no_grad():
         stats_on = op if profile is None else profile.counted_pass(op)
         counts, norm, absmax = stats_on(params + grads, device)
     limits = limits_of(params + grads) if headroom else []
-    return Pass(names, [n for n, _ in with_grad], grads, counts, norm, absmax, len(params), limits)
+    return Pass(names, grad_names, grads, counts, norm, absmax, len(params), limits)
 
 
 def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool, snapshot_due: bool) -> bool:

@@ -108,7 +108,7 @@ class ModuleGroups:
     def module_class(self, name: str) -> str:
         return self._classes.get(name, "")
 
-    def index(self, grad_names: list[str], device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
+    def index(self, grad_names: tuple[str, ...], device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
         """Which module each gradient belongs to (made once per set of names).
 
         Args:
@@ -119,8 +119,8 @@ class ModuleGroups:
         Returns:
             The modules' names, in order of first appearance, and each gradient's module number (int64
             [len(grad_names)] on `device`)."""
-        key = tuple(grad_names)
-        if key != self._key or self._index is None or self._index.device != device:
+        key = tuple(grad_names)  # the pass hands out the same tuple while its names stay the same
+        if (key is not self._key and key != self._key) or self._index is None or self._index.device != device:
             owners = [name.rpartition(".")[0] if name in self._params else name for name in key]
             order = {name: i for i, name in enumerate(dict.fromkeys(owners))}
             self._key, self._names = key, tuple(order)

@@ -1,0 +1,84 @@
+#pragma once
+// nanfast._C.WatchRecorder: where nanfast.watch's hooks leave the counts of a step (see NOTE: [The
+// watch's recorder] in watch_records.h). Declared here so that the module hooks (module_hooks.cpp)
+// call it directly, without a round trip through Python.
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+
+#include <torch/csrc/autograd/function.h>
+
+#include "bindings.h"
+#include "watch_records.h"
+
+namespace nanfast::python {
+
+struct GradSlot;
+
+class NANFAST_HIDDEN WatchRecorder {
+ public:
+  WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes)
+      : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
+
+  // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`.
+  void record(py::handle tensors, int64_t slot);
+
+  // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
+  // node, output) until forget(); a tensor hooked before is retargeted to `slot`. Leaves (no node) are
+  // skipped: their gradients are the parameters'.
+  void hook_grads(py::handle tensors, int64_t slot);
+
+  // torch.ops.nanfast.stats over `tensors` (as nanfast._C.stats_on) in the same call as the deferred
+  // records (see NOTE: [Fused records]): the step's pass and the backward's checks in one.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_with_deferred(py::handle tensors, at::Device device);
+
+  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes); the
+  // deferred records are checked (see NOTE: [Fused records]).
+  void forget();
+
+  // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
+  // device); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
+  // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
+  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row.
+  py::tuple take();
+
+  // Drops the records; the gradient checks placed so far do nothing from now on.
+  void clear();
+
+  // Drops a forward that raised: the records of slots `first_slot` and later, and the gradient checks
+  // it placed (those since forget()), which do nothing from now on.
+  void discard(int64_t first_slot);
+
+  // True if a backward that checks fired in raised (see NOTE: [A backward that raised]), once; false
+  // while a backward is running (a checkpointed model's forward runs again inside one).
+  bool backward_failed();
+
+  // Seconds in kernel calls, the part of them in gradient checks, bytes read, fused-op calls made: totals
+  // since the recorder began (zeros unless profiled).
+  std::tuple<double, double, int64_t, int64_t> costs();
+
+  // Hooks still on a graph do nothing from now on.
+  void disable();
+
+ private:
+  // A shared_ptr before torch 2.14, an intrusive_ptr since.
+  using NodePtr = std::decay_t<decltype(std::declval<at::Tensor>().grad_fn())>;
+  using Key = std::pair<const torch::autograd::Node*, uint32_t>;
+  struct KeyHash {
+    size_t operator()(const Key& key) const {
+      return std::hash<const torch::autograd::Node*>()(key.first) ^
+             (static_cast<size_t>(key.second) * 0x9e3779b97f4a7c15ULL);
+    }
+  };
+  struct Hooked {
+    NodePtr node;
+    std::shared_ptr<GradSlot> slot;
+  };
+
+  const std::shared_ptr<Records> records_;
+  std::unordered_map<Key, Hooked, KeyHash> hooked_;
+};
+
+}  // namespace nanfast::python

@@ -1,0 +1,72 @@
+"""_C.ParamGrads: the watch's step-end pass lists the optimizer's parameters, their names and gradients
+in C++ (NOTE: [The pass's parameters in C++]); the same lists as the Python it replaced, and the name
+tuples handed out again only while nothing they describe changed."""
+
+import pytest
+import torch
+
+import nanfast
+from nanfast import _C
+
+
+def python_gather(params, names):
+    """What the watch's Python did before: the reference."""
+    named = tuple(names.get(id(p)) or f"param[{i}]" for i, p in enumerate(params))
+    with_grad = [(n, p.grad) for n, p in zip(named, params) if p.grad is not None]
+    grads = [g._values() if g.layout == torch.sparse_coo else g if g.layout == torch.strided else g.values()
+             for _, g in with_grad]
+    return params, named, grads, tuple(n for n, _ in with_grad)
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 3))
+    extra = torch.nn.Parameter(torch.randn(2))  # not in the model: named param[i]
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [extra]}], lr=0.1)
+    return model, opt, extra
+
+
+def test_gather_matches_the_python_lists_and_keeps_its_tuples_while_nothing_changes():
+    model, opt, extra = model_and_optimizer()
+    names = {id(p): name for name, p in model.named_parameters()}
+    pg = _C.ParamGrads(names)
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    first = pg.gather(opt.param_groups, groups=True)
+    assert first[0] == params and first[1] == ("0.weight", "1.weight", "1.bias", "param[3]") and first[2:] == ([], ())
+
+    model(torch.tensor([[1, 2, 3]])).sum().backward()  # a sparse gradient for the embedding; none for extra
+    got = pg.gather(opt.param_groups, groups=True)
+    want = python_gather(params, names)
+    assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3] == ("0.weight", "1.weight", "1.bias")
+    assert len(got[2]) == 3 and got[2][1] is model[1].weight.grad and got[2][2] is model[1].bias.grad
+    # The sparse gradient's values (a new view at each call), not the sparse tensor.
+    assert got[2][0].layout == torch.strided and torch.equal(got[2][0], want[2][0])
+    assert got[2][0].data_ptr() == model[0].weight.grad._values().data_ptr()
+    assert got[1] is first[1]  # same parameters: the same names tuple
+
+    again = pg.gather(opt.param_groups, groups=True)
+    assert again[1] is got[1] and again[3] is got[3]  # nothing changed: the same objects
+
+    extra.grad = torch.ones(2)
+    now = pg.gather(opt.param_groups, groups=True)
+    assert now[3] == ("0.weight", "1.weight", "1.bias", "param[3]") and now[3] is not got[3]
+    assert now[2][-1] is extra.grad
+
+    opt.param_groups[1]["params"][0] = other = torch.nn.Parameter(torch.zeros(2))  # replaced in place
+    replaced = pg.gather(opt.param_groups, groups=True)
+    assert replaced[0][-1] is other and replaced[1] is not now[1] and replaced[3] == ("0.weight", "1.weight", "1.bias")
+
+    plain = pg.gather(list(model.parameters()), groups=False)
+    assert plain[1] == ("0.weight", "1.weight", "1.bias")
+
+
+def test_a_watch_names_a_gradient_outside_the_model_by_position():
+    model, opt, extra = model_and_optimizer()
+    opt.zero_grad()
+    with nanfast.watch(model, opt, action="warn") as w:
+        model(torch.tensor([[1, 2]])).sum().backward()
+        extra.grad = torch.tensor([float("nan"), 0.0])
+        with pytest.warns(RuntimeWarning, match=r"param\[3\]"):
+            opt.step()
+    assert [(p.phase, p.name) for p in w.last.places] == [("grad", "param[3]")]
