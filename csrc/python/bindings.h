@@ -50,6 +50,9 @@ const StatsOp& stats_op();
 // order, results on `device`. Needs at least one tensor.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, at::Device device);
 
+// Defines nanfast._C.BufferSlots (csrc/python/buffer_slots.cpp).
+void bind_buffer_slots(py::module_& m);
+
 // Defines nanfast._C.ParamGrads (csrc/python/param_grads.cpp).
 void bind_param_grads(py::module_& m);
 

@@ -160,6 +160,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
         py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
+  bind_buffer_slots(m);
   bind_param_grads(m);
   bind_watch_recorder(m);
   bind_module_hooks(m);

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from .. import _C
+
 
 class Twins:
     """Copies of a fixed list of tensors, packed in one flat tensor per (device, dtype) of the originals:
@@ -66,10 +68,6 @@ def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
             and _copyable(a) and _copyable(b))
 
 
-def _tracked(t: Optional[torch.Tensor]) -> bool:
-    return t is not None and not t.is_inference()  # inference tensors have no version counter
-
-
 def _copyable(t: Optional[torch.Tensor]) -> bool:
     """A plain dense tensor (a DTensor or other subclass would need its own twin: left out, so a change
     to it shows as `missed`)."""
@@ -90,10 +88,12 @@ class BufferUndo:
         self._slots: list[tuple[torch.nn.Module, str, str]] = [
             (module, name, f"{prefix}.{name}" if prefix else name)
             for prefix, module in model.named_modules() for name in module._buffers]
+        # The walks over them at each step's start and end, in C++ (see NOTE: [Buffers read in one loop]).
+        self._buffers = _C.BufferSlots([module._buffers for module, _, _ in self._slots],
+                                       [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
         self._tensors: list[Optional[torch.Tensor]] = []  # each slot's tensor at the step start
-        self._versions: list[int] = []  # and its version counter (-1: not tracked)
-        self._tracked: list[bool] = []
+        self._versions: list[int] = []  # and its version counter (-1: None or an inference tensor: not tracked)
         self._saved: list[int] = []  # the slots copied into the twins
         self._twins: Optional[Twins] = None
         self._replan = True  # the set of copied slots changed since the twins were made
@@ -109,11 +109,10 @@ class BufferUndo:
         sync) and copies the floating-point ones and those seen changing."""
         if not self._slots:
             return
-        tensors = [module._buffers.get(name) for module, name, _ in self._slots]
+        tensors, versions = self._buffers.state()
         if self._replan or not all(map(operator.is_, tensors, self._tensors)):
             self._plan(tensors)
-        self._tensors = tensors
-        self._versions = [t._version if tracked else -1 for t, tracked in zip(tensors, self._tracked)]
+        self._tensors, self._versions = tensors, versions
         if self._twins is not None:
             self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
@@ -122,7 +121,6 @@ class BufferUndo:
     def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
         """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
         self._replan = False
-        self._tracked = [_tracked(t) for t in tensors]
         copied = self._copied
         self._saved = [i for i, t in enumerate(tensors) if _copyable(t) and (
             copied is None or i in copied or t.is_floating_point() or t.is_complex())]
@@ -141,12 +139,7 @@ class BufferUndo:
         if not self._open:
             return
         self._open = False
-        in_place, reassigned = [], []
-        for i, ((module, name, _), t, version) in enumerate(zip(self._slots, self._tensors, self._versions)):
-            if module._buffers.get(name) is not t:
-                reassigned.append(i)
-            elif version >= 0 and t._version != version:
-                in_place.append(i)
+        reassigned, in_place = self._buffers.changed(self._tensors, self._versions)
         saved = set(self._saved)
         self.missed = [self._slots[i][2] for i in in_place if i not in saved]
         self.host_only = any(not _same_kind(self._tensors[i], self._slots[i][0]._buffers.get(self._slots[i][1]))
