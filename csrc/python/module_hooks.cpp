@@ -159,11 +159,21 @@ class ModuleHooks {
     return static_cast<int64_t>(slots.size()) - 1;
   }
 
-  // The forward returned: no output of it is "the last checked" for the next one.
-  void forget_last() {
-    last_output_.reset();
-    last_version_ = -1;
-    last_recorded_ = false;
+  // The forward returned (or was dropped): no output of it is "the last checked" for the next one, and
+  // the recorder forgets its gradient hooks (see WatchRecorder::forget).
+  void forget() {
+    forget_last();
+    recorder_.forget();
+  }
+
+  // A new step: the recorder's records dropped, the forward forgotten, the step's slot list and whether
+  // it is checked. One call where there were five: each call into C++ at a step's boundary pays cold
+  // caches (NOTE: [Module hooks in C++]).
+  void new_step(py::list step_slots, bool checked) {
+    recorder_.clear();
+    forget();
+    slots = std::move(step_slots);
+    active = checked;
   }
 
   bool active = false;     // this step is checked and the hooks are on
@@ -175,6 +185,12 @@ class ModuleHooks {
   enum class Recomputed { kNo, kReentrant, kUnpack };
   static constexpr const char* kForward = "forward";
   static constexpr const char* kBackward = "backward";
+
+  void forget_last() {
+    last_output_.reset();
+    last_version_ = -1;
+    last_recorded_ = false;
+  }
 
   Recomputed recomputation() const {
     if (!torch::autograd::get_current_node()) {
@@ -242,7 +258,8 @@ void bind_module_hooks(py::module_& m) {
       .def("hook_grads", &ModuleHooks::hook_grads, py::arg("obj"), py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"))
       .def("slot", &ModuleHooks::slot, py::arg("phase"), py::arg("site"), py::arg("call"))
-      .def("forget_last", &ModuleHooks::forget_last)
+      .def("forget", &ModuleHooks::forget)
+      .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("checked"))
       .def_readwrite("active", &ModuleHooks::active)
       .def_readwrite("forward_id", &ModuleHooks::forward_id)
       .def_readwrite("microbatch", &ModuleHooks::microbatch)

@@ -185,11 +185,10 @@ class Watch(Hooks, Actions, Readings):
         """A new step: its records cleared, a new Step."""
         if self._undo is not None:
             self._undo.close()
-        self._active = self._installed and self.step_count % self.every == 0
-        self._recorder.clear()
-        self._forget_last()
         self._step = Step()
-        self._hooks.slots = self._step.slots
+        # The records dropped, the forward forgotten (see NOTE: [Checking each tensor once]), the new
+        # slot list and whether this step is checked, in one call.
+        self._hooks.new_step(self._step.slots, self._installed and self.step_count % self.every == 0)
         self._steps.reset()
 
     def step(self) -> None:

@@ -101,8 +101,7 @@ class Hooks:
         # modules (a container and its first child, a block's main path and its downsample) is hooked
         # once, for the module that took it last. Both are dropped when the forward returns: no
         # activation outlives its use.
-        self._hooks.forget_last()
-        self._recorder.forget()
+        self._hooks.forget()
 
     def _record(self, phase: str, site: Any, call: int, tensors: list) -> None:
         self._recorder.record(tensors, self._hooks.slot(phase, site, call))
