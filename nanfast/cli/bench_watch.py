@@ -1,10 +1,11 @@
 """Cost of an always-on `nanfast.watch` on a training step, side by side in one process with no checks,
-hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, and, for a loop that clips its
-gradients, the watch's `w.clip_grad_norm_` against torch's `clip_grad_norm_` without checks, on the
-workloads of watch_workloads.py (an MLP, two transformers, ResNet-18 at two input sizes). Each method
-trains its own copy of the model and stays installed, as a watch left on does; their steps are
-interleaved across repeats; medians are reported. Per watched step, the suite also reports what the
-watch itself spends: host time, kernel time, fused-op calls (the launches a GPU step would pay) and bytes read."""
+hand-written per-module `torch.any(isnan + isinf)` hooks and `torch.autograd.detect_anomaly()`, and,
+for a loop that clips its gradients, the watch's `w.clip_grad_norm_` against torch's `clip_grad_norm_`
+without checks, on the workloads of watch_workloads.py (an MLP, two transformers, ResNet-18 at two
+input sizes). Each method trains its own copy of the model and stays installed, as a watch left on
+does; their steps are interleaved across repeats; medians are reported. Per watched step, the suite
+also reports what the watch itself spends: host time, kernel time, fused-op calls (the launches a GPU
+step would pay) and bytes read."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ from ..watcher import watch
 # make_workloads is also benchmarks/watch_versions.py's entry point, by the name _workloads.
 from .watch_workloads import KEYS as WORKLOAD_KEYS, Batch, make_workloads as _workloads
 
-METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly",
-           "torch clip_grad_norm_", "nanfast.watch + w.clip_grad_norm_")
+TORCH_CLIP = "torch clip_grad_norm_"
+WATCH_CLIP = "nanfast.watch + w.clip_grad_norm_"
+METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly", TORCH_CLIP, WATCH_CLIP)
 # What each method's overhead is taken against (the others: "none"). A loop that clips its gradients
 # reads them for the norm anyway: with Watch.clip_grad_norm_ the watch's pass is that read.
-BASELINES = {"nanfast.watch + w.clip_grad_norm_": "torch clip_grad_norm_"}
+BASELINES = {WATCH_CLIP: TORCH_CLIP}
 MAX_NORM = 1.0
 
 
@@ -50,7 +52,7 @@ def isnan_hooks(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
-    if name in ("nanfast.watch", "nanfast.watch + w.clip_grad_norm_"):
+    if name in ("nanfast.watch", WATCH_CLIP):
         return watch(model, optimizer)
     if name == "nanfast.watch(fuse=True)":  # the mode for GPUs (see NOTE: [Fused records])
         return watch(model, optimizer, fuse=True)
@@ -63,9 +65,9 @@ def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 
 def _clip(name: str, model: torch.nn.Module, installed: Any) -> Optional[Callable[[], object]]:
     """What a method runs between backward and optimizer.step(): a gradient clipping, or nothing."""
-    if name == "torch clip_grad_norm_":
+    if name == TORCH_CLIP:
         return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    if name == "nanfast.watch + w.clip_grad_norm_":
+    if name == WATCH_CLIP:
         return lambda: installed.clip_grad_norm_(MAX_NORM)
     return None
 
@@ -206,7 +208,7 @@ def _per_step_table(rows: list[dict], inside: list[dict]) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in inside:
         side, none, clipped = (next(r for r in rows if r["workload"] == row["workload"] and r["method"] == method)
-                               for method in ("nanfast.watch", "none", "nanfast.watch + w.clip_grad_norm_"))
+                               for method in ("nanfast.watch", "none", WATCH_CLIP))
         low, high = side["overhead_pct_ci95"]
         clip_low, clip_high = clipped["overhead_pct_ci95"]
         lines.append(f"| {row['workload']} | {none['median_ms']:.1f} | {side['overhead_pct']:+.1f}% | "
@@ -223,9 +225,10 @@ def run_suite(device: str = "cpu", repeats: int = 40, only: Sequence[str] = ()) 
 
     Each method trains its own copy of the model with its hooks left on (see NOTE: [Measuring a watch
     left on]); each repeat times one step of every method, back to back, rotating the order from repeat
-    to repeat. The overhead is the median over repeats of the ratio to no checks within the same repeat
-    (with a 95% interval for that median): on a shared machine, load that comes and goes then cancels
-    out instead of landing on whichever method ran during it.
+    to repeat. The overhead is the median over repeats of the ratio to the method's baseline (BASELINES:
+    no checks, or torch's clipping for the watch that clips) within the same repeat (with a 95% interval
+    for that median): on a shared machine, load that comes and goes then cancels out instead of landing
+    on whichever method ran during it.
 
     Args:
         device: "cpu" or a CUDA device.
