@@ -14,7 +14,7 @@ def test_state_and_changes_of_a_models_buffers():
     bn.register_buffer("frozen", frozen)
     bn.register_buffer("absent", None)
     slots = [(m, name) for m in model.modules() for name in m._buffers]
-    walk = _C.BufferSlots([m._buffers for m, _ in slots], [name for _, name in slots])
+    walk = _C.BufferSlots([m for m, _ in slots], [name for _, name in slots])
     names = [name for _, name in slots]
 
     tensors, versions = walk.state()
@@ -30,3 +30,8 @@ def test_state_and_changes_of_a_models_buffers():
     reassigned, in_place = walk.changed(tensors, versions)
     assert sorted(names[i] for i in reassigned) == ["frozen", "num_batches_tracked"]
     assert [names[i] for i in in_place] == ["running_var"]
+
+    # A module whose buffer dict is replaced whole is read through its new dict.
+    bn._buffers = dict(bn._buffers, running_mean=torch.zeros(3))
+    reassigned, _ = walk.changed(tensors, versions)
+    assert "running_mean" in [names[i] for i in reassigned]

@@ -1,4 +1,4 @@
-// nanfast._C.BufferSlots: a model's buffers, by (module._buffers, name), read in one loop.
+// nanfast._C.BufferSlots: a model's buffers, by (module, name), read in one loop.
 #include <utility>
 #include <vector>
 
@@ -16,10 +16,11 @@ namespace {
 // step at the step's boundaries, where every line pays cold caches. The walks are these loops.
 class BufferSlots {
  public:
-  // buffers[i]: the `_buffers` dict of the module holding slot i; names[i]: the buffer's name in it.
-  BufferSlots(std::vector<py::dict> buffers, std::vector<py::str> names)
-      : buffers_(std::move(buffers)), names_(std::move(names)) {
-    TORCH_CHECK(buffers_.size() == names_.size(), "nanfast._C.BufferSlots: ", buffers_.size(), " dicts for ",
+  // modules[i]: the module holding slot i; names[i]: the buffer's name in its `_buffers` (looked up anew
+  // at each walk, as the Python it replaces did).
+  BufferSlots(std::vector<py::object> modules, std::vector<py::str> names)
+      : modules_(std::move(modules)), names_(std::move(names)) {
+    TORCH_CHECK(modules_.size() == names_.size(), "nanfast._C.BufferSlots: ", modules_.size(), " modules for ",
                 names_.size(), " names");
   }
 
@@ -28,8 +29,8 @@ class BufferSlots {
   std::pair<py::list, std::vector<int64_t>> state() const {
     py::list objects;
     std::vector<int64_t> versions;
-    versions.reserve(buffers_.size());
-    for (size_t i = 0; i < buffers_.size(); ++i) {
+    versions.reserve(modules_.size());
+    for (size_t i = 0; i < modules_.size(); ++i) {
       const py::handle now = lookup(i);
       objects.append(now);
       versions.push_back(version(now));
@@ -41,11 +42,11 @@ class BufferSlots {
   // object (re-assigned, or removed), and those changed in place since (same tensor, another version).
   std::pair<std::vector<int64_t>, std::vector<int64_t>> changed(const py::list& objects,
                                                                  const std::vector<int64_t>& versions) const {
-    TORCH_CHECK(objects.size() == buffers_.size() && versions.size() == buffers_.size(),
-                "nanfast._C.BufferSlots.changed: a state of ", objects.size(), " slots for ", buffers_.size());
+    TORCH_CHECK(objects.size() == modules_.size() && versions.size() == modules_.size(),
+                "nanfast._C.BufferSlots.changed: a state of ", objects.size(), " slots for ", modules_.size());
     std::vector<int64_t> reassigned;
     std::vector<int64_t> in_place;
-    for (size_t i = 0; i < buffers_.size(); ++i) {
+    for (size_t i = 0; i < modules_.size(); ++i) {
       const py::handle now = lookup(i);
       if (now.ptr() != objects[i].ptr()) {
         reassigned.push_back(static_cast<int64_t>(i));
@@ -57,8 +58,11 @@ class BufferSlots {
   }
 
  private:
+  // modules[i]._buffers.get(names[i]): borrowed, valid while the dict holds it (the walk keeps no
+  // reference past its loop but in the list it returns).
   py::handle lookup(size_t i) const {
-    PyObject* found = PyDict_GetItemWithError(buffers_[i].ptr(), names_[i].ptr());  // borrowed
+    const py::object buffers = modules_[i].attr("_buffers");
+    PyObject* found = PyDict_GetItemWithError(buffers.ptr(), names_[i].ptr());
     if (found == nullptr && PyErr_Occurred()) {
       throw py::error_already_set();
     }
@@ -73,7 +77,7 @@ class BufferSlots {
     return t.is_inference() ? -1 : static_cast<int64_t>(t._version());
   }
 
-  const std::vector<py::dict> buffers_;
+  const std::vector<py::object> modules_;
   const std::vector<py::str> names_;
 };
 
@@ -81,9 +85,9 @@ class BufferSlots {
 
 void bind_buffer_slots(py::module_& m) {
   py::class_<BufferSlots>(m, "BufferSlots",
-                          "A model's buffers by (module._buffers, name), read in one loop (see NOTE: [Buffers read in "
-                          "one loop]).")
-      .def(py::init<std::vector<py::dict>, std::vector<py::str>>(), py::arg("buffers"), py::arg("names"))
+                          "A model's buffers by (module, name), read in one loop (see NOTE: [Buffers read in one "
+                          "loop]).")
+      .def(py::init<std::vector<py::object>, std::vector<py::str>>(), py::arg("modules"), py::arg("names"))
       .def("state", &BufferSlots::state)
       .def("changed", &BufferSlots::changed, py::arg("objects"), py::arg("versions"));
 }

@@ -89,8 +89,7 @@ class BufferUndo:
             (module, name, f"{prefix}.{name}" if prefix else name)
             for prefix, module in model.named_modules() for name in module._buffers]
         # The walks over them at each step's start and end, in C++ (see NOTE: [Buffers read in one loop]).
-        self._buffers = _C.BufferSlots([module._buffers for module, _, _ in self._slots],
-                                       [name for _, name, _ in self._slots])
+        self._buffers = _C.BufferSlots([module for module, _, _ in self._slots], [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
         self._tensors: list[Optional[torch.Tensor]] = []  # each slot's tensor at the step start
         self._versions: list[int] = []  # and its version counter (-1: None or an inference tensor: not tracked)
