@@ -60,6 +60,9 @@ def test_gather_matches_the_python_lists_and_keeps_its_tuples_while_nothing_chan
     plain = pg.gather(list(model.parameters()), groups=False)
     assert plain[1] == ("0.weight", "1.weight", "1.bias")
 
+    with pytest.raises(RuntimeError, match=r"parameter 1 of the optimizer's param_groups is a str, not a torch.Tensor"):
+        pg.gather([{"params": [extra, "w"]}], groups=True)
+
 
 def test_a_watch_names_a_gradient_outside_the_model_by_position():
     model, opt, extra = model_and_optimizer()

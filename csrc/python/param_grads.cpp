@@ -25,7 +25,9 @@ class ParamGrads {
 
   // The parameters of `source` (optimizer.param_groups, a list of dicts with "params", when `groups`;
   // else a list of parameters) as (parameters, their names, the stored values of the gradients that
-  // are set (a sparse gradient's values, see fused_pass.entries), those gradients' parameter names).
+  // are set, those gradients' parameter names). A sparse gradient gives its stored values, which
+  // scaling in place scales (Watch.clip_grad_norm_); a COO one stays uncoalesced (coalescing syncs the
+  // host on CUDA), so every non-finite entry is counted.
   py::tuple gather(py::handle source, bool groups) {
     py::list params;
     if (groups) {
@@ -50,7 +52,8 @@ class ParamGrads {
     py::list grads;
     std::vector<bool> with_grad(n, false);
     for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(THPVariable_Check(params[i].ptr()), "nanfast.watch: parameter ", i, " of the optimizer is a ",
+      TORCH_CHECK(THPVariable_Check(params[i].ptr()), "nanfast.watch: parameter ", i, " of ",
+                  groups ? "the optimizer's param_groups" : "the model", " is a ",
                   Py_TYPE(params[i].ptr())->tp_name, ", not a torch.Tensor");
       const at::Tensor& grad = THPVariable_Unpack(params[i].ptr()).grad();
       if (!grad.defined()) {

@@ -37,10 +37,8 @@ def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[
 
     Args:
         gathered: ``_C.ParamGrads.gather``'s (parameters in the optimizer's order (or the model's),
-            their names, the stored values of the gradients that are set (a sparse gradient's values:
-            scaling them in place scales it; duplicates of a COO gradient stay uncoalesced, since
-            coalescing syncs the host on CUDA, so every non-finite entry is counted), those gradients'
-            parameter names).
+            their names, the stored values of the gradients that are set (a sparse one's values, as
+            that binding says), those gradients' parameter names).
         sharded: the parameters are DTensors: their local shards are read.
         device: where the results land.
         profile: a profiled watch's totals, which the pass adds to (see NOTE: [Profiling the watch]).
