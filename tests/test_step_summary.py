@@ -161,3 +161,32 @@ def test_bad_inputs_are_named(change, message):
     args.update(change)
     with pytest.raises(RuntimeError, match=f"nanfast.step_summary: {message}"):
         OP(*args.values())
+
+
+# --- the eager read of a summary (NOTE: [One read per step]) --------------------------------------
+
+
+@pytest.mark.parametrize("flag", [0.0, 3.0])
+def test_read_summary_gives_every_value_with_exactly_one_host_sync(flag):
+    summary = torch.randn(40, dtype=torch.float64)
+    summary[0] = flag
+    summary[6], summary[8] = math.nan, -math.inf  # rows 3 and 4 of the view below
+    summary = summary[::2]  # a strided view: the values are read where they are
+    with OpRecorder() as ops:
+        bad, values = nanfast._C.read_summary(summary)
+    assert bad is (flag > 0)
+    assert ops.host_syncs == 1  # the flag's item(): the read a test of the watch counts per step
+    expected = summary.tolist()
+    assert len(values) == len(expected) == 20 and all(type(v) is float for v in values)
+    assert all(v == e or (math.isnan(v) and math.isnan(e)) for v, e in zip(values, expected))
+    assert math.isnan(values[3]) and values[4] == -math.inf and values[0] == flag
+
+
+@pytest.mark.parametrize("summary,message", [
+    (torch.zeros(3), "Float of shape \\[3\\]"),
+    (torch.zeros(0, dtype=torch.float64), "Double of shape \\[0\\]"),
+    (torch.zeros(2, 2, dtype=torch.float64), "Double of shape \\[2, 2\\]"),
+])
+def test_read_summary_names_a_bad_summary(summary, message):
+    with pytest.raises(RuntimeError, match="nanfast._C.read_summary: summary must be a non-empty 1-d float64 tensor, got " + message):
+        nanfast._C.read_summary(summary)

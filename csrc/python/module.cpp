@@ -142,6 +142,32 @@ at::Tensor call_step_summary(const at::Tensor& recorded, const OptTensor& counts
                  loss_calls, scale, groups, n_groups);
 }
 
+// The eager read of a step's summary (see NOTE: [One read per step]): the one host sync is the flag's
+// item(); on CUDA the whole summary is first copied to pinned memory without blocking, which stream
+// order finishes before that item() returns. One entry instead of the five Python-side calls it
+// replaces, since each costs a cold path right after the model's kernels.
+std::tuple<bool, py::list> read_summary(const at::Tensor& summary) {
+  TORCH_CHECK(summary.dim() == 1 && summary.numel() > 0 && summary.scalar_type() == at::kDouble,
+              "nanfast._C.read_summary: summary must be a non-empty 1-d float64 tensor, got ", summary.scalar_type(),
+              " of shape ", summary.sizes());
+  at::Tensor host;
+  double flag = 0;
+  {
+    py::gil_scoped_release no_gil;
+    host = summary.is_cpu() ? summary.contiguous()
+                            : at::empty(summary.sizes(), summary.options().device(at::kCPU).pinned_memory(true))
+                                  .copy_(summary, /*non_blocking=*/true);
+    flag = summary.select(0, 0).item<double>();
+  }
+  const double* values = host.const_data_ptr<double>();
+  const int64_t n = host.numel();
+  py::list out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = py::float_(values[i]);
+  }
+  return {flag > 0, std::move(out)};
+}
+
 }  // namespace
 
 }  // namespace nanfast::python
@@ -160,6 +186,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
         py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
+  m.def("read_summary", &read_summary,
+        "A step's summary on the host: (flag > 0, its values); the flag's item() is the one host sync.",
+        py::arg("summary"));
   bind_buffer_slots(m);
   bind_param_grads(m);
   bind_watch_recorder(m);

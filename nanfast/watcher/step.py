@@ -195,12 +195,10 @@ def verdict(read: Read) -> tuple[bool, list[float], list]:
     # NOTE: [One read per step]
     # The one host sync of a checked step: the summary (a few dozen numbers: flag, counts, norms, the
     # losses, the module norms) is copied to pinned memory without blocking, then the .item() of the
-    # flag waits for the stream, which has done that copy before it (stream order). The counts of each
-    # place stay on the device unless the step is bad.
-    host = _to_host(read.summary)
-    if read.summary[0].item() > 0:
-        return True, host.tolist(), read.all_counts().tolist()
-    return False, host.tolist(), []
+    # flag waits for the stream, which has done that copy before it (stream order); both in one call,
+    # _C.read_summary. The counts of each place stay on the device unless the step is bad.
+    bad, summary = _C.read_summary(read.summary)
+    return bad, summary, read.all_counts().tolist() if bad else []
 
 
 def places(rows: list, slots: list, scaler_skipped: bool, nan_only: bool) -> list[Place]:
