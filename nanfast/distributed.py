@@ -16,6 +16,9 @@ import torch.distributed as dist
 # A row of per-tensor results is (nan, +inf, -inf, norm, absmax), as check_all and stats lay it out:
 # counts before NORM, norm and absmax from it.
 NORM = 3
+# Whether this torch build has torch.distributed: fixed for the process, asked once (the watch asks
+# whether to agree at every step, right after the model's kernels, where each call is cold).
+_AVAILABLE = dist.is_available()
 
 
 def dtensor_type() -> Optional[type]:
@@ -60,7 +63,7 @@ def default_group(group: Optional[Any]) -> Optional[Any]:
     initialised and has more than one rank, else None (one process: nothing to agree on)."""
     if group is not None:
         return group
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
 
