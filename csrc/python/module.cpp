@@ -144,8 +144,9 @@ at::Tensor call_step_summary(const at::Tensor& recorded, const OptTensor& counts
 
 // The eager read of a step's summary (see NOTE: [One read per step]): the one host sync is the flag's
 // item(); on CUDA the whole summary is first copied to pinned memory without blocking, which stream
-// order finishes before that item() returns. One entry instead of the five Python-side calls it
-// replaces, since each costs a cold path right after the model's kernels.
+// order finishes before that item() returns (other devices have no pinned memory: copied after it).
+// One entry instead of the five Python-side calls it replaces, since each costs a cold path right
+// after the model's kernels.
 std::tuple<bool, py::list> read_summary(const at::Tensor& summary) {
   TORCH_CHECK(summary.dim() == 1 && summary.numel() > 0 && summary.scalar_type() == at::kDouble,
               "nanfast._C.read_summary: summary must be a non-empty 1-d float64 tensor, got ", summary.scalar_type(),
@@ -154,10 +155,14 @@ std::tuple<bool, py::list> read_summary(const at::Tensor& summary) {
   double flag = 0;
   {
     py::gil_scoped_release no_gil;
-    host = summary.is_cpu() ? summary.contiguous()
-                            : at::empty(summary.sizes(), summary.options().device(at::kCPU).pinned_memory(true))
-                                  .copy_(summary, /*non_blocking=*/true);
+    if (summary.is_cuda()) {
+      host = at::empty(summary.sizes(), summary.options().device(at::kCPU).pinned_memory(true))
+                 .copy_(summary, /*non_blocking=*/true);
+    }
     flag = summary.select(0, 0).item<double>();
+    if (!host.defined()) {
+      host = (summary.is_cpu() ? summary : summary.cpu()).contiguous();
+    }
   }
   const double* values = host.const_data_ptr<double>();
   const int64_t n = host.numel();
