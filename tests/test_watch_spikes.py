@@ -286,3 +286,79 @@ def test_a_negative_loss_is_judged_by_its_spread():
     (event,) = spikes_of(w)
     assert event.step == 140 and (event.phase, event.name) == ("loss_value", "nll")
     assert "above its running median -5" in event.detail
+
+
+# --- the windows in C++ (NOTE: [Spike windows in C++]) against the rule written here in Python --------
+
+
+class ReferenceSeries:
+    """One series under NOTE: [Spikes], in plain Python: the last `window` finite values, the median and
+    quartiles of a sorted copy, the run of low steps and the two alarms."""
+
+    def __init__(self, window, factor, warmup, vanishing_steps, can_vanish):
+        self.window, self.factor, self.warmup, self.vanishing_steps = window, factor, warmup, vanishing_steps
+        self.can_vanish, self.recent, self.low, self.alarmed = can_vanish, [], 0, set()
+
+    def observe(self, x):
+        o = sorted(self.recent)
+        n = len(o)
+        median = (o[(n - 1) // 2] + o[n // 2]) / 2 if n else math.nan
+        above = below = False
+        if n >= self.warmup and math.isfinite(x):
+            spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4]))
+            above = x - median > (self.factor - 1) * spread
+            below = median > 0 and x < median / self.factor
+        if math.isfinite(x):
+            self.recent = (self.recent + [x])[-self.window:]
+        self.low = self.low + 1 if below else 0
+        fired = []
+        for direction, crossed in (("up", above), ("down", self.can_vanish and self.low >= self.vanishing_steps)):
+            if not crossed:
+                if math.isfinite(x):
+                    self.alarmed.discard(direction)
+            elif direction not in self.alarmed:
+                self.alarmed.add(direction)
+                fired.append((direction, median))
+        return fired
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_windows_fire_as_the_rule_on_random_series(seed):
+    """Random series with spikes, drops, NaN/inf, ties and negative stretches, some appearing late: the
+    same alarms at the same steps with the same medians as the rule in Python, value for value."""
+    g = torch.Generator().manual_seed(seed)
+    window, warmup, vanishing = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((3, 12), (1, 3), (1, 4)))
+    factor = 1.5 + 4 * float(torch.rand((), generator=g))
+    windows = nanfast._C.SpikeWindows(window, factor, min(warmup, window), vanishing)
+    refs, ids = [], []
+    total = 0
+    for step in range(300):
+        if step % 60 == 0:  # a new series joins now and then
+            can_vanish = len(refs) % 2 == 0
+            ids.append(windows.add(can_vanish))
+            refs.append(ReferenceSeries(window, factor, min(warmup, window), vanishing, can_vanish))
+        values = []
+        for i in range(len(refs)):
+            u = float(torch.rand((), generator=g))
+            x = float(torch.randn((), generator=g)) + (5 if (step // 40) % 2 else 1)
+            x = [x, x * 100, x / 100, math.nan, math.inf, -math.inf, -x, 2.0][int(u * 8)] if u < 0.2 else x
+            values.append(round(x, 1) if u > 0.9 else x)  # rounded: ties in the window
+        expected = [(i, d, m) for i, ref in enumerate(refs) for d, m in ref.observe(values[i])]
+        fired = windows.observe(ids, values)
+        assert [(i, d) for i, d, _ in fired] == [(i, d) for i, d, _ in expected], step
+        assert all(m == e or (math.isnan(m) and math.isnan(e)) for (_, _, m), (_, _, e) in zip(fired, expected))
+        total += len(fired)
+    assert len(windows) == len(refs) == 5 and total > 10, total  # alarms did fire
+
+
+def test_the_windows_name_bad_arguments():
+    with pytest.raises(RuntimeError, match="nanfast._C.SpikeWindows: factor must be finite and > 1, got 1"):
+        nanfast._C.SpikeWindows(10, 1.0, 2, 3)
+    with pytest.raises(RuntimeError, match="warmup <= window, got 10, 20, 3"):
+        nanfast._C.SpikeWindows(10, 2.0, 20, 3)
+    windows = nanfast._C.SpikeWindows(10, 2.0, 2, 3)
+    windows.add(False)
+    with pytest.raises(RuntimeError, match="observe: 1 ids for 2 values"):
+        windows.observe([0], [1.0, 2.0])
+    with pytest.raises(RuntimeError, match="observe: ids\\[1\\]=1 is not a series \\(1 added\\)"):
+        windows.observe([0, 1], [1.0, 2.0])

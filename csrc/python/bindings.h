@@ -56,6 +56,9 @@ void bind_buffer_slots(py::module_& m);
 // Defines nanfast._C.ParamGrads (csrc/python/param_grads.cpp).
 void bind_param_grads(py::module_& m);
 
+// Defines nanfast._C.SpikeWindows (csrc/python/spike_windows.cpp).
+void bind_spike_windows(py::module_& m);
+
 // Defines nanfast._C.WatchRecorder (csrc/python/watch_recorder.cpp).
 void bind_watch_recorder(py::module_& m);
 

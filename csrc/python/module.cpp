@@ -196,6 +196,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("summary"));
   bind_buffer_slots(m);
   bind_param_grads(m);
+  bind_spike_windows(m);
   bind_watch_recorder(m);
   bind_module_hooks(m);
   m.def("cpu_isa", [] { return std::string(nanfast::cpu::simd_kernels().isa); },

@@ -4,8 +4,6 @@ the values the step's one read brought back (see NOTE: [Spikes]); no host read o
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -13,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .. import _C
 from .events import Event, Place
 
 SPIKE_ACTIONS = ("warn", "raise", "record", "skip")
@@ -128,44 +127,18 @@ class ModuleGroups:
         return self._names, self._index
 
 
-class _Window:
-    """The last `size` finite values of one series, also kept sorted: its median and quartiles in O(1),
-    an update in O(size) memmove (a few microseconds; no tensor ops per step)."""
-
-    __slots__ = ("recent", "ordered")
-
-    def __init__(self, size: int):
-        self.recent: collections.deque[float] = collections.deque(maxlen=size)
-        self.ordered: list[float] = []
-
-    def judge(self, x: float, factor: float, warmup: int) -> tuple[bool, bool, float]:
-        """(x above the threshold, x below median / factor, the median), judged against the window
-        before x joins it (if finite)."""
-        o, n = self.ordered, len(self.ordered)
-        median = (o[(n - 1) // 2] + o[n // 2]) / 2 if n else math.nan
-        ready = n >= warmup and math.isfinite(x)
-        above = below = False
-        if ready:
-            spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4]))  # 1.5 IQR: about 2 MAD for symmetric noise
-            above = x - median > (factor - 1) * spread
-            below = median > 0 and x < median / factor
-        if math.isfinite(x):
-            if len(self.recent) == self.recent.maxlen:
-                del o[bisect.bisect_left(o, self.recent[0])]
-            self.recent.append(x)
-            bisect.insort(o, x)
-        return above, below, median
-
-
 class Spikes:
-    """The spike detectors of one watch: the series' windows and which of them are in an alarm."""
+    """The spike detectors of one watch: each series' window and alarms, kept in C++ (see NOTE: [Spike
+    windows in C++]), and which series each window stands for."""
 
     def __init__(self, options: SpikeOptions, groups: ModuleGroups):
         self.options = options
         self.groups = groups
-        self._windows: dict[tuple, _Window] = {}
-        self._alarmed: set[tuple] = set()
-        self._low: dict[tuple, int] = {}  # checked steps in a row below median / factor, by series
+        self._windows = _C.SpikeWindows(options.window, float(options.factor), options.warmup, options.vanishing_steps)
+        self._ids: dict[tuple, int] = {}  # series key -> window id
+        self._names: Optional[tuple] = None  # the last step's series names, and for them:
+        self._keys: list[tuple] = []  # each series' key, in judging order
+        self._key_ids: list[int] = []  # and its window id
 
     def observe(self, step: int, losses: Mapping[str, float], grad_norm: Optional[float],
                 modules: Mapping[str, float]) -> Optional[Event]:
@@ -182,42 +155,32 @@ class Spikes:
         # threshold and re-arms only once it is back under it: one event per excursion, not one per
         # step while a wrecked run stays high.
         opts = self.options
-        series: list[tuple[tuple, float]] = []
-        if opts.loss:
-            series += [(("loss", name), value) for name, value in losses.items()]
-        if opts.grad_norm and grad_norm is not None:
-            series.append((("grad_norm", ""), grad_norm))
-        if opts.modules:
-            series += [(("module", name), value) for name, value in modules.items()]
-        if not series:
+        names = (tuple(losses) if opts.loss else (), opts.grad_norm and grad_norm is not None,
+                 tuple(modules) if opts.modules else ())
+        if names != self._names:  # the series keys and ids, made again only when the names change
+            self._names = names
+            self._keys = [*(("loss", name) for name in names[0]), *((("grad_norm", ""),) if names[1] else ()),
+                          *(("module", name) for name in names[2])]
+            self._key_ids = [self._id(key) for key in self._keys]
+        if not self._keys:
             return None
-        found: list[tuple[Place, str]] = []
-        vanishing = False
-        windows, lows, alarmed = self._windows, self._low, self._alarmed
-        for key, value in series:
-            window = windows.get(key)
-            if window is None:
-                window = windows[key] = _Window(opts.window)
-            above, below, median = window.judge(value, opts.factor, opts.warmup)
-            low = lows[key] = lows.get(key, 0) + 1 if below else 0
-            vanished = key[0] == "module" and low >= opts.vanishing_steps
-            if not (above or vanished or alarmed):
-                continue  # nothing crossed and no alarm to re-arm: a healthy step's every series
-            for direction, crossed in (("up", above), ("down", vanished)):
-                alarm = (key, direction)
-                if not crossed:
-                    if math.isfinite(value):
-                        alarmed.discard(alarm)
-                elif alarm not in alarmed:
-                    alarmed.add(alarm)
-                    vanishing |= direction == "down"
-                    found.append(self._describe(key, direction, value, median))
-        if not found:
+        values = [*(losses.values() if opts.loss else ()), *((grad_norm,) if names[1] else ()),
+                  *(modules.values() if opts.modules else ())]
+        fired = self._windows.observe(self._key_ids, values)
+        if not fired:
             return None
+        found = [self._describe(self._keys[i], direction, values[i], median) for i, direction, median in fired]
+        vanishing = any(direction == "down" for _, direction, _ in fired)
         rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
                 + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)" if vanishing else ")"))
         return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
                      detail="; ".join(text for _, text in found) + rule)
+
+    def _id(self, key: tuple) -> int:
+        """The window of series `key`, made at its first value (a module's can also vanish)."""
+        if key not in self._ids:
+            self._ids[key] = self._windows.add(key[0] == "module")
+        return self._ids[key]
 
     def _describe(self, key: tuple, direction: str, value: float, median: float) -> tuple[Place, str]:
         kind, name = key
