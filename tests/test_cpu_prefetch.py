@@ -17,7 +17,7 @@ import nanfast
 
 CPU_ISAS = ("avx512", "avx2", "baseline")
 K_SEGMENT = 4096  # kSegment, csrc/cpu/simd_body.h
-K_ITEM = 65536  # kItemElements, csrc/cpu/stats_cpu.cpp
+K_ITEM = 16384  # kItemElements, csrc/cpu/stats_cpu.cpp
 
 
 def cpu_vendor() -> str:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimen
 
 # Chunk sizes of the CPU path: where the kernels switch from one segment, item or register to the next.
 K_SEGMENT = 4096  # kSegment, csrc/cpu/simd_body.h
-K_ITEM = 65536  # kItemElements, csrc/cpu/stats_cpu.cpp
+K_ITEM = 16384  # kItemElements, csrc/cpu/stats_cpu.cpp
 LANE_WIDTHS = (4, 8, 16, 32, 64, 128)  # elements per register (or block of 8 registers), 16 to 64 bytes
 
 EDGE_SIZES = sorted(
