@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..ops import reads_dtype
+from .host_copy import HostCopy
 from .events import Event, Place
 from .options import ignored
 
@@ -107,29 +108,20 @@ def limits_of(tensors: list[torch.Tensor]) -> list[float]:
 
 
 class Pending:
-    """One step's max |x| of its low-precision places, on its way to the host: `values` (copied without
-    blocking on CUDA, `copied` recorded after the copy) and, per value, (place key, largest finite value,
-    scaled by the GradScaler) or None; the loss scale is the value at `scale_index`."""
+    """One step's max |x| of its low-precision places, on its way to the host: `values` (a HostCopy)
+    and, per value, (place key, largest finite value, scaled by the GradScaler) or None; the loss scale
+    is the value at `scale_index`."""
 
-    __slots__ = ("values", "copied", "keys", "scale_index")
+    __slots__ = ("values", "keys", "scale_index")
 
     def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int]):
-        self.copied: Optional[Any] = None
-        if values.device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-            values = host
-        self.values = values
+        self.values = HostCopy(values)
         self.keys = keys
         self.scale_index = scale_index
 
     def fractions(self) -> dict[tuple, tuple[float, float, bool]]:
         """Per place key: (largest fraction this step, the dtype's largest finite value, measured at scale 1)."""
-        if self.copied is not None:
-            self.copied.synchronize()  # enqueued before the step's read, which waited for it: no wait here
-        values = self.values.tolist()
+        values = self.values.tolist()  # enqueued before the step's read, which waited for it: no wait here
         scale = values[self.scale_index] if self.scale_index is not None else None
         found: dict[tuple, tuple[float, float, bool]] = {}
         for entry, value in zip(self.keys, values):

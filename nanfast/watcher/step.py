@@ -13,6 +13,7 @@ from .. import _C
 from .events import Place
 from .fused_pass import Pass
 from .history import Tail
+from .host_copy import HostCopy
 from .options import ignored
 
 # Leading entries of the per-step summary tensor; its Tail follows (losses, scale, module norms), then, in
@@ -35,8 +36,7 @@ class Read:
     back: list  # the gradients' slot, after them
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
-    host: Optional[torch.Tensor] = None  # summary and counts, copied without blocking
-    copied: Optional[Any] = None  # torch.cuda.Event recorded after the copy
+    host: Optional[HostCopy] = None  # summary and counts, copied without blocking (lagged)
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
@@ -167,18 +167,7 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
 
 def start_copy(read: Read) -> None:
     """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
-    read.host = _to_host(torch.cat([read.summary, read.all_counts().flatten().to(torch.float64)]))
-    if read.host.device != read.summary.device:
-        read.copied = torch.cuda.Event()
-        read.copied.record()
-
-
-def _to_host(flat: torch.Tensor) -> torch.Tensor:
-    """A copy of `flat` on the host, enqueued without blocking (pinned memory); a CPU tensor as it is."""
-    if flat.device.type != "cuda":
-        return flat
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    return host.copy_(flat, non_blocking=True)
+    read.host = HostCopy(torch.cat([read.summary, read.all_counts().flatten().to(torch.float64)]))
 
 
 def verdict(read: Read) -> tuple[bool, list[float], list]:
@@ -186,8 +175,6 @@ def verdict(read: Read) -> tuple[bool, list[float], list]:
     step, the rows of counts."""
     size = read.summary.numel()
     if read.host is not None:  # lagged: the copy was enqueued a step ago
-        if read.copied is not None:
-            read.copied.synchronize()
         values = read.host.tolist()
         summary, flat = values[:size], values[size:]
         bad = summary[0] > 0
