@@ -61,11 +61,12 @@ class SpikeWindows {
                   i, "]=", ids[i], " is not a series (", series_.size(), " added)");
       Series& s = series_[ids[i]];
       const double x = values[i];
-      const auto [above, below, median] = judge(s, x);
+      const bool finite = std::isfinite(x);
+      const auto [above, below, median] = judge(s, x, finite);
       s.low = below ? s.low + 1 : 0;
       const bool vanished = s.can_vanish && s.low >= vanishing_steps_;
-      alarm(s.alarmed_up, above, std::isfinite(x), i, "up", median, fired);
-      alarm(s.alarmed_down, vanished, std::isfinite(x), i, "down", median, fired);
+      alarm(s.alarmed_up, above, finite, i, "up", median, fired);
+      alarm(s.alarmed_down, vanished, finite, i, "down", median, fired);
     }
     return fired;
   }
@@ -75,14 +76,15 @@ class SpikeWindows {
   }
 
  private:
-  // (x above the threshold, x below median / factor, the median) against the window before x joins it.
-  std::tuple<bool, bool, double> judge(Series& s, double x) const {
+  // (x above the threshold, x below median / factor, the median) against the window before x joins it
+  // (if finite).
+  std::tuple<bool, bool, double> judge(Series& s, double x, bool finite) const {
     std::vector<double>& o = s.ordered;
     const size_t n = o.size();
     const double median = n ? (o[(n - 1) / 2] + o[n / 2]) / 2 : std::numeric_limits<double>::quiet_NaN();
     bool above = false;
     bool below = false;
-    if (!std::isfinite(x)) {
+    if (!finite) {
       return {above, below, median};
     }
     if (static_cast<int64_t>(n) >= warmup_) {
