@@ -525,6 +525,64 @@ def test_inference_under_no_grad_checks_activations_only_each_forward():
     w.remove()
 
 
+class _NaNGradient(torch.autograd.Function):
+    """Finite forward, NaN gradient (a backward-only fault)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * NAN
+
+
+class _BackwardNaN(torch.nn.Module):
+    def forward(self, x):
+        return _NaNGradient.apply(x)
+
+
+class _Stack(torch.nn.Sequential):
+    """A Sequential subclass with a forward of its own (it computes): hooked as any module."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_plain_sequential_containers_are_not_hooked_and_faults_keep_their_names():
+    """NOTE: [Containers that compute nothing]: a plain nn.Sequential gets no hooks (a subclass with its
+    own forward does); a NaN made by a Sequential's last child, in forward or in backward (its gradient
+    reaching it through a Sequential that starts with an unhooked Dropout), is still named by the module
+    that made it."""
+
+    def make(fault=None):
+        torch.manual_seed(0)
+        inner = torch.nn.Sequential(torch.nn.Linear(16, 16), *([fault] if fault is not None else []))
+        return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Linear(8, 16)), inner,
+                                   torch.nn.Sequential(torch.nn.Dropout(0.0), torch.nn.Linear(16, 16)),
+                                   _Stack(torch.nn.Linear(16, 4)))
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt) as w:
+        hooked = {name for name, m in model.named_modules() if m._forward_pre_hooks}
+        assert hooked == {"", "0.1", "1.0", "2.1", "3", "3.0"}  # no Sequential "0"-"2"; Dropout passes through
+        for _ in range(2):
+            train_step(model, opt, *batch())
+        assert w.events == []
+
+    class ForwardNaN(torch.nn.Module):
+        def forward(self, x):
+            return x.clone().index_fill_(1, torch.tensor([3]), NAN)
+
+    for fault, phase, name in ((ForwardNaN(), "forward", "1.1"), (_BackwardNaN(), "backward", "1.1")):
+        model = make(fault)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanfast.watch(model, opt) as w, pytest.raises(nanfast.NonFiniteError):
+            train_step(model, opt, *batch())
+        assert (w.last.phase, w.last.name) == (phase, name), (type(fault).__name__, w.last)
+
+
 def test_inference_mode_is_watched_like_no_grad():
     """A watched model run under torch.inference_mode() (an eval loop; Lightning validates so) raised
     RuntimeError: Inference tensors do not track version counter, from the check that tells a

@@ -73,7 +73,7 @@ class Hooks:
         self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
         if self._check_activations or self._check_grads:
             for name, module in model.named_modules():
-                if module is model or isinstance(module, self.pass_through):
+                if module is model or isinstance(module, self.pass_through) or type(module) is torch.nn.Sequential:
                     continue
                 before, after = self._hooks_of(self._site(name, type(module).__name__))
                 self._handles.append(module.register_forward_pre_hook(hook(before)))
@@ -91,6 +91,16 @@ class Hooks:
             # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
             # a fused one gets `optimizer.found_inf`, which the read packs (see Step.pack).
             self._scaler_shared = scaler_hook.attach(self.scaler, self)
+
+    # NOTE: [Containers that compute nothing]
+    # A plain nn.Sequential (the class itself: a subclass may override forward) only passes its input
+    # to its first child and returns its last child's output. Its output check would find the last
+    # child's output (checked already, or left unchecked on purpose: ignored, or a module that cannot
+    # make non-finite values), and the check of the gradient w.r.t. its input is taken over by its first
+    # child's (NOTE: [Checking each tensor once]); where that child is left unhooked, the gradient it
+    # passes on is non-finite only where the one it received is, which the next child checks. So its
+    # two hooks found nothing, and cost a hooked module call each time (two Python hooks and torch's
+    # slower call path): seven of them per step in ResNet-18, one in the watch suite's MLP.
 
     def _forget_last(self) -> None:
         # NOTE: [Checking each tensor once]
