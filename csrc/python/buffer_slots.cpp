@@ -1,8 +1,13 @@
-// nanfast._C.BufferSlots: a model's buffers, by (module, name), read in one loop.
+// nanfast._C.BufferSlots: a model's buffers, by (module, name), read in one loop; and
+// nanfast._C.copy_tensors, which copies them to and from their twins.
+#include <cstring>
 #include <utility>
 #include <vector>
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/_foreach_copy.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "bindings.h"
 
@@ -30,8 +35,9 @@ class BufferSlots {
     py::list objects;
     std::vector<int64_t> versions;
     versions.reserve(modules_.size());
+    Walk walk;
     for (size_t i = 0; i < modules_.size(); ++i) {
-      const py::handle now = lookup(i);
+      const py::handle now = lookup(i, walk);
       objects.append(now);
       versions.push_back(version(now));
     }
@@ -46,8 +52,9 @@ class BufferSlots {
                 "nanfast._C.BufferSlots.changed: a state of ", objects.size(), " slots for ", modules_.size());
     std::vector<int64_t> reassigned;
     std::vector<int64_t> in_place;
+    Walk walk;
     for (size_t i = 0; i < modules_.size(); ++i) {
-      const py::handle now = lookup(i);
+      const py::handle now = lookup(i, walk);
       if (now.ptr() != objects[i].ptr()) {
         reassigned.push_back(static_cast<int64_t>(i));
       } else if (versions[i] >= 0 && version(now) != versions[i]) {
@@ -58,11 +65,21 @@ class BufferSlots {
   }
 
  private:
+  // One walk's module whose `_buffers` was read last: a module's slots are consecutive (a BatchNorm has
+  // three), so its dict is read once per walk, not once per buffer.
+  struct Walk {
+    PyObject* module = nullptr;
+    py::object buffers;
+  };
+
   // modules[i]._buffers.get(names[i]): borrowed, valid while the dict holds it (the walk keeps no
   // reference past its loop but in the list it returns).
-  py::handle lookup(size_t i) const {
-    const py::object buffers = modules_[i].attr("_buffers");
-    PyObject* found = PyDict_GetItemWithError(buffers.ptr(), names_[i].ptr());
+  py::handle lookup(size_t i, Walk& walk) const {
+    if (walk.module != modules_[i].ptr()) {
+      walk.buffers = modules_[i].attr("_buffers");
+      walk.module = modules_[i].ptr();
+    }
+    PyObject* found = PyDict_GetItemWithError(walk.buffers.ptr(), names_[i].ptr());
     if (found == nullptr && PyErr_Occurred()) {
       throw py::error_already_set();
     }
@@ -81,9 +98,50 @@ class BufferSlots {
   const std::vector<py::str> names_;
 };
 
+// NOTE: [Small copies without the dispatcher]
+// The undo copies the model's buffers into their twins at every step's start (nanfast/watcher/restore.py):
+// on ResNet-18, 60 tensors of a few hundred bytes (BatchNorm statistics and counters). _foreach_copy_ on
+// a CPU copies them one by one through the dispatcher and a TensorIterator each, 79 us a step inside a
+// ResNet-18 step. A pair of small dense CPU tensors with one dtype and shape is a memcpy here (the
+// target's version bumped, as copy_ would); the other pairs go to one _foreach_copy_ (one launch on CUDA;
+// on a CPU, a tensor of a grain or more is copied by several threads, as a rollback's snapshot is).
+bool plain_cpu(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t.is_neg() && !t.is_conj() &&
+      !t.is_quantized() && t.numel() < at::internal::GRAIN_SIZE;
+}
+
+void copy_tensors(py::handle targets, py::handle sources, bool non_blocking) {
+  const BorrowedTensors dst("nanfast._C.copy_tensors", targets);
+  const BorrowedTensors src("nanfast._C.copy_tensors", sources);
+  TORCH_CHECK(dst.list().size() == src.list().size(), "nanfast._C.copy_tensors: ", dst.list().size(),
+              " targets for ", src.list().size(), " sources");
+  std::vector<at::Tensor> other_dst;
+  std::vector<at::Tensor> other_src;
+  for (size_t i = 0; i < dst.list().size(); ++i) {
+    const at::Tensor& d = dst.list()[i];
+    const at::Tensor& s = src.list()[i];
+    if (plain_cpu(d) && plain_cpu(s) && d.scalar_type() == s.scalar_type() && d.sizes() == s.sizes()) {
+      if (d.nbytes() > 0 && !d.is_same(s)) {
+        std::memcpy(d.data_ptr(), s.const_data_ptr(), d.nbytes());
+      }
+      torch::autograd::impl::bump_version(d);
+    } else {
+      other_dst.push_back(d);
+      other_src.push_back(s);
+    }
+  }
+  if (!other_dst.empty()) {
+    at::_foreach_copy_(other_dst, other_src, non_blocking);
+  }
+}
+
 }  // namespace
 
 void bind_buffer_slots(py::module_& m) {
+  m.def("copy_tensors", &copy_tensors,
+        "targets[i].copy_(sources[i]) for each i: a memcpy for dense CPU tensors of one dtype and shape, "
+        "_foreach_copy_ for the others (see NOTE: [Small copies without the dispatcher]).",
+        py::arg("targets"), py::arg("sources"), py::arg("non_blocking") = false);
   py::class_<BufferSlots>(m, "BufferSlots",
                           "A model's buffers by (module, name), read in one loop (see NOTE: [Buffers read in one "
                           "loop]).")

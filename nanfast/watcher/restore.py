@@ -15,9 +15,10 @@ from .. import _C
 
 class Twins:
     """Copies of a fixed list of tensors, packed in one flat tensor per (device, dtype) of the originals:
-    saved and copied back with one `_foreach_copy_` per group, or copied back where a device-side flag
-    is set. The copies lie next to the originals, or on `device` (a CUDA tensor's copy in host memory is
-    pinned, so that both copies run without blocking the host, ordered on the stream)."""
+    saved and copied back with one `_C.copy_tensors` per group (NOTE: [Small copies without the
+    dispatcher]), or copied back where a device-side flag is set. The copies lie next to the originals,
+    or on `device` (a CUDA tensor's copy in host memory is pinned, so that both copies run without
+    blocking the host, ordered on the stream)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], device: Optional[torch.device] = None):
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -50,7 +51,7 @@ class Twins:
 
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         for indices, _, views in self.groups:
-            torch._foreach_copy_(views, [tensors[i] for i in indices], non_blocking=True)
+            _C.copy_tensors(views, [tensors[i] for i in indices], non_blocking=True)
 
     def restore(self, tensors: Sequence[torch.Tensor], where: Optional[torch.Tensor] = None) -> None:
         """Copies the saved values back; with `where` (a bool scalar on the device), only if it is set:
@@ -60,7 +61,7 @@ class Twins:
             if where is not None:
                 current = torch.cat([t.reshape(-1) for t in targets])
                 torch.where(where.to(flat.device), flat, current, out=flat)
-            torch._foreach_copy_(targets, views, non_blocking=True)
+            _C.copy_tensors(targets, views, non_blocking=True)
 
 
 def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:

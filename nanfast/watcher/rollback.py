@@ -24,7 +24,7 @@ from .restore import BufferUndo, Twins
 #   snapshot waits as pending and becomes the confirmed one when the next step's end finds its read
 #   evaluated without a rollback (reads are evaluated in order); a read that finds the parameters bad
 #   drops it. So a lagged watch holds two copies.
-# * How: Twins packs the tensors in one flat tensor per (device, dtype), with one `_foreach_copy_` per
+# * How: Twins packs the tensors in one flat tensor per (device, dtype), with one copy call per
 #   group, non_blocking: a CUDA tensor's copy lands in pinned host memory, enqueued on the stream before
 #   the optimizer's in-place update, so it reads the values as they were and the host never waits; the
 #   restore is enqueued after it the same way. Nothing is read on the host: no sync is added.
