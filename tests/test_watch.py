@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import nanfast
 from op_recorder import OpRecorder
 from reference import torch_total_norm
+from test_watch_fuse import BackwardFault
 from nanfast.cli.watch_workloads import BasicBlock
 
 NAN, INF = float("nan"), float("inf")
@@ -525,23 +526,6 @@ def test_inference_under_no_grad_checks_activations_only_each_forward():
     w.remove()
 
 
-class _NaNGradient(torch.autograd.Function):
-    """Finite forward, NaN gradient (a backward-only fault)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * NAN
-
-
-class _BackwardNaN(torch.nn.Module):
-    def forward(self, x):
-        return _NaNGradient.apply(x)
-
-
 class _Stack(torch.nn.Sequential):
     """A Sequential subclass with a forward of its own (it computes): hooked as any module."""
 
@@ -575,7 +559,7 @@ def test_plain_sequential_containers_are_not_hooked_and_faults_keep_their_names(
         def forward(self, x):
             return x.clone().index_fill_(1, torch.tensor([3]), NAN)
 
-    for fault, phase, name in ((ForwardNaN(), "forward", "1.1"), (_BackwardNaN(), "backward", "1.1")):
+    for fault, phase, name in ((ForwardNaN(), "forward", "1.1"), (BackwardFault(), "backward", "1.1")):
         model = make(fault)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with nanfast.watch(model, opt) as w, pytest.raises(nanfast.NonFiniteError):
