@@ -97,9 +97,10 @@ class Hooks:
     # to its first child and returns its last child's output. Its output check would find the last
     # child's output (checked already, or left unchecked on purpose: ignored, or a module that cannot
     # make non-finite values), and the check of the gradient w.r.t. its input is taken over by its first
-    # child's (NOTE: [Checking each tensor once]); where that child is left unhooked, the gradient it
-    # passes on is non-finite only where the one it received is, which the next child checks. So its
-    # two hooks found nothing, and cost a hooked module call each time (two Python hooks and torch's
+    # child's (NOTE: [Checking each tensor once]); where that child is left unhooked (it cannot make
+    # non-finite values), the gradient it passes on is non-finite only where the one it received is,
+    # which the next child checks, and where it is ignored, what it passes on is what `ignore` names. So
+    # its two hooks found nothing, and cost a hooked module call each time (two Python hooks and torch's
     # slower call path): seven of them per step in ResNet-18, one in the watch suite's MLP.
 
     def _forget_last(self) -> None:
