@@ -49,6 +49,20 @@ def test_extra_suite_results_keep_every_table(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text())["repeats"] == {"watch": 40}
 
 
+def test_core_methods_run_once_per_repeat_each_after_others_in_turn():
+    """NOTE: [Each method after any other]: every repeat runs every method once, and the method before
+    each one changes from repeat to repeat (in a fixed or rotated order it never does)."""
+    calls: list[str] = []
+    methods = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
+    medians = bench.time_methods(methods, repeats=12, device="cpu")
+    assert set(medians) == set("abcde")
+    rounds = [calls[i:i + 5] for i in range(0, len(calls), 5)]
+    assert len(rounds) == 13 and all(sorted(r) == list("abcde") for r in rounds)
+    for name in "abcde":
+        before = {r[r.index(name) - 1] for r in rounds[1:] if r.index(name) > 0}
+        assert len(before) >= 2, (name, before)
+
+
 def test_benchmarks_script_is_the_cli(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
     if not script.exists():
