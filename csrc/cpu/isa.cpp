@@ -57,7 +57,7 @@ int capped(const char* isa) {
   return asked < best ? best : asked;
 }
 
-// See NOTE: [Prefetching the next page]: on by default except on AMD processors.
+// See NOTE: [Prefetching the next page]: on unless NANFAST_CPU_PREFETCH=0.
 bool default_prefetch() {
   const char* env = std::getenv("NANFAST_CPU_PREFETCH");
   if (env != nullptr && *env != '\0') {
@@ -66,12 +66,7 @@ bool default_prefetch() {
         "' (expected 0 or 1)");
     return *env == '1';
   }
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return !__builtin_cpu_is("amd");
-#else
   return true;
-#endif
 }
 
 std::atomic<const SimdKernels*>& current() {

@@ -262,10 +262,17 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 // no consistent difference; 5000 tensors of 1024 floats took 17% less CPU time without (median); the
 // prefetch loop held a quarter of the kernel's perf samples (prefetches wait for miss buffers that
 // the hardware prefetchers, which need no help there, keep busy). Details:
-// benchmarks/results/cpu-isa-prefetch.md. So every kernel is compiled with and without them:
-// SimdKernels::prefetch says which, on by default except on AMD processors (an AMD EPYC with AVX2
-// only, 0.65-0.83x of the ceiling in issue 19, was not measured without them), NANFAST_CPU_PREFETCH=0|1
-// or set_cpu_prefetch() decide otherwise. Results do not depend on it.
+// benchmarks/results/cpu-isa-prefetch.md. So every kernel is compiled with and without them, and
+// SimdKernels::prefetch says which. They were off by default on AMD processors until an idle VM of the
+// same kind (session 27), timed with the same tensors read with and without them in turn in one
+// process (12 alternating repeats), read faster with them everywhere it could tell: 498 MB of GPT-2
+// float32 at 76 against 53 GB/s with AVX-512 and 52 against 49 GB/s with AVX2, 1 GB of float32 at 79
+// against 56 and 51 against 49 GB/s, GPT-2 in bfloat16 at 74 against 69 and 55 against 51 GB/s;
+// tensors of 0.1-4 MB just written, and 5000 of 1024 floats, within +-10% either way. The slowdown
+// above was measured on a machine loaded 3-9x its two cores, where a prefetch waits for miss buffers
+// that other processes hold; a machine shared so heavily can turn them off. So they are on by default
+// everywhere; NANFAST_CPU_PREFETCH=0|1 or set_cpu_prefetch() decide otherwise. Results do not depend
+// on it.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
