@@ -15,6 +15,10 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
   std::vector<InputRun> runs;
   runs.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i + kStorageAhead < tensors.size() && tensors[i + kStorageAhead].defined()) {
+      // See NOTE: [Thousands of small tensors' metadata]; a tensor without storage prefetches null, a no-op.
+      __builtin_prefetch(tensors[i + kStorageAhead].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+    }
     const at::Tensor& input = tensors[i];
     TORCH_CHECK(input.defined(), op, ": tensors[", i, "] is undefined");
     TORCH_CHECK(

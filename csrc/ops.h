@@ -34,6 +34,28 @@ struct InputRun {
   std::vector<int64_t> strides;
 };
 
+// NOTE: [Thousands of small tensors' metadata]
+// A list of thousands of small tensors (5000 x 1024 float32 in bench.py; biases and norms of a big
+// model) spends as long on the tensors' metadata as on their data: the Python objects, then each
+// TensorImpl (read by the dispatcher for the list's dispatch keys and by describe_inputs), then each
+// StorageImpl (the data pointer), every one a cache miss when the list comes cold after a training
+// step. Each loop over the list requests the next loop's object ahead of time: BorrowedTensors the
+// TensorImpl of the entry kMetadataAhead ahead, describe_inputs the StorageImpl kStorageAhead ahead.
+// On the 2-vCPU AMD EPYC (Zen 4) VM of issue 19, with the caches flushed before each call (a 64 MB
+// sum), _C.stats over 5000 one-element tensors took a median of 356 us without and 262 us with them
+// (4 processes each, alternating), over 5000 x 1024 floats 686 vs 626 us; with warm caches 5% slower
+// (150 -> 160 us, 370 -> 385 us). Prefetches are hints: nothing read changes.
+constexpr size_t kMetadataAhead = 64;
+constexpr size_t kStorageAhead = 32;
+
+// Requests `t`'s TensorImpl (its sizes, strides, dtype and dispatch keys) into the cache.
+inline void prefetch_impl(const at::Tensor& t) {
+  const char* impl = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
+  for (size_t b = 0; b < sizeof(c10::TensorImpl); b += 64) {
+    __builtin_prefetch(impl + b);
+  }
+}
+
 // Validates `tensors` for op `op` (one device, strided layout, a dtype of NANFAST_FOR_EACH_DTYPE) and
 // describes each entry. Errors name the op and the offending entry.
 std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors);

@@ -11,6 +11,7 @@
 #include <ATen/ops/tensor.h>
 
 #include "../cpu/simd_kernels.h"
+#include "../ops.h"
 
 namespace nanfast::python {
 
@@ -37,6 +38,10 @@ BorrowedTensors::BorrowedTensors(const char* api, py::handle sequence)
   // destructor, which would release a reference it does not hold.
   tensors_.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
+    const Py_ssize_t ahead = i + static_cast<Py_ssize_t>(kMetadataAhead);
+    if (ahead < n) {  // see NOTE: [Thousands of small tensors' metadata]
+      prefetch_impl(THPVariable_Unpack(PyTuple_GET_ITEM(owner_.ptr(), ahead)));
+    }
     tensors_.push_back(
         c10::MaybeOwnedTraits<at::Tensor>::createBorrow(THPVariable_Unpack(PyTuple_GET_ITEM(owner_.ptr(), i))));
   }
