@@ -121,6 +121,7 @@ at::Tensor call_any_nonfinite(py::handle tensors) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats_on(py::handle tensors, at::Device device) {
   const BorrowedTensors inputs("nanfast._C.stats_on", tensors);
   TORCH_CHECK(!inputs.list().empty(), "nanfast._C.stats_on: tensors is empty");
+  const c10::AutoGradMode no_grad(false);  // counts and norms of values: no graph (parameters require grad)
   py::gil_scoped_release no_gil;
   return stats_on(inputs.list(), device);
 }

@@ -104,6 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WatchRecorder::stats_with_deferre
   TORCH_CHECK(!inputs.list().empty(), "nanfast._C.WatchRecorder.stats_with_deferred: tensors is empty");
   TORCH_CHECK(device == records_->device, "nanfast._C.WatchRecorder.stats_with_deferred: device ", device,
               " is not the recorder's ", records_->device);
+  const c10::AutoGradMode no_grad(false);  // as _C.stats_on: the pass's parameters require grad
   py::gil_scoped_release no_gil;
   return *records_->flush(inputs.list());
 }
@@ -112,6 +113,13 @@ void WatchRecorder::forget() {
   hooked_.clear();
   py::gil_scoped_release no_gil;
   records_->flush();
+}
+
+// An entry's counts kept as numbers, as a CPU tensor (to be concatenated with counts made on a GPU).
+static at::Tensor host_counts(const Entry& entry) {
+  at::Tensor counts = at::empty({entry.rows, 3}, at::kLong);
+  std::copy(entry.host.begin(), entry.host.end(), counts.mutable_data_ptr<int64_t>());
+  return counts;
 }
 
 py::tuple WatchRecorder::take() {
@@ -129,10 +137,15 @@ py::tuple WatchRecorder::take() {
   std::vector<at::Tensor> counts;
   std::vector<at::Tensor> absmax;
   slots.reserve(entries.size());
-  counts.reserve(entries.size());
+  // See NOTE: [CPU counts kept as numbers]: all of them on the host unless a record was made on a GPU.
+  const bool on_host = std::all_of(entries.begin(), entries.end(), [](const Entry& e) { return !e.counts.defined(); });
+  int64_t rows = 0;
   for (auto& entry : entries) {
-    slots.emplace_back(entry.slot, entry.counts.size(0));
-    counts.push_back(std::move(entry.counts));
+    slots.emplace_back(entry.slot, entry.rows);
+    rows += entry.rows;
+    if (!on_host) {
+      counts.push_back(entry.counts.defined() ? std::move(entry.counts) : host_counts(entry));
+    }
     if (!entry.limits.empty()) {
       TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
                             "nanfast.watch: a record's max |x| and its limits differ in length");
@@ -146,8 +159,16 @@ py::tuple WatchRecorder::take() {
   at::Tensor packed_absmax;
   {
     py::gil_scoped_release no_gil;
-    packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
-                            : at::cat(counts);
+    if (on_host) {
+      packed = at::empty({rows, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device));
+      int64_t* out = packed.mutable_data_ptr<int64_t>();
+      for (const Entry& entry : entries) {
+        out = std::copy(entry.host.begin(), entry.host.end(), out);
+      }
+    } else {
+      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
+                              : at::cat(counts);
+    }
     if (!absmax.empty()) {
       packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);
     }
@@ -217,6 +238,15 @@ void bind_watch_recorder(py::module_& m) {
       .def("backward_failed", &WatchRecorder::backward_failed)
       .def("costs", &WatchRecorder::costs)
       .def("disable", &WatchRecorder::disable);
+  m.def(
+      "limits_of",
+      [](py::handle tensors) {
+        const BorrowedTensors inputs("nanfast._C.limits_of", tensors);
+        return limits_of(inputs.list());
+      },
+      "Each tensor's dtype's largest finite value, the headroom's limit (0 where it is not watched: float32, "
+      "float64), as the recorder keeps them; [] when no tensor needs one.",
+      py::arg("tensors"));
 }
 
 }  // namespace nanfast::python

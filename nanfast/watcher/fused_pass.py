@@ -9,7 +9,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _C, distributed
-from .headroom import limits_of
 from .profile import Profile
 
 # torch.ops.nanfast.stats over tensors on any devices, rows in input order, results on one device; called
@@ -28,7 +27,7 @@ class Pass(NamedTuple):
     norm: torch.Tensor
     absmax: torch.Tensor
     n_params: int
-    limits: list  # per row, the dtype's largest finite value for headroom (0: not watched); [] if not asked
+    limits: list  # per row, the dtype's largest finite value for headroom (0: not watched); [] if not asked or none is
 
 
 def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[Profile] = None,
@@ -61,10 +60,10 @@ def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[
         params, names = [], ()
     if sharded:
         params, grads = ([distributed.local_tensor(t) for t in ts] for ts in (params, grads))
-    with torch.no_grad():
-        stats_on = op if profile is None else profile.counted_pass(op)
-        counts, norm, absmax = stats_on(params + grads, device)
-    limits = limits_of(params + grads) if headroom else []
+    tensors = params + grads
+    stats_on = op if profile is None else profile.counted_pass(op)
+    counts, norm, absmax = stats_on(tensors, device)  # no graph: the call turns grad mode off itself
+    limits = _C.limits_of(tensors) if headroom else []
     return Pass(names, grad_names, grads, counts, norm, absmax, len(params), limits)
 
 

@@ -79,11 +79,6 @@ def thresholds(value: Union[None, float, Iterable[float]]) -> tuple[float, ...]:
     return tuple(sorted({float(t) for t in items}))
 
 
-def limits_of(tensors: list[torch.Tensor]) -> list[float]:
-    """Each tensor's dtype's largest finite value, 0 where headroom is not watched (float32, float64)."""
-    return [LIMITS.get(t.dtype, 0.0) for t in tensors]
-
-
 # NOTE: [Headroom without a host read]
 # The fused op gives every checked tensor's max |x| on the device anyway (the recorder keeps it for the
 # low-precision records: see NOTE: [Overflow headroom in the recorder]; the step's fused pass has it

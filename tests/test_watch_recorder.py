@@ -1,0 +1,89 @@
+"""The watch's recorder (nanfast._C.WatchRecorder) and the calls its step end makes: the counts each
+record leaves, as take() hands them over (on CPU kept as numbers: NOTE: [CPU counts kept as numbers]),
+the headroom limits of the pass (_C.limits_of) and the pass's call under grad mode."""
+
+import random
+
+import pytest
+import torch
+
+from nanfast import _C
+from nanfast.watcher import headroom
+from reference import assert_stats_match, reference_stats
+
+
+def planted(numel: int, rng: random.Random, dtype=torch.float32) -> torch.Tensor:
+    """Random values with a few NaN, +inf and -inf at random places (none in some tensors)."""
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(rng.randrange(2**31))).to(dtype)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for _ in range(rng.randrange(3)):
+            t[rng.randrange(numel)] = value
+    return t
+
+
+def reference_counts(tensors: list[torch.Tensor]) -> list[list[int]]:
+    return [reference_stats(t).counts for t in tensors]
+
+
+@pytest.mark.parametrize("fuse_bytes", [0, 1 << 20], ids=["at-once", "fused"])
+def test_take_hands_over_every_records_counts_in_order(fuse_bytes):
+    rng = random.Random(fuse_bytes)
+    rec = _C.WatchRecorder(torch.device("cpu"), False, fuse_bytes)
+    expected, slots = [], []
+    for slot in range(40):
+        tensors = [planted(rng.randrange(1, 3000), rng) for _ in range(rng.randrange(1, 4))]
+        rec.record(tensors, slot)
+        expected += reference_counts(tensors)
+        slots.append((slot, len(tensors)))
+    counts, got_slots, absmax, limited = rec.take()
+    assert counts.dtype == torch.int64 and counts.shape == (len(expected), 3)
+    assert counts.tolist() == expected and got_slots == slots
+    assert absmax is None and limited == []
+    empty, no_slots, _, _ = rec.take()  # the next step starts with nothing
+    assert empty.shape == (0, 3) and no_slots == []
+
+
+def test_take_leaves_out_discarded_records():
+    rng = random.Random(1)
+    rec = _C.WatchRecorder(torch.device("cpu"))
+    kept = [[planted(100, rng)], [planted(50, rng), planted(7, rng)]]
+    for slot, tensors in enumerate(kept):
+        rec.record(tensors, slot)
+    rec.record([planted(80, rng)], 2)  # a forward that raised: its records go
+    rec.record([planted(9, rng), planted(9, rng)], 3)
+    rec.discard(2)
+    counts, slots, _, _ = rec.take()
+    assert counts.tolist() == reference_counts([t for ts in kept for t in ts])
+    assert slots == [(0, 1), (1, 2)]
+
+
+def test_records_are_read_when_made():
+    """The counts are those of the values when recorded: a later in-place change does not alter them."""
+    rec = _C.WatchRecorder(torch.device("cpu"))
+    t = torch.zeros(10)
+    t[3] = float("nan")
+    rec.record([t], 0)
+    t.fill_(float("inf"))
+    counts, _, _, _ = rec.take()
+    assert counts.tolist() == [[1, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int32])
+def test_limits_of_matches_the_python_table(dtype):
+    t = torch.zeros(3, dtype=dtype)
+    fp32 = torch.zeros(2)
+    limit = headroom.LIMITS.get(dtype, 0.0)
+    if limit:
+        assert _C.limits_of([fp32, t, fp32]) == [0.0, limit, 0.0]
+    else:  # no row needs one: nothing to carry
+        assert _C.limits_of([fp32, t]) == []
+
+
+def test_the_pass_call_under_grad_mode_makes_no_graph():
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    with torch.enable_grad():
+        counts, norm, absmax = _C.stats_on(params, torch.device("cpu"))
+        assert torch.is_grad_enabled()  # the call's own no-grad ends with it
+    assert not norm.requires_grad and norm.grad_fn is None and not absmax.requires_grad
+    assert_stats_match(counts, norm, absmax, [p.detach() for p in params])
