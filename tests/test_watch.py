@@ -800,3 +800,77 @@ def test_cuda_step_never_syncs_the_host(sync):
         w.flush()
     assert w.skipped_steps == 1 and w.last.phase == "input"
     w.remove()
+
+
+def test_results_device_is_the_cpu_for_a_cpu_model():
+    from nanfast.watcher.options import results_device
+
+    assert results_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert results_device(torch.nn.ReLU()) == torch.device("cpu")  # no parameters
+    meta_first = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"), torch.nn.Linear(2, 2))
+    assert results_device(meta_first) == torch.device("meta")  # not an accelerator: the first parameter's
+
+
+class CpuTableGpuHead(torch.nn.Module):
+    """A CPU embedding table before GPU layers (its first parameter is on the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3).cuda()
+
+    def forward(self, idx):
+        return self.head(self.table(idx).cuda())
+
+
+class CpuScaleGpuCompute(torch.nn.Module):
+    """Every parameter on the CPU, the work on the GPU: the watch's results live on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.body = torch.nn.Identity()
+
+    def forward(self, x):
+        # The NaN reaches the output only (the parameter's gradient is 0 * 1): only the GPU's counts show it.
+        return torch.log(self.body(x.cuda())) + 0 * self.scale.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_watch_results_on_the_gpu_when_a_parameter_is_there():
+    model = CpuTableGpuHead()
+    w = nanfast.watch(model)
+    assert w._device.type == "cuda"
+    idx = torch.randint(0, 50, (4,))
+    model(idx).sum().backward()
+    w.step()  # healthy: no event
+    with torch.no_grad():
+        model.head.bias[1] = NAN
+    model(idx).sum().backward()
+    with pytest.raises(nanfast.NonFiniteError):
+        w.step()
+    assert w.last.first.name.startswith("head")
+    w.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_counts_copied_to_a_cpu_watch_are_waited_for():
+    """Counts computed on the GPU for a watch whose results live on the CPU must have landed before the
+    step's read (NOTE: [Results copied to the CPU]): every bad step is reported, every good one is not,
+    on inputs large enough for the GPU to be still busy when the host reads."""
+    model = CpuScaleGpuCompute()
+    w = nanfast.watch(model, action="warn")
+    assert w._device.type == "cpu"
+    good = torch.rand(1 << 22) + 0.5
+    bad = good.clone()
+    bad[-1] = -1.0  # log of a negative: NaN, made on the GPU
+    reported = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(40):
+            before = len(w.events)
+            model(bad if i % 3 == 2 else good).sum().backward()
+            w.step()
+            reported.append(len(w.events) > before)
+    assert reported == [i % 3 == 2 for i in range(40)]
+    w.remove()

@@ -65,7 +65,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, 
   const at::Device first = tensors[0].device();
   const bool one_device =
       std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return t.device() == first; });
-  auto to_device = [&](const at::Tensor& t) { return t.device() == device ? t : t.to(device, /*non_blocking=*/true); };
+  // NOTE: [Results copied to the CPU]
+  // Results computed on an accelerator and wanted on the CPU are copied with a wait: a non-blocking copy
+  // lands in pinned memory while the host goes on, and the watch reads CPU counts on the host without
+  // any sync of that accelerator, so it could read them before they land and call the step clean. The
+  // watch puts its results on an accelerator whenever a parameter is on one (Watch._device), so this
+  // wait is met only by a model whose parameters are all on the CPU while it computes elsewhere.
+  // Copies to an accelerator stay non-blocking (from pageable memory they are staged before returning).
+  auto to_device = [&](const at::Tensor& t) {
+    return t.device() == device ? t : t.to(device, /*non_blocking=*/!device.is_cpu());
+  };
   if (one_device) {
     auto [counts, norm, absmax] = stats_op().call(tensors);
     return {to_device(counts), to_device(norm), to_device(absmax)};

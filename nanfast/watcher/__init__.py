@@ -21,8 +21,8 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
-from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns, rollback_options,
-                      steps_option, validate)
+from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns,
+                      results_device, rollback_options, steps_option, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -113,8 +113,7 @@ class Watch(Hooks, Actions, Readings):
         self._params = _C.ParamGrads({id(p): name for name, p in model.named_parameters()})
         # FSDP2 / tensor parallel: the fused pass reads the local shards (the op has no DTensor rule).
         self._sharded = distributed.has_dtensor(list(model.parameters()))
-        first = next(model.parameters(), None)
-        self._device = first.device if first is not None else torch.device("cpu")
+        self._device = results_device(model)
         self._root = self._site("", type(model).__name__)
         self._input = self._site("input", "")
         self._handles: list = []

@@ -168,3 +168,19 @@ def rollback_options(action: Union[str, Callable], params: bool, every: Optional
     if where.type == "meta":
         raise ValueError("nanfast.watch: rollback_device='meta' holds no values to restore")
     return every, where
+
+
+def results_device(model: torch.nn.Module) -> torch.device:
+    """Where a watch's counts and summary live: the device of the model's first parameter on an
+    accelerator if it has one (a model whose CPU embedding table comes before its GPU layers: counts
+    copied to the CPU would have to be waited for, see NOTE: [Results copied to the CPU]), else of its
+    first parameter, else the CPU.
+
+    Args:
+        model: the watched module.
+
+    Returns:
+        The device."""
+    devices = [p.device for p in model.parameters()]
+    accelerator = next((d for d in devices if d.type not in ("cpu", "meta")), None)
+    return accelerator or (devices[0] if devices else torch.device("cpu"))
