@@ -115,13 +115,6 @@ void WatchRecorder::forget() {
   records_->flush();
 }
 
-// An entry's counts kept as numbers, as a CPU tensor (to be concatenated with counts made on a GPU).
-static at::Tensor host_counts(const Entry& entry) {
-  at::Tensor counts = at::empty({entry.rows, 3}, at::kLong);
-  std::copy(entry.host.begin(), entry.host.end(), counts.mutable_data_ptr<int64_t>());
-  return counts;
-}
-
 py::tuple WatchRecorder::take() {
   std::vector<Entry> entries;
   {
@@ -137,14 +130,13 @@ py::tuple WatchRecorder::take() {
   std::vector<at::Tensor> counts;
   std::vector<at::Tensor> absmax;
   slots.reserve(entries.size());
-  // See NOTE: [CPU counts kept as numbers]: all of them on the host unless a record was made on a GPU.
-  const bool on_host = std::all_of(entries.begin(), entries.end(), [](const Entry& e) { return !e.counts.defined(); });
+  const bool on_host = records_->device.is_cpu();  // see NOTE: [CPU counts kept as numbers]
   int64_t rows = 0;
   for (auto& entry : entries) {
     slots.emplace_back(entry.slot, entry.rows);
     rows += entry.rows;
     if (!on_host) {
-      counts.push_back(entry.counts.defined() ? std::move(entry.counts) : host_counts(entry));
+      counts.push_back(std::move(entry.counts));
     }
     if (!entry.limits.empty()) {
       TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
@@ -160,7 +152,7 @@ py::tuple WatchRecorder::take() {
   {
     py::gil_scoped_release no_gil;
     if (on_host) {
-      packed = at::empty({rows, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device));
+      packed = at::empty({rows, 3}, at::kLong);
       int64_t* out = packed.mutable_data_ptr<int64_t>();
       for (const Entry& entry : entries) {
         out = std::copy(entry.host.begin(), entry.host.end(), out);

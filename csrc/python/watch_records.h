@@ -61,7 +61,8 @@ inline double max_finite(at::ScalarType dtype) {
 // ResNet-18 64x64's 91 records in the watch suite's steps (20 us for the small transformer's 23), and
 // 13 us for 90 records in a loop of records alone. On CPU the three numbers per row are copied into
 // the entry when it is made (in cache; nothing is read later from the tensor) and take() writes them
-// into one new tensor: 19 us (9 us) a step. Counts made on a GPU stay there.
+// into one new tensor: 19 us (9 us) a step. (Counts computed elsewhere for a CPU recorder have landed:
+// see NOTE: [Results copied to the CPU].) A GPU recorder's counts stay on the GPU.
 
 // One record: its counts [rows, 3] (a tensor on the device; on CPU the numbers, see NOTE: [CPU counts
 // kept as numbers]) and the slot id; for a record holding a low-precision tensor, its max |x| per row
@@ -124,7 +125,7 @@ struct Records {
     const std::vector<double> limits = limits_of(tensors);
     Entry entry;
     entry.slot = slot;
-    fill(entry, counts, absmax, limits, 0, static_cast<int64_t>(tensors.size()), all_cpu(tensors, device));
+    fill(entry, counts, absmax, limits, 0, static_cast<int64_t>(tensors.size()));
     const std::lock_guard<std::mutex> lock(mutex);
     entries.push_back(std::move(entry));
     if (profiled) {
@@ -136,10 +137,10 @@ struct Records {
   // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
   // [Overflow headroom in the recorder]).
   static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
-                   int64_t row, int64_t rows, bool computed_on_cpu) {
+                   int64_t row, int64_t rows) {
     const bool whole = row == 0 && rows == counts.size(0);  // no view to make (the hot path)
     entry.rows = rows;
-    if (computed_on_cpu) {
+    if (counts.is_cpu()) {  // see NOTE: [CPU counts kept as numbers]
       TORCH_INTERNAL_ASSERT(counts.is_contiguous() && counts.scalar_type() == at::kLong,
                             "nanfast.watch: the fused op's counts are not contiguous int64");
       const int64_t* values = counts.const_data_ptr<int64_t>() + 3 * row;
@@ -155,12 +156,6 @@ struct Records {
       entry.absmax = whole ? absmax : absmax.narrow(0, row, rows);
       entry.limits.assign(first, last);
     }
-  }
-
-  // Whether counts for `tensors` landing on `device` were computed on the CPU, so are there to read
-  // (from another device they arrive by a copy that may still be running).
-  static bool all_cpu(at::TensorList tensors, at::Device device) {
-    return device.is_cpu() && std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.is_cpu(); });
   }
 
   static int64_t bytes_of(at::TensorList tensors) {
@@ -224,12 +219,11 @@ struct Records {
       all.insert(all.end(), extra.begin(), extra.end());
       auto [counts, norm, absmax] = stats_on(all, device);
       const std::vector<double> limits = limits_of(all);
-      const bool on_cpu = all_cpu(all, device);
       int64_t row = 0;
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        fill(entries[d.entry], counts, absmax, limits, row, rows, on_cpu);
+        fill(entries[d.entry], counts, absmax, limits, row, rows);
         row += rows;
       }
       if (!extra.empty()) {
