@@ -100,6 +100,48 @@ def count_syncs(fn):
     return counter.host_syncs
 
 
+def _loss_values():
+    """Loss values of every kind Watch.loss takes: one element (the direct path of NOTE: [A loss's mean
+    without ATen ops]) in each 16-, 32- and 64-bit float, 0-dim, [1], a strided one-element view, a
+    negative view and special values; and several elements, none, or a graph (ATen's mean)."""
+    g = torch.Generator().manual_seed(7)
+    specials = [0.0, -0.0, 1.5, -3.25e-30, 6e4, float("nan"), float("inf"), float("-inf"), 1e-310]
+    values = [torch.tensor(v, dtype=dtype) for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+              for v in specials]
+    values += [torch.randn(1, generator=g), torch.randn(4, 5, generator=g, dtype=torch.float64).t()[2:3, 1],
+               torch._neg_view(torch.tensor(2.5)), torch.randn(64, generator=g), torch.randn(3, 7, generator=g).t(),
+               torch.randn(33, generator=g).to(torch.bfloat16), torch.empty(0),
+               torch.randn((), generator=g, requires_grad=True) * 3, torch.randn(8, generator=g, requires_grad=True) * 3]
+    return values
+
+
+@pytest.mark.parametrize("index", range(len(_loss_values())))
+def test_loss_mean_equals_the_float64_mean_with_no_graph_and_no_host_read(index):
+    value = _loss_values()[index]
+    with OpRecorder() as ops:
+        mean = nanfast._C.loss_mean(value)
+    assert ops.host_syncs == 0
+    expected = value.detach().mean(dtype=torch.float64)
+    assert mean.dtype == torch.float64 and mean.shape == () and mean.device == value.device
+    assert not mean.requires_grad and mean.grad_fn is None
+    torch.testing.assert_close(mean, expected, rtol=0, atol=0, equal_nan=True)  # the same number, bit for bit
+    assert math.copysign(1, mean.item()) == math.copysign(1, expected.item())  # -0.0 stays -0.0
+
+
+def test_loss_mean_of_a_tensor_subclass_is_the_subclass_own_mean():
+    # A wrapper subclass's own storage holds no values: its mean must come from its __torch_dispatch__.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    mean = nanfast._C.loss_mean(TwoTensor(torch.tensor(1.5), torch.tensor(-2.5)))
+    assert type(mean) is TwoTensor and (mean.a.item(), mean.b.item()) == (1.5, -2.5)
+    assert mean.dtype == torch.float64
+
+
+def test_loss_mean_rejects_a_value_that_is_not_floating():
+    with pytest.raises(RuntimeError, match="nanfast._C.loss_mean: value must be a floating tensor, got Long"):
+        nanfast._C.loss_mean(torch.tensor(3))
+
+
 @pytest.mark.parametrize("sync,every,expected", [("eager", 1, [1, 1, 1, 1]), ("eager", 2, [1, 0, 1, 0]),
                                                  ("lagged", 1, [0, 0, 0, 0])])
 def test_one_host_read_per_checked_step_with_history_spikes_and_a_stream(tmp_path, sync, every, expected):

@@ -7,7 +7,9 @@
 #include <optional>
 #include <vector>
 
+#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mean.h>
 #include <ATen/ops/tensor.h>
 
 #include "../cpu/simd_kernels.h"
@@ -135,6 +137,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats_on(py::handle tensors,
   return stats_on(inputs.list(), device);
 }
 
+// NOTE: [A loss's mean without ATen ops]
+// Watch.loss keeps the mean of each loss value, float64 on its device, for the step's one read. As
+// `value.detach().mean(dtype=torch.float64)` under no_grad it was four calls into torch right after the
+// model's kernels and the loss's own, each paying cold caches: 45-70 us a call inside a step (the watch
+// suite's MLP steps take 4.5 ms), for one number. A loss is nearly always one element: on the CPU (a
+// plain tensor: no subclass, no negative view) its value is read here and written into a new float64
+// tensor, the number ATen's mean gives (the element converted exactly to double and added to a sum
+// that starts at +0, so -0 gives +0 there too): 4-5 us. Anything else (several elements, none, an
+// accelerator, a tensor subclass) takes ATen's mean with grad mode off: no graph and no host read.
+at::Tensor loss_mean(const at::Tensor& value) {
+  TORCH_CHECK(value.is_floating_point(), "nanfast._C.loss_mean: value must be a floating tensor, got ",
+              value.scalar_type());
+  const c10::ScalarType dtype = value.scalar_type();
+  const bool direct = !value.unsafeGetTensorImpl()->is_python_dispatch() && value.is_cpu() &&
+      value.layout() == at::kStrided && value.numel() == 1 && !value.is_neg() && value.has_storage() &&
+      (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16);
+  if (!direct) {
+    const c10::AutoGradMode no_grad(false);
+    return at::mean(value, at::kDouble);
+  }
+  double mean = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "nanfast._C.loss_mean",
+                                  [&] { mean = static_cast<double>(*value.const_data_ptr<scalar_t>()) + 0.0; });
+  at::Tensor out = at::empty({}, at::TensorOptions().dtype(at::kDouble));
+  *out.mutable_data_ptr<double>() = mean;
+  return out;
+}
+
 using OptTensor = std::optional<at::Tensor>;
 
 // torch.ops.nanfast.step_summary, unboxed: the watch calls it once per step, right after the model's
@@ -206,6 +236,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
         py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
+  m.def("loss_mean", &loss_mean,
+        "The mean of a floating tensor as float64 on its device, with no graph and no host read (Watch.loss).",
+        py::arg("value"));
   m.def("read_summary", &read_summary,
         "A step's summary on the host: (flag > 0, its values); the flag's item() is the one host sync.",
         py::arg("summary"));

@@ -150,9 +150,8 @@ class Hooks:
         if not self._active or torch.compiler.is_compiling():
             return value
         if self._keeps_losses and value.is_floating_point():
-            with torch.no_grad():  # the value, not the graph; float64 and on the device: no sync
-                mean = value.detach().mean(dtype=torch.float64)
-            self._step.losses.setdefault(name, []).append(mean)
+            # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops])
+            self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
         if self._check_loss:
             site = self._loss_sites.get(name)
             if site is None:
