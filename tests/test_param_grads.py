@@ -64,6 +64,37 @@ def test_gather_matches_the_python_lists_and_keeps_its_tuples_while_nothing_chan
         pg.gather([{"params": [extra, "w"]}], groups=True)
 
 
+def test_gather_of_a_long_mixed_list_matches_the_python_lists():
+    # Long enough for every prefetch stage (NOTE: [Each parameter's gradient, prefetched]) to look ahead
+    # at each kind of entry: with and without a gradient, sparse and non-contiguous gradients, plain tensors with
+    # no autograd metadata, and a non-tensor entry that the prefetches meet before the check names it.
+    torch.manual_seed(0)
+    params = []
+    for i in range(60):
+        kind = i % 6
+        if kind == 5:
+            params.append(torch.randn(3))  # no autograd metadata, no gradient
+            continue
+        p = torch.nn.Parameter(torch.randn(4, 3))
+        if kind == 1:
+            p.grad = torch.randn(4, 3)
+        elif kind == 2:
+            p.grad = torch.randn(4, 3).to_sparse()
+        elif kind == 4:
+            p.grad = torch.randn(4, 3).t().contiguous().t()  # strided, not contiguous
+        params.append(p)
+    names = {id(p): f"p{i}" for i, p in enumerate(params) if i % 7}
+    pg = _C.ParamGrads(names)
+    for source, groups in ((params, False), ([{"params": params[:25]}, {"params": params[25:]}], True)):
+        got = pg.gather(source, groups=groups)
+        want = python_gather(params, names)
+        assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
+        assert len(got[2]) == len(want[2]) == 30
+        assert all(a.layout == torch.strided and torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    with pytest.raises(RuntimeError, match=r"parameter 50 of the model is a int, not a torch.Tensor"):
+        pg.gather(params[:50] + [7] + params[50:], groups=False)
+
+
 def test_a_watch_names_a_gradient_outside_the_model_by_position():
     model, opt, extra = model_and_optimizer()
     opt.zero_grad()
