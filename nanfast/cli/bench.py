@@ -256,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed repeats per method (median reported; default: 7, and 40 for the watch suite)")
     parser.add_argument("--suite", default="core", choices=["core", *EXTRA_SUITES, "all"])
     parser.add_argument("--workloads", default="",
-                        help="comma-separated workloads of the core suite, or of the watch suite (mlp, "
+                        help="comma-separated workloads of the core suite, or of the watch suite (mlp, mlp-128, "
                              "transformer-small, transformer-d256, resnet18-64, resnet18-224); default: all")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="size factor for the 5000-tensor and 256M workloads (e.g. 0.1 for a quick run)")

@@ -4,18 +4,21 @@ transformer, and ResNet-18 at two input sizes, each a model with a fixed batch, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 
-# From the fastest step to the slowest (2 threads, CPU): the MLP (2.1 M parameters, a ~10 ms step, where
-# the watch's fixed cost per module call and per step weighs most), a small transformer (~50 ms), the
-# d=256 one (~0.3 s), ResNet-18 on small images (~0.1 s, where reading the 11.7 M parameters and their
-# gradients weighs most) and on ImageNet's 224x224 (~0.9 s).
+# From the fastest step to the slowest (2 threads, CPU; steps as measured on the 2-vCPU AMD EPYC VM of
+# issue 19): the MLP with a batch of 32 (2.1 M parameters, a ~4 ms step, where the watch's fixed cost
+# per module call and per step weighs most), the same MLP with the batch issue 19 sized for a ~10 ms
+# step there (128), a small transformer (~20 ms), the d=256 one (~0.35 s), ResNet-18 on small images
+# (~60 ms, where reading the 11.7 M parameters' gradients weighs most) and on ImageNet's 224x224 (~0.6 s).
 MLP = dict(features=784, width=850, layers=4, classes=10, batch=32)
+MLP_10MS_BATCH = 128
 SMALL_TRANSFORMER = dict(layers=2, d_model=128, nhead=4, dim_feedforward=512, vocab=1000, batch=8, seq=64)
 TRANSFORMER = dict(layers=4, d_model=256, nhead=4, dim_feedforward=1024, vocab=1000, batch=16, seq=128)
 CNNS = (dict(batch=16, image=64, classes=100), dict(batch=16, image=224, classes=1000))
-KEYS = ("mlp", "transformer-small", "transformer-d256", "resnet18-64", "resnet18-224")
+KEYS = ("mlp", "mlp-128", "transformer-small", "transformer-d256", "resnet18-64", "resnet18-224")
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
@@ -92,8 +95,8 @@ class ResNet18(torch.nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _mlp(device: str) -> tuple[str, torch.nn.Module, Batch]:
-    m = MLP
+def _mlp(device: str, batch: Optional[int] = None) -> tuple[str, torch.nn.Module, Batch]:
+    m = MLP if batch is None else dict(MLP, batch=batch)
     model = MLP4(**m).to(device)
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(m["batch"], m["features"], device=device)
@@ -131,7 +134,8 @@ def make_workloads(device: str, only: Sequence[str] = ()) -> list[tuple[str, tor
     if unknown:
         raise ValueError(f"nanfast bench --suite watch: unknown workload(s) {', '.join(unknown)}; "
                          f"choose from {', '.join(KEYS)}")
-    makers = {"mlp": lambda: _mlp(device), "transformer-small": lambda: _transformer(SMALL_TRANSFORMER, device),
+    makers = {"mlp": lambda: _mlp(device), "mlp-128": lambda: _mlp(device, MLP_10MS_BATCH),
+              "transformer-small": lambda: _transformer(SMALL_TRANSFORMER, device),
               "transformer-d256": lambda: _transformer(TRANSFORMER, device),
               "resnet18-64": lambda: _resnet(CNNS[0], device), "resnet18-224": lambda: _resnet(CNNS[1], device)}
     return [makers[key]() for key in KEYS if not only or key in only]
