@@ -252,10 +252,10 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 
 // NOTE: [Prefetching the next page]
 // The hardware prefetchers follow a stream only within a 4 KB page and restart at every new page;
-// asking for the lines 4 KB ahead keeps the next page's reads in flight. Measured on a 2-core
-// Cascade Lake VM, 2 threads: stats over 500 MB of float32 went from 16.3-17.2 to 18.5-19.0 GB/s,
-// over bfloat16 from 13 to 19 GB/s; any_nonfinite from 18.2-18.6 to 20.5 GB/s. Prefetches past the
-// end of the data are hints and never fault.
+// asking for the lines a page or two ahead keeps the next pages' reads in flight. Measured (4 KB
+// ahead) on a 2-core Cascade Lake VM, 2 threads: stats over 500 MB of float32 went from 16.3-17.2
+// to 18.5-19.0 GB/s, over bfloat16 from 13 to 19 GB/s; any_nonfinite from 18.2-18.6 to 20.5 GB/s.
+// Prefetches past the end of the data are hints and never fault.
 // On AMD they cost instead. On a 2-vCPU AMD EPYC (Zen 4) KVM guest, 2 threads, machine shared,
 // seven runs of benchmarks/isa_ab.py: GPT-2 float32 stats with AVX2 read at 0.58-0.73x the read
 // ceiling with them (median 0.66x) and 0.69-0.98x without (0.84x), AVX-512 likewise; bfloat16 showed
@@ -272,8 +272,15 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 // above was measured on a machine loaded 3-9x its two cores, where a prefetch waits for miss buffers
 // that other processes hold; a machine shared so heavily can turn them off. So they are on by default
 // everywhere; NANFAST_CPU_PREFETCH=0|1 or set_cpu_prefetch() decide otherwise. Results do not depend
-// on it.
-constexpr int64_t kPrefetchBytes = 4096;
+// on it. How far ahead: two pages, not one. On the same kind of VM in a faster-memory phase (a read
+// ceiling of 74-78 GB/s; session 29), builds with 4096, 8192 and 16384 bytes loaded in turn, one
+// process each, nine alternating runs of `benchmarks/bench.py --workloads gpt2-fp32,gpt2-bf16` per
+// instruction set, `stats` against the read ceiling (medians, lowest run): AVX2 float32 0.87x (0.77x)
+// with 4096 against 0.94x (0.92x) with 8192, bfloat16 0.91x (0.87x) against 0.97x (0.88x); AVX-512
+// float32 0.89x (0.79x) against 0.90x (0.84x), bfloat16 0.95x (0.80x) against 0.97x (0.87x); 16384
+// (four runs) below both. 5000 tensors of 1024 floats: 1.04 against 1.09 ms (four runs each, within
+// their spread).
+constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kCacheLine = 64;
 
 template <typename T>
