@@ -278,8 +278,8 @@ inline typename Simd<T>::vec block_squares(const T* p, Bits<typename Simd<T>::ve
 // instruction set, `stats` against the read ceiling (medians, lowest run): AVX2 float32 0.87x (0.77x)
 // with 4096 against 0.94x (0.92x) with 8192, bfloat16 0.91x (0.87x) against 0.97x (0.88x); AVX-512
 // float32 0.89x (0.79x) against 0.90x (0.84x), bfloat16 0.95x (0.80x) against 0.97x (0.87x); 16384
-// (four runs) below both. 5000 tensors of 1024 floats: 1.04 against 1.09 ms (four runs each, within
-// their spread).
+// (four runs) below 8192 everywhere. 5000 tensors of 1024 floats: 1.04 against 1.09 ms (four runs
+// each, within their spread). Details: benchmarks/results/cpu-isa-prefetch.md, last section.
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kCacheLine = 64;
 
