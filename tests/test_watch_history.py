@@ -125,7 +125,7 @@ def test_loss_mean_equals_the_float64_mean_with_no_graph_and_no_host_read(index)
     assert mean.dtype == torch.float64 and mean.shape == () and mean.device == value.device
     assert not mean.requires_grad and mean.grad_fn is None
     torch.testing.assert_close(mean, expected, rtol=0, atol=0, equal_nan=True)  # the same number, bit for bit
-    assert math.copysign(1, mean.item()) == math.copysign(1, expected.item())  # -0.0 stays -0.0
+    assert math.copysign(1, mean.item()) == math.copysign(1, expected.item())  # zero's sign as ATen's (-0 gives +0)
 
 
 def test_loss_mean_of_a_tensor_subclass_is_the_subclass_own_mean():

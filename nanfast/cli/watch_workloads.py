@@ -1,5 +1,5 @@
-"""The training steps the watch suite (bench_watch.py) times: a small MLP, a small and a d=256
-transformer, and ResNet-18 at two input sizes, each a model with a fixed batch, by short key."""
+"""The training steps the watch suite (bench_watch.py) times: a small MLP at two batch sizes, a small and a
+d=256 transformer, and ResNet-18 at two input sizes, each a model with a fixed batch, by short key."""
 
 from __future__ import annotations
 
