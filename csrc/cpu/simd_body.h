@@ -21,7 +21,6 @@
 // results stay deterministic.
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -90,7 +89,7 @@ struct Simd<c10::Half> : FloatLike {
   }
   static constexpr uint16_t kInfBits = 0x7c00;
   static uint32_t float_bits(uint16_t bits) {
-    return std::bit_cast<uint32_t>(static_cast<float>(c10::Half(bits, c10::Half::from_bits())));
+    return nanfast::bit_cast<uint32_t>(static_cast<float>(c10::Half(bits, c10::Half::from_bits())));
   }
 };
 
@@ -158,7 +157,7 @@ inline auto max_bits(B m) {
 // The largest of the magnitudes m (abs_bits() of vectors of V), as a double.
 template <typename V>
 inline double max_lane(Bits<V> m) {
-  return std::bit_cast<std::remove_cvref_t<decltype(V{}[0])>>(max_bits(m));
+  return nanfast::bit_cast<std::remove_cv_t<std::remove_reference_t<decltype(V{}[0])>>>(max_bits(m));
 }
 
 // A segment's largest magnitude: of its widened registers (wide), and for a narrow type of the 16-bit
@@ -167,7 +166,7 @@ template <typename T>
 inline double segment_top(Bits<typename Simd<T>::vec> wide, vbits16 narrow) {
   if constexpr (kNarrow<T>) {
     const uint32_t widened = Simd<T>::float_bits(static_cast<uint16_t>(max_bits(narrow)));
-    return std::bit_cast<float>(std::max(static_cast<uint32_t>(max_bits(wide)), widened));
+    return nanfast::bit_cast<float>(std::max(static_cast<uint32_t>(max_bits(wide)), widened));
   } else {
     return max_lane<typename Simd<T>::vec>(wide);
   }

@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "../bit_cast.h"  // for simd_body.h, which must include no header of inline code
 #include "../nonfinite.h"
 
 namespace nanfast::cpu {

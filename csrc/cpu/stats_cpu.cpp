@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <type_traits>
 #include <vector>
 
@@ -11,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "../bit_cast.h"
 #include "../dtypes.h"
 #include "../ops.h"
 #include "simd_kernels.h"
@@ -35,7 +35,7 @@ struct Widen<T, true> {
 
   template <typename Fn>
   void operator()(T x, const Fn& fn) const {
-    for (const double v : table[std::bit_cast<uint8_t>(x)]) {
+    for (const double v : table[nanfast::bit_cast<uint8_t>(x)]) {
       fn(v);
     }
   }
@@ -45,7 +45,7 @@ struct Widen<T, true> {
       std::array<Values, 256> v{};
       for (int bits = 0; bits < 256; ++bits) {
         size_t k = 0;
-        for_each_value(std::bit_cast<T>(static_cast<uint8_t>(bits)), [&](double x) { v[bits][k++] = x; });
+        for_each_value(nanfast::bit_cast<T>(static_cast<uint8_t>(bits)), [&](double x) { v[bits][k++] = x; });
       }
       return v;
     }();

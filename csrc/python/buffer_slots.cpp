@@ -117,9 +117,13 @@ void copy_tensors(py::handle targets, py::handle sources, bool non_blocking) {
               " targets for ", src.list().size(), " sources");
   std::vector<at::Tensor> other_dst;
   std::vector<at::Tensor> other_src;
-  for (size_t i = 0; i < dst.list().size(); ++i) {
-    const at::Tensor& d = dst.list()[i];
-    const at::Tensor& s = src.list()[i];
+  // Named lists: an element's reference taken through a temporary ArrayRef makes GCC 14 warn
+  // (-Wdangling-reference), an error under NANFAST_WERROR.
+  const at::TensorList dsts = dst.list();
+  const at::TensorList srcs = src.list();
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const at::Tensor& d = dsts[i];
+    const at::Tensor& s = srcs[i];
     if (plain_cpu(d) && plain_cpu(s) && d.scalar_type() == s.scalar_type() && d.sizes() == s.sizes()) {
       if (d.nbytes() > 0 && !d.is_same(s)) {
         std::memcpy(d.data_ptr(), s.const_data_ptr(), d.nbytes());
