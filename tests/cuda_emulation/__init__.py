@@ -53,6 +53,13 @@ def rewrite(source: str, name: str) -> str:
     return f'#define CUDA_EMU_KERNEL_FILE 1\n#include "cuda_emulation.h"\n#line 1 "{name}"\n{body}'
 
 
+def _loaded_libstdcxx() -> list[str]:
+    """The libstdc++ this process mapped, linked by path so that the build uses it and carries no static
+    copy (NOTE: [The process's one libstdc++] in setup.py)."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})[:1]
+
+
 def _default_build_dir() -> Path:
     import torch
 
@@ -107,7 +114,7 @@ def build(kernel_file: Path | None = None, build_dir: Path | None = None, tsan: 
             extra_cflags=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unknown-pragmas", "-Werror",
                           "-U_FORTIFY_SOURCE"] + sanitize,
             extra_include_paths=[str(HERE / "include"), str(HERE), str(kernel_file.parent)],
-            extra_ldflags=link + [str(library), f"-Wl,-rpath,{library.parent}"],
+            extra_ldflags=link + [str(library), f"-Wl,-rpath,{library.parent}"] + _loaded_libstdcxx(),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
