@@ -1,6 +1,6 @@
 #pragma once
-// nanfast::bit_cast: std::bit_cast for C++17. torch before 2.12 builds extensions as C++17, where
-// <bit> has no bit_cast (seen on a GPU machine with torch 2.11); the memcpy compiles to a register move.
+// nanfast::bit_cast: std::bit_cast for C++17. torch 2.11 builds extensions as C++17 (2.14 as C++20),
+// where <bit> has no bit_cast (seen on a GPU machine); the memcpy compiles to a register move.
 
 #include <cstring>
 #include <type_traits>
