@@ -54,8 +54,13 @@ class Backend:
     any_nonfinite: Callable
 
 
+def current_gpu() -> torch.device:
+    """The current GPU with its index: a tensor's device has one, and torch.device("cuda") != "cuda:0"."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def gpu_backend() -> Backend:
-    return Backend("gpu", torch.device("cuda"), torch.ops.nanfast.stats, torch.ops.nanfast.any_nonfinite)
+    return Backend("gpu", current_gpu(), torch.ops.nanfast.stats, torch.ops.nanfast.any_nonfinite)
 
 
 @pytest.fixture(scope="module", params=["gpu", "emulated"])
@@ -95,7 +100,7 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def on_cuda(t: torch.Tensor) -> torch.Tensor:
-    return on_device(t, torch.device("cuda"))
+    return on_device(t, current_gpu())
 
 
 def check_matches_cpu(backend: Backend, cpu_list: list[torch.Tensor]) -> None:
