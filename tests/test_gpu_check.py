@@ -36,3 +36,17 @@ def test_plan_covers_every_check(tmp_path):
         assert f"--tool {tool} --error-exitcode 1" in steps[f"sanitizer-{tool}"]
         assert steps[f"sanitizer-{tool}"].endswith("gpu_check_cases.py hard-cases")
     assert "bench --device cuda" in steps["bench-core"]
+
+
+def test_only_runs_the_named_steps_and_names_the_steps_for_an_unknown_one(tmp_path):
+    done = run(str(tmp_path), "--plan", "--only", "bench-core,install")
+    assert done.returncode == 0, done.stderr
+    assert [line.split(": ", 1)[0] for line in done.stdout.splitlines()] == ["install", "bench-core"]
+    done = run(str(tmp_path), "--only", "install,sanitizers")
+    assert done.returncode == 2 and "no step named sanitizers" in done.stderr and "sanitizer-memcheck" in done.stderr
+
+
+def test_the_install_downloads_nothing(tmp_path):
+    """The GPU machines it runs on reach no package index: the install takes what the Python holds."""
+    install = dict(line.split(": ", 1) for line in run(str(tmp_path), "--plan").stdout.splitlines())["install"]
+    assert "--no-deps" in install and "--no-build-isolation" in install and "[" not in install
