@@ -276,3 +276,10 @@ def test_a_workload_the_amp_check_refuses_is_timed_without_it(monkeypatch):
     bars = {bar.get_label(): bar for bar in bench.chart(rows, "t").axes[0].containers}
     heights = [patch.get_height() for patch in bars[bench.AMP].patches]
     assert heights[0] > 0 and math.isnan(heights[1])
+
+
+def test_the_machine_line_names_the_gpu_the_timings_ran_on(monkeypatch):
+    # The first GPU run's chart named only the host's Xeon.
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert bench.machine("cuda").startswith("NVIDIA H100 80GB HBM3; ")
+    assert "H100" not in bench.machine("cpu") and "H100" not in bench.machine()

@@ -210,14 +210,16 @@ def core_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    """The CPU, torch and thread count, and for a CUDA device the GPU too (what the timings ran on)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    gpu = f"{torch.cuda.get_device_name(torch.device(device))}; " if device.startswith("cuda") else ""
+    return (f"{gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"nanfast CPU ISA {nanfast.ops._C.cpu_isa()}")
 
 
@@ -286,15 +288,15 @@ def run(args: argparse.Namespace) -> int:
     suites = [n for n in ("core", *EXTRA_SUITES) if args.suite in (n, "all")]
     repeats = {n: args.repeats or DEFAULT_REPEATS[n] for n in suites}
     said = ", ".join(f"{n}: {r}" for n, r in repeats.items())
-    print(f"# nanfast benchmark\n\nMachine: {machine()}\n\nDevice: {args.device}; medians of repeats ({said}).\n")
-    results: dict = {"machine": machine(), "device": args.device, "repeats": repeats}
+    print(f"# nanfast benchmark\n\nMachine: {machine(args.device)}\n\nDevice: {args.device}; medians of repeats ({said}).\n")
+    results: dict = {"machine": machine(args.device), "device": args.device, "repeats": repeats}
     only = [w for w in args.workloads.split(",") if w]
     if "core" in suites:
         rows = run_core(args.device, repeats["core"], args.scale, only)
         print(core_markdown(rows))
         results["core"] = rows
         chart = os.path.join(args.out, "results.png")
-        if plot(rows, chart, f"nanfast vs pure-torch NaN/inf checks: {machine()}"):
+        if plot(rows, chart, f"nanfast vs pure-torch NaN/inf checks: {machine(args.device)}"):
             print(f"Chart: {chart}")
         else:
             print("Chart: skipped, matplotlib is not installed (pip install 'nanfast[bench]')")
