@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,16 @@ def test_the_install_downloads_nothing(tmp_path):
     """The GPU machines it runs on reach no package index: the install takes what the Python holds."""
     install = dict(line.split(": ", 1) for line in run(str(tmp_path), "--plan").stdout.splitlines())["install"]
     assert "--no-deps" in install and "--no-build-isolation" in install and "[" not in install
+
+
+def test_the_report_names_a_tree_that_differs_from_its_commit(tmp_path):
+    tool = runpy.run_path(str(TOOL), run_name="gpu_check")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert tool["tree_commit"](tmp_path) == head
+    (tmp_path / "a.txt").write_text("2")
+    assert tool["tree_commit"](tmp_path) == f"{head} + uncommitted changes"
