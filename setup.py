@@ -67,11 +67,12 @@ cxx_flags = ["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"] + (
 nvcc_flags = ["-O3", "-Xcompiler", "-Wall"] + (["-Werror", "all-warnings", "-Xcompiler", "-Werror"] if werror else [])
 # NOTE: [The process's one libstdc++]
 # The extension must use the libstdc++ that torch and Python loaded, never a copy of its own. On a GPU
-# machine's image, g++ was a wrapper around GCC 13 that searches GCC's own lib folder first; its link
-# copied the stream and locale code into _C.so (no libstdc++ among its NEEDED), that copy's locale was
-# never initialised, and the first TORCH_CHECK that formatted a number into its message crashed the
-# process. Adding -lstdc++ changed nothing there, so the extension links the very file this process
-# loaded (torch needs it), by path; the driver's own -lstdc++ then has nothing left to add.
+# machine's image, g++ was a wrapper around GCC 13 (-B into GCC's own folders; why it linked statically
+# was not established); its link copied the stream and locale code into _C.so (no libstdc++ among its
+# NEEDED), that copy's locale was never initialised, and the first TORCH_CHECK that formatted a number
+# into its message crashed the process. Adding -lstdc++ changed nothing there, so the extension links
+# the very file this process loaded (torch needs it), by path; the driver's own -lstdc++ then has
+# nothing left to add.
 # tests/cuda_emulation links its build the same way.
 def loaded_libstdcxx() -> list[str]:
     """The path of the libstdc++ this process mapped (empty where there is none, or no /proc)."""
