@@ -246,3 +246,25 @@ def test_locate_names_the_grounded_first_producer(report, op, phase, node, marke
         assert finding.diagnosis is None
     else:
         assert finding.diagnosis is not None and words in finding.diagnosis, finding.diagnosis
+
+
+_BACKWARD_CASES = [c for c in CASES if c[2] == "backward"]
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in")
+@pytest.mark.parametrize("report, op, phase, node, marker, words", _BACKWARD_CASES,
+                         ids=[c[0].__name__ for c in _BACKWARD_CASES])
+def test_backward_findings_name_the_forward_line_without_node_creation_hook(
+        monkeypatch, report, op, phase, node, marker, words):
+    """torch 2.11 has no torch.autograd.graph.node_creation_hook (on it these findings had no line):
+    locate takes the line from anomaly mode's stack of the node instead (NOTE: [Forward lines without
+    node_creation_hook]), and leaves anomaly mode as it found it."""
+    monkeypatch.delattr(torch.autograd.graph, "node_creation_hook", raising=False)
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            report()
+    finding = raised.value.report
+    assert (finding.op, finding.phase, finding.node) == (op, phase, node)
+    assert finding.where is not None and finding.where.filename == __file__
+    assert _SOURCE[finding.where.lineno - 1].endswith(f"# <{marker}>")
+    assert not torch.is_anomaly_enabled()

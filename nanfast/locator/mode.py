@@ -14,7 +14,7 @@ from .findings import Producer
 from .node_verdict import NodeVerdicts
 from .provenance import Provenance
 from .schema import _named_args, _op_info, _OpInfo
-from .source import _FORWARD_SOURCE_KEY, user_frame
+from .source import forward_source, user_frame
 from .values import _any_nonfinite, _any_nonfinite_values, _tensors_in, _values
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class _LocateMode(TorchDispatchMode):
         elif recomputation_in(node) is not None:  # checkpointing re-runs a forward op: its line is the user's
             producer = Producer(info.name, "recompute", None, user_frame())
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
-            producer = Producer(info.name, "backward", type(node).__name__, node.metadata.get(_FORWARD_SOURCE_KEY))
+            producer = Producer(info.name, "backward", type(node).__name__, forward_source(node))
         nonfinite = _any_nonfinite(outputs)
         tainted = False
         if nonfinite:

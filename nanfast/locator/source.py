@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import NamedTuple, Optional
 
@@ -69,8 +70,38 @@ def _record_forward_source(node) -> None:
 
 
 def _forward_source_recorder() -> contextlib.AbstractContextManager:
-    # torch.autograd.graph.node_creation_hook is recent; without it backward findings name the node
-    # but not its forward line.
     hook = getattr(torch.autograd.graph, "node_creation_hook", None)
-    return hook(_record_forward_source) if hook is not None else contextlib.nullcontext()
+    if hook is not None:
+        return hook(_record_forward_source)
+    # NOTE: [Forward lines without node_creation_hook]
+    # torch 2.11 has no node_creation_hook. Anomaly mode stores each new node's forward stack instead
+    # (formatted, so slower: this is locate, not the watch); forward_source() takes the user's line from
+    # it. check_nan=False: it checks nothing, and locate's own checks are unchanged. (A finding raised in
+    # backward then also comes with torch's warning that prints the node's forward stack.)
+    return torch.autograd.set_detect_anomaly(True, check_nan=False)
 
+
+_ANOMALY_FRAME = re.compile(r'  File "(.*)", line (\d+), in (.*)')
+
+
+def forward_source(node) -> Optional[SourceLine]:
+    """The user's line where `node`'s forward op ran: recorded when the node was made, or taken from
+    anomaly mode's stack of it (NOTE: [Forward lines without node_creation_hook]).
+
+    Returns:
+        That line, or None where neither was recorded (a node made before locate, or on a thread
+        without user code).
+    """
+    metadata = node.metadata
+    source = metadata.get(_FORWARD_SOURCE_KEY)
+    if source is not None or "traceback_" not in metadata:
+        return source
+    for entry in reversed(metadata["traceback_"]):  # innermost frame last
+        frame = _ANOMALY_FRAME.match(entry)
+        if frame is None:
+            continue
+        internal = _internal_by_filename.get(frame[1])
+        if not (_is_internal(frame[1]) if internal is None else internal):
+            source = metadata[_FORWARD_SOURCE_KEY] = SourceLine(frame[1], int(frame[2]), frame[3])
+            return source
+    return None
