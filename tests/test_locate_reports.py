@@ -229,12 +229,8 @@ CASES = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore:std\\(\\)")
-@pytest.mark.parametrize("report, op, phase, node, marker, words", CASES, ids=[c[0].__name__ for c in CASES])
-def test_locate_names_the_grounded_first_producer(report, op, phase, node, marker, words):
-    grounded = first_made(report)
-    assert grounded is not None and tuple(grounded) == (op, phase, node)  # the tracer agrees with the table
-
+def located(report, op: str, phase: str, node, marker: str):
+    """The finding locate raises on report(): its op, phase and node as given, at the line marked <marker>."""
     with pytest.raises(nanfast.NonFiniteError) as raised:
         with nanfast.locate():
             report()
@@ -242,6 +238,15 @@ def test_locate_names_the_grounded_first_producer(report, op, phase, node, marke
     assert (finding.op, finding.phase, finding.node) == (op, phase, node)
     assert finding.where is not None and finding.where.filename == __file__
     assert _SOURCE[finding.where.lineno - 1].endswith(f"# <{marker}>")
+    return finding
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\)")
+@pytest.mark.parametrize("report, op, phase, node, marker, words", CASES, ids=[c[0].__name__ for c in CASES])
+def test_locate_names_the_grounded_first_producer(report, op, phase, node, marker, words):
+    grounded = first_made(report)
+    assert grounded is not None and tuple(grounded) == (op, phase, node)  # the tracer agrees with the table
+    finding = located(report, op, phase, node, marker)
     if words is None:
         assert finding.diagnosis is None
     else:
@@ -260,11 +265,5 @@ def test_backward_findings_name_the_forward_line_without_node_creation_hook(
     locate takes the line from anomaly mode's stack of the node instead (NOTE: [Forward lines without
     node_creation_hook]), and leaves anomaly mode as it found it."""
     monkeypatch.delattr(torch.autograd.graph, "node_creation_hook", raising=False)
-    with pytest.raises(nanfast.NonFiniteError) as raised:
-        with nanfast.locate():
-            report()
-    finding = raised.value.report
-    assert (finding.op, finding.phase, finding.node) == (op, phase, node)
-    assert finding.where is not None and finding.where.filename == __file__
-    assert _SOURCE[finding.where.lineno - 1].endswith(f"# <{marker}>")
+    located(report, op, phase, node, marker)
     assert not torch.is_anomaly_enabled()
