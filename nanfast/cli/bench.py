@@ -95,7 +95,7 @@ def make_methods(tensors: list[torch.Tensor]) -> dict[str, Callable[[], object]]
         assert found_inf.item() == 0
 
     def amp_takes(dtype: torch.dtype) -> bool:
-        # CUDA's kernel takes float32 and float16 only (torch 2.11 refuses bfloat16; GradScaler too).
+        # CUDA's kernel refused bfloat16 in torch 2.11 (as GradScaler.unscale_ would there).
         try:
             torch._amp_foreach_non_finite_check_and_unscale_([torch.zeros(1, dtype=dtype, device=device)],
                                                              found_inf.clone(), inv_scale)
