@@ -39,6 +39,18 @@ def atan2_at_origin():
     return [y, x], lambda: torch.atan2(y, x).sum()
 
 
+def _atan2_is_healthy_at_the_origin() -> bool:
+    y, x = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    torch.atan2(y, x).sum().backward()
+    return bool(y.grad.isfinite().all() and x.grad.isfinite().all())
+
+
+# Older torch (2.8) gives atan2 a NaN gradient at (0, 0) itself: there the pattern is a real fault,
+# which locate and the watch report, so the cases that call it healthy apply only where torch made it so.
+ATAN2_HEALTHY = pytest.mark.skipif(not _atan2_is_healthy_at_the_origin(),
+                                   reason=f"torch {torch.__version__} gives atan2 a NaN gradient at the origin")
+
+
 def angle_at_origin():
     # pytorch/pytorch#98276 (torch.angle NaN gradient at 0)
     c = torch.tensor([0j, 1 + 1j], requires_grad=True)
@@ -90,7 +102,7 @@ def sdpa_with_a_fully_masked_row():
 
 
 HEALTHY = [sdpa_with_a_fully_masked_row, fractional_p_norm_with_a_zero_entry, normalize_zero_vector,
-           std_of_constant_row, atan2_at_origin, angle_at_origin,
+           std_of_constant_row, pytest.param(atan2_at_origin, marks=ATAN2_HEALTHY), angle_at_origin,
            cdist_of_a_batch_with_itself, cdist_fractional_p_with_equal_coordinates,
            pow_with_learnable_exponent_at_zero_base, p_norm_of_pruned_weights]
 
@@ -120,7 +132,8 @@ def test_healthy_model_is_healthy_and_locate_stays_silent(case):
     assert locate_step(step, StepState.capture(leaves)) is None
 
 
-@pytest.mark.parametrize("case", [normalize_zero_vector, std_of_constant_row, atan2_at_origin,
+@pytest.mark.parametrize("case", [normalize_zero_vector, std_of_constant_row,
+                                  pytest.param(atan2_at_origin, marks=ATAN2_HEALTHY),
                                   pow_with_learnable_exponent_at_zero_base, p_norm_of_pruned_weights])
 def test_what_a_node_masked_is_kept_as_a_note(case):
     leaves, loss_fn = case()
@@ -145,6 +158,7 @@ class HealthyPatterns(torch.nn.Module):
                 + torch.linalg.vector_norm(h, ord=3, dim=1).sum())
 
 
+@ATAN2_HEALTHY
 def test_watch_with_locate_stays_silent_on_a_healthy_model():
     torch.manual_seed(0)
     model = HealthyPatterns()
