@@ -13,24 +13,8 @@
 // holds the dtypes whose values can be NaN or infinite, the second those whose values are all finite
 // (integers, bool, and float4_e2m1fn_x2, which has no NaN or infinity). describe_inputs() accepts
 // exactly these, any_nonfinite reads only the first list, and visit_dtype() gives every backend the
-// C++ type of each: a dtype added here is checked, dispatched and compiled everywhere. The MX
-// dtypes are listed only where the torch built against has them (float8_e8m0fnu since torch 2.7,
-// float4_e2m1fn_x2 since 2.8).
-#if __has_include(<c10/util/Float8_e8m0fnu.h>)
-#define NANFAST_HAS_FLOAT8_E8M0FNU 1
-#define NANFAST_IF_FLOAT8_E8M0FNU(_) _(Float8_e8m0fnu)
-#else
-#define NANFAST_HAS_FLOAT8_E8M0FNU 0
-#define NANFAST_IF_FLOAT8_E8M0FNU(_)
-#endif
-
-#if __has_include(<c10/util/Float4_e2m1fn_x2.h>)
-#define NANFAST_HAS_FLOAT4_E2M1FN_X2 1
-#define NANFAST_IF_FLOAT4_E2M1FN_X2(_) _(Float4_e2m1fn_x2)
-#else
-#define NANFAST_HAS_FLOAT4_E2M1FN_X2 0
-#define NANFAST_IF_FLOAT4_E2M1FN_X2(_)
-#endif
+// C++ type of each: a dtype added here is checked, dispatched and compiled everywhere. (The MX dtypes,
+// float8_e8m0fnu and float4_e2m1fn_x2, are in every torch nanfast supports: 2.8 and later.)
 
 #define NANFAST_FOR_EACH_FLOATING_DTYPE(_) \
   _(Double)                                \
@@ -41,7 +25,7 @@
   _(Float8_e4m3fn)                         \
   _(Float8_e5m2fnuz)                       \
   _(Float8_e4m3fnuz)                       \
-  NANFAST_IF_FLOAT8_E8M0FNU(_)
+  _(Float8_e8m0fnu)
 
 #define NANFAST_FOR_EACH_FINITE_DTYPE(_) \
   _(Byte)                                \
@@ -53,7 +37,7 @@
   _(UInt32)                              \
   _(UInt64)                              \
   _(Bool)                                \
-  NANFAST_IF_FLOAT4_E2M1FN_X2(_)
+  _(Float4_e2m1fn_x2)
 
 #define NANFAST_FOR_EACH_DTYPE(_)    \
   NANFAST_FOR_EACH_FLOATING_DTYPE(_) \

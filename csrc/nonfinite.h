@@ -48,7 +48,6 @@ C10_HOST_DEVICE inline void for_each_value(const T& x, const Fn& fn) {
   fn(static_cast<double>(x));
 }
 
-#if NANFAST_HAS_FLOAT4_E2M1FN_X2
 // One fp4 e2m1 value from its 4 bits (sign, 2 exponent bits with bias 1, 1 mantissa bit): 0, 0.5
 // (subnormal), 1, 1.5, 2, 3, 4, 6 and their negatives; no NaN, no infinity.
 C10_HOST_DEVICE inline double e2m1_value(unsigned bits) {
@@ -66,7 +65,6 @@ C10_HOST_DEVICE inline void for_each_value(const c10::Float4_e2m1fn_x2& x, const
   fn(e2m1_value(x.val_ & 0xFu));
   fn(e2m1_value(static_cast<unsigned>(x.val_) >> 4));
 }
-#endif
 
 // First pass over a piece (scale is 1). x is a value of an element (see NOTE: [Values of an element]).
 C10_HOST_DEVICE inline void accumulate(Partial& p, double x) {

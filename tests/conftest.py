@@ -29,15 +29,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 
 
-@pytest.fixture(autouse=True)
-def _denormals_after_inductor():
-    """torch < 2.5's inductor links its CPU kernels with -ffast-math, whose startup code turns on
-    flush-to-zero for the process (pytorch/pytorch#126848): later tests would read subnormals as 0."""
-    yield
-    if torch.__version__ < "2.5":
-        torch.set_flush_denormal(False)
-
-
 @pytest.fixture
 def restore_cpu_isa():
     """Restores the CPU kernels' instruction set and prefetch setting a test changes with

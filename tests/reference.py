@@ -14,9 +14,7 @@ import torch
 
 
 def _copyable(dtype):
-    """dtype, where torch has it and can copy its tensors (the tests clone and move their inputs), else None."""
-    if dtype is None:
-        return None
+    """dtype, where torch can copy its tensors (the tests clone and move their inputs), else None."""
     try:
         torch.zeros(2, dtype=torch.uint8).view(dtype).clone()
     except (NotImplementedError, RuntimeError):  # torch 2.8 has float4_e2m1fn_x2 but no copy kernel for it
@@ -24,10 +22,9 @@ def _copyable(dtype):
     return dtype
 
 
-# The MX dtypes this torch has: float8_e8m0fnu (torch >= 2.7) and float4_e2m1fn_x2 (torch >= 2.8; tested
-# where torch can copy it, which 2.8 cannot).
-FLOAT8_E8M0FNU = getattr(torch, "float8_e8m0fnu", None)
-FLOAT4_E2M1FN_X2 = _copyable(getattr(torch, "float4_e2m1fn_x2", None))
+# The MX dtypes: float8_e8m0fnu, and float4_e2m1fn_x2 where torch can copy it (2.8 cannot).
+FLOAT8_E8M0FNU = torch.float8_e8m0fnu
+FLOAT4_E2M1FN_X2 = _copyable(torch.float4_e2m1fn_x2)
 MX_DTYPES = tuple(d for d in (FLOAT8_E8M0FNU, FLOAT4_E2M1FN_X2) if d is not None)
 
 # The fp4 e2m1 magnitudes of the OCP MX spec (v1.0, section 5.3.3), indexed by exponent and mantissa bits.
@@ -110,12 +107,8 @@ def reference_any_nonfinite(tensors) -> bool:
 
 
 def torch_total_norm(tensors) -> torch.Tensor:
-    """torch's L2 norm of the tensors' L2 norms: torch.nn.utils.get_total_norm (torch >= 2.6), else the
-    same from torch.linalg.vector_norm."""
-    tensors = list(tensors)
-    if hasattr(torch.nn.utils, "get_total_norm"):
-        return torch.nn.utils.get_total_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+    """torch's L2 norm of the tensors' L2 norms (torch.nn.utils.get_total_norm)."""
+    return torch.nn.utils.get_total_norm(list(tensors))
 
 
 def unsupported_dtype_tensor() -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The sources build as C++17 too: torch 2.11 builds extensions as C++17 (2.14 as C++20), and pyproject
-promises torch >= 2.4. The SIMD units include no header that needs C++20, so the compiler checks them
+promises torch >= 2.8. The SIMD units include no header that needs C++20, so the compiler checks them
 here as C++17; the other units include torch headers that demand the standard of the torch installed,
 and tools/gpu-check's build under torch 2.11 covers them."""
 

@@ -37,10 +37,7 @@ needs_fsdp2_training = pytest.mark.skipif(not FSDP2_TRAINS_ON_CPU, reason="FSDP2
 # ---- scenarios: run on every rank; return what the tests check ----
 
 def _sharded_model(mesh):
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))

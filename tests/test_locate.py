@@ -790,7 +790,6 @@ def test_low_precision_outputs():
     assert first_finding(lambda: torch.tensor([60000.0]).half() * 2).op == "aten.mul.Tensor"
 
 
-@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="torch has no float8_e8m0fnu (torch < 2.7)")
 def test_nan_mx_scale():
     """An e8m0 scale out of range is its NaN (0xFF): the cast that made it is the producer."""
     def to_scale(amax):

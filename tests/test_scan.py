@@ -74,7 +74,6 @@ def test_scan_poisoned_prints_a_table(capsys, poisoned_file):
     assert lines[3].split() == ["optimizer.state.0.exp_avg", "(4,)", "float32", "0", "4", "0"]
 
 
-@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch has no MX dtypes (torch < 2.8)")
 def test_scan_mx_checkpoint(capsys, tmp_path):
     """An MX checkpoint (packed fp4 weights, e8m0 scales) is read, not called damaged; 0xFF is the NaN scale."""
     scale = torch.tensor([[127], [130], [0xFF]], dtype=torch.uint8).view(torch.float8_e8m0fnu)

@@ -13,11 +13,11 @@ from .. import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
 from .._tree import group_by_device, leaves
 
 
-# The dtypes that can hold NaN/inf and that the kernels read (float8_e8m0fnu from torch 2.7; packed
-# float4_e2m1fn_x2 values are all finite).
+# The dtypes that can hold NaN/inf and that the kernels read (packed float4_e2m1fn_x2 values are all
+# finite).
 _FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
                        torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.complex64,
-                       torch.complex128, *filter(None, (getattr(torch, "float8_e8m0fnu", None),))))
+                       torch.complex128, torch.float8_e8m0fnu))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
