@@ -24,21 +24,14 @@ _AVAILABLE = dist.is_available()
 def dtensor_type() -> Optional[type]:
     """torch's DTensor class if it has been imported, else None. Importing torch.distributed.tensor
     costs a second; a program that has no DTensor has not imported it, and needs no check."""
-    # Before torch 2.5 DTensor lived in torch.distributed._tensor.api.
-    for name in ("torch.distributed.tensor._api", "torch.distributed._tensor.api"):
-        module = sys.modules.get(name)
-        if module is not None:
-            return module.DTensor
-    return None
+    module = sys.modules.get("torch.distributed.tensor._api")
+    return None if module is None else module.DTensor
 
 
 def dtensor_api() -> Any:
-    """The module of DTensor's public API (placements, distribute_tensor): torch.distributed.tensor, or
-    torch.distributed._tensor before torch 2.5."""
+    """The module of DTensor's public API (placements, distribute_tensor): torch.distributed.tensor."""
     import torch.distributed.tensor as api
 
-    if not hasattr(api, "DTensor"):
-        import torch.distributed._tensor as api
     return api
 
 
