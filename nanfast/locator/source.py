@@ -98,10 +98,7 @@ def forward_source(node) -> Optional[SourceLine]:
         return source
     for entry in reversed(metadata["traceback_"]):  # innermost frame last
         frame = _ANOMALY_FRAME.match(entry)
-        if frame is None:
-            continue
-        internal = _internal_by_filename.get(frame[1])
-        if not (_is_internal(frame[1]) if internal is None else internal):
+        if frame is not None and not _is_internal(frame[1]):
             source = metadata[_FORWARD_SOURCE_KEY] = SourceLine(frame[1], int(frame[2]), frame[3])
             return source
     return None
