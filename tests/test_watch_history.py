@@ -240,6 +240,32 @@ def test_history_is_bounded_and_zero_keeps_none(tmp_path):
     assert len(read_lines(tmp_path / "empty.jsonl")) == 1  # the header only
 
 
+def test_records_made_when_read_equal_the_ones_a_sink_gets_at_once(tmp_path):
+    """Without a sink a record's values are kept and the StepRecord is made when w.history is read (NOTE:
+    [Records made when read]); with one it is made at the step. Both ways give the same records, over
+    healthy steps, a skipped bad one, several losses and a bounded history, read midway and at the end."""
+    kept = {}
+    for way, log_to in (("when read", None), ("at once", [lambda scalars: None])):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with nanfast.watch(model, opt, action="skip", history=4, log_to=log_to) as w:
+                train(model, opt, w, 3, aux=True)
+                midway = w.history
+                train(model, opt, w, 3, aux=True, scales={1: float("inf")})
+        kept[way] = (midway, w.history, w.stats())
+    as_dicts = {way: [[r.to_dict() for r in records] for records in found[:2]] for way, found in kept.items()}
+    assert as_dicts["when read"] == as_dicts["at once"]  # dicts: the bad step's loss is NaN, unequal to itself
+    midway, last, stats = kept["when read"]
+    assert [r.step for r in midway] == [0, 1, 2] and [r.step for r in last] == [2, 3, 4, 5]
+    assert all(isinstance(r, StepRecord) for r in midway + last)
+    bad = last[2]
+    assert bad.skipped and bad.nan + bad.posinf + bad.neginf > 0 and bad.events and math.isnan(bad.loss)
+    assert last[-1].grad_norm == stats["grad_norm"] > 0 and last[-1].grad_max_abs == stats["grad_max_abs"]
+    assert set(last[-1].losses) == {"ce", "aux"} and not last[-1].skipped
+
+
 def test_stream_is_written_a_line_per_step_and_closed_by_remove(tmp_path):
     path = tmp_path / "stream.jsonl"
     model = mlp()

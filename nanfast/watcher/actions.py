@@ -13,7 +13,7 @@ import torch
 
 from .located_agrees import disagreement
 from ..report import NonFiniteError
-from . import agree, history, step as steps
+from . import agree, step as steps
 from .events import Event
 from .options import SKIPPING
 from .restore import lacks_state
@@ -38,7 +38,6 @@ class Actions:
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:
             self.scaler_skipped_steps += 1
-        values = dict(zip(steps.SUMMARY, summary))
         losses, scale, modules = read.tail.unpack(summary[len(steps.SUMMARY):])
         event = spike = None
         if bad:
@@ -46,7 +45,7 @@ class Actions:
             event = agree.event(read.step, steps.places(rows, read.slots(), scaler_skipped, self.nan_only),
                                 self.process_group)
         elif self._spikes is not None and not scaler_skipped:
-            spike = self._spikes.observe(read.step, losses, values["grad_norm"] if read.tail.grads else None, modules)
+            spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
         if event is not None and self.on_event == "locate":
             located = self._locate()
             differs = None if located is None else disagreement(
@@ -67,11 +66,11 @@ class Actions:
         finally:  # a raise still leaves its step in the timeline
             if self._timeline.wanted:
                 top = self._headroom.last if self._headroom is not None else None
-                self._timeline.add(history.record(
-                    read.step, values, read.tail, losses, scale, skipped=self.skipped_steps > skipped_before,
+                self._timeline.add(
+                    read.step, summary, read.tail, losses, scale, skipped=self.skipped_steps > skipped_before,
                     scaler_skipped=scaler_skipped, rolled_back=self.rolled_back_steps > rolled_back_before,
                     headroom=None if top is None else top[0], headroom_place=None if top is None else top[1].where(),
-                    events=found))
+                    events=found)
 
     def _warn(self, event: Event, action: Any, before_step: bool) -> None:
         """Acts on a warning event (kinds spike and headroom; headroom always warns): warn (and the

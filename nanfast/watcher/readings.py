@@ -53,7 +53,7 @@ class Readings:
     @property
     def history(self) -> list[StepRecord]:
         """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
-        return list(self._timeline.records)
+        return self._timeline.records
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         """Writes the kept records as JSON Lines: a header line ({"nanfast": version, "model": class,

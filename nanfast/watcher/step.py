@@ -19,6 +19,7 @@ from .options import ignored
 # Leading entries of the per-step summary tensor; its Tail follows (losses, scale, module norms), then, in
 # a lagged read, the counts of every slot.
 SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
+GRAD_NORM = SUMMARY.index("grad_norm")
 # Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
 _SCALED_PHASES = frozenset(("loss", "backward", "grad"))
 
@@ -29,27 +30,46 @@ class Read:
 
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
-    parts: list  # where the counts' rows come from, in row order: (int64 [*, 3] tensor, start, stop, kept rows or None)
+    recorded_counts: torch.Tensor  # int64 [rows, 3]: the hooks' records' counts, in execution order
     labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)
     recorded: list  # (slot id, rows) of each record, in row order
-    front: list  # the parameters' slot (phase, names, call, microbatch, rows), before the records' rows
-    back: list  # the gradients' slot, after them
+    fused: Optional[Pass]  # the step's pass over parameters and gradients
+    reported: tuple  # which of the pass's rows the step reports: (ignore patterns, params checked, grads checked)
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
     host: Optional[HostCopy] = None  # summary and counts, copied without blocking (lagged)
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
+    _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
+
+    def layout(self) -> tuple[list, list, list]:
+        """Where the counts' rows come from, in row order ((int64 [*, 3] tensor, start, stop, kept rows or
+        None) each), the parameters' slot (phase, names, call, microbatch, rows) before the records' rows
+        and the gradients' slot after them: made when read (a bad step, a lagged copy), since a good eager
+        step never reads them."""
+        if self._layout is None:
+            front: list = []
+            back: list = []
+            parts: list = [(self.recorded_counts, 0, self.recorded_counts.shape[0], None)]
+            if self.fused is not None:
+                ignore, params, grads = self.reported
+                n, rows = self.fused.n_params, self.fused.counts.shape[0]
+                _kept("param", self.fused.param_names, ignore, params, (self.fused.counts, 0, n), parts, front)
+                _kept("grad", self.fused.grad_names, ignore, grads, (self.fused.counts, n, rows), parts, back)
+            self._layout = (parts, front, back)
+        return self._layout
 
     def slots(self) -> list:
         """(phase, label, call, microbatch, rows) in row order: made when read (a bad step), since a good
         eager step never reads them."""
-        return [*self.front, *((*self.labels[slot], rows) for slot, rows in self.recorded), *self.back]
+        _, front, back = self.layout()
+        return [*front, *((*self.labels[slot], rows) for slot, rows in self.recorded), *back]
 
     def all_counts(self) -> torch.Tensor:
         """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
         read (a bad step, a lagged copy), since a good eager step never reads them."""
-        return _rows_of(self.parts)
+        return _rows_of(self.layout()[0])
 
 
 class Step:
@@ -75,36 +95,42 @@ class Step:
         scaler's found_inf] and its Tail (the losses' means, the GradScaler's `scale`, with `groups`
         (spikes.ModuleGroups) each module's gradient norm), made in one call (see NOTE: [The step's
         summary in one call]); and where its counts come from, in execution order (parameters, then the
-        hooks' slots, then gradients), put together only when they are read (Read.all_counts)."""
-        front: list = []
-        back: list = []
-        parts: list = [(recorded, 0, recorded.shape[0], None)]
+        hooks' slots, then gradients), put together only when they are read (Read.layout)."""
         pass_args: tuple = (None, None, None, 0, None)
         index, modules = None, ()
         if fused is not None:
-            n, rows = fused.n_params, fused.counts.shape[0]
-            kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), parts, front)
-            kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), parts, back)
-            counted = None
-            if kept_params is not None or kept_grads is not None:  # some rows are not counted
-                mask = [0] * rows
-                for i in range(n) if kept_params is None else kept_params:
-                    mask[i] = 1
-                for i in range(rows - n) if kept_grads is None else kept_grads:
-                    mask[n + i] = 1
-                counted = torch.tensor(mask, dtype=torch.int64, device=fused.counts.device)
-            pass_args = (fused.counts, fused.norm, fused.absmax, n, counted)
+            pass_args = (fused.counts, fused.norm, fused.absmax, fused.n_params, _counted(fused, ignore, params, grads))
             if groups is not None and fused.grads:
                 modules, index = groups.index(fused.grad_names, device)
         scale = Tail.scale_kept(scale, device)
         losses = [mean if mean.device == device else mean.to(device) for means in self.losses.values() for mean in means]
-        found_inf, grad_scale = (t.to(device) if isinstance(t, torch.Tensor) else None for t in (found_inf, grad_scale))
+        if found_inf is not None or grad_scale is not None:
+            found_inf, grad_scale = (t.to(device) if isinstance(t, torch.Tensor) else None for t in (found_inf, grad_scale))
         summary = _C.step_summary(
             recorded, *pass_args, nan_only, found_inf, grad_scale, losses,
             [len(means) for means in self.losses.values()], scale, index, len(modules))
         tail = Tail(tuple(self.losses), scale is not None, modules, grads=fused is not None and bool(fused.grads),
                     params=fused is not None and fused.n_params > 0)
-        return Read(step, summary, parts, self.slots, recorded_slots, front, back, scaler_skipped, tail=tail)
+        return Read(step, summary, recorded, self.slots, recorded_slots, fused, (ignore, params, grads), scaler_skipped,
+                    tail=tail)
+
+
+def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
+    """Which of the pass's rows the summary counts (int64 0/1 per row on the pass's device), or None when
+    it counts all of them: the ones ignored or of a check turned off are left out."""
+    if params and grads and not ignore:
+        return None
+    n, rows = fused.n_params, fused.counts.shape[0]
+    kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), [], [])
+    kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), [], [])
+    if kept_params is None and kept_grads is None:
+        return None
+    mask = [0] * rows
+    for i in range(n) if kept_params is None else kept_params:
+        mask[i] = 1
+    for i in range(rows - n) if kept_grads is None else kept_grads:
+        mask[n + i] = 1
+    return torch.tensor(mask, dtype=torch.int64, device=fused.counts.device)
 
 
 def _rows_of(parts: list) -> torch.Tensor:
@@ -159,7 +185,8 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
     if not parts:
         return rows
     found = _rows_of(parts).tolist()
-    read.front = slots + read.front
+    _, front, _ = read.layout()
+    front[:0] = slots
     for k in range(3):
         summary[1 + k] += sum(row[k] for row in found)
     return found + rows
