@@ -283,3 +283,15 @@ def test_the_machine_line_names_the_gpu_the_timings_ran_on(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     assert bench.machine("cuda").startswith("NVIDIA H100 80GB HBM3; ")
     assert "H100" not in bench.machine("cpu") and "H100" not in bench.machine()
+
+
+def test_the_step_end_floor_runs_its_three_variants(monkeypatch):
+    """benchmarks/step_end_floor.py replaces a private method of its watch copies with calls into the
+    watch's internals: it must still run and time every variant's step end inside the steps."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_end_floor
+
+    monkeypatch.setitem(watch_workloads.MLP, "batch", 4)
+    rows = step_end_floor.measure("mlp", repeats=3)
+    assert [r["variant"] for r in rows] == list(step_end_floor.VARIANTS)
+    assert all(math.isfinite(r["overhead_pct"]) and r["step_end_us"] > 0 for r in rows)
