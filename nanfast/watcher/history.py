@@ -192,10 +192,11 @@ class Timeline:
     def records(self) -> list[StepRecord]:
         """The kept records, oldest first."""
         kept = self._kept
-        for i, rec in enumerate(kept):
-            if isinstance(rec, tuple):
-                args, flags = rec
-                kept[i] = record(*args, **flags)
+        for i in range(len(kept) - 1, -1, -1):  # the ones not made yet are the newest
+            if not isinstance(kept[i], tuple):
+                break
+            args, flags = kept[i]
+            kept[i] = record(*args, **flags)
         return list(kept)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
