@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import nanfast
 from nanfast import _C
-from nanfast.cli import watch_workloads
+from nanfast.cli import bench_watch, watch_workloads
 
 FEATURES_OFF = dict(headroom=None, spikes=False, history=0)
 VARIANTS = ("watch", "watch, features off", "floor: five C++ calls")
@@ -87,11 +87,7 @@ def measure(key: str, repeats: int) -> list[dict]:
     for spent in ends.values():
         spent.clear()
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for r in range(repeats):
-        times = {}
-        for k in range(len(order)):
-            variant = order[(r + k) % len(order)]
-            times[variant] = step(variant)
+    for times in bench_watch.rotated_repeats(order, step, repeats):
         for variant in VARIANTS:
             ratios[variant].append(times[variant] / times["none"])
     return [{"workload": key, "variant": v, "overhead_pct": (statistics.median(ratios[v]) - 1) * 100,

@@ -134,11 +134,7 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
                     timed(method)
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             ratios: dict[str, list[float]] = {m: [] for m in METHODS}
-            for r in range(repeats):
-                this_repeat = {}
-                for k in range(len(METHODS)):
-                    method = METHODS[(r + k) % len(METHODS)]
-                    this_repeat[method] = timed(method)
+            for this_repeat in rotated_repeats(METHODS, timed, repeats):
                 for method, t in this_repeat.items():
                     times[method].append(t)
                     ratios[method].append(t / this_repeat[BASELINES.get(method, "none")])
@@ -151,6 +147,16 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
                          "overhead_pct_range": [(min(ratios[method]) - 1) * 100, (max(ratios[method]) - 1) * 100],
                          "samples": len(times[method])})
     return rows
+
+
+def rotated_repeats(names: Sequence[str], timed: Callable[[str], float], repeats: int) -> Iterator[dict[str, float]]:
+    """Per repeat, `timed(name)` of each name once, back to back, in an order rotated by one each repeat.
+
+    Yields:
+        {name: seconds} of one repeat."""
+    for r in range(repeats):
+        order = [names[(r + k) % len(names)] for k in range(len(names))]
+        yield {name: timed(name) for name in order}
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
