@@ -473,6 +473,22 @@ def test_lagged_reads_nothing_inside_the_step_and_reports_one_step_late():
     w.remove()
 
 
+def test_a_lagged_read_does_not_keep_the_gradients_alive():
+    """The read a lagged watch keeps until the next step holds its pass's counts and names, not the
+    gradients the pass read: zero_grad(set_to_none=True) frees them, as without the watch."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, sync="lagged") as w:
+        train_step(model, opt, *batch())
+        assert w._pending is not None  # the step's read, waiting for the next step
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        assert [g() for g in grads] == [None] * len(grads)
+        train_step(model, opt, *batch(seed=1))
+    assert w.events == [] and w.step_count == 2
+
+
 def test_lagged_skip_on_a_fused_optimizer_needs_no_host_read():
     torch.manual_seed(0)
     model = MLP()

@@ -33,7 +33,9 @@ class Read:
     recorded_counts: torch.Tensor  # int64 [rows, 3]: the hooks' records' counts, in execution order
     labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)
     recorded: list  # (slot id, rows) of each record, in row order
-    fused: Optional[Pass]  # the step's pass over parameters and gradients
+    # The rows of the step's pass: (its counts, how many are parameters', the parameters' names, the
+    # gradients' names), or None; not the Pass itself, which holds the gradients (a lagged read outlives them).
+    pass_rows: Optional[tuple]
     reported: tuple  # which of the pass's rows the step reports: (ignore patterns, params checked, grads checked)
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
@@ -52,11 +54,11 @@ class Read:
             front: list = []
             back: list = []
             parts: list = [(self.recorded_counts, 0, self.recorded_counts.shape[0], None)]
-            if self.fused is not None:
+            if self.pass_rows is not None:
+                counts, n, param_names, grad_names = self.pass_rows
                 ignore, params, grads = self.reported
-                n, rows = self.fused.n_params, self.fused.counts.shape[0]
-                _kept("param", self.fused.param_names, ignore, params, (self.fused.counts, 0, n), parts, front)
-                _kept("grad", self.fused.grad_names, ignore, grads, (self.fused.counts, n, rows), parts, back)
+                _kept("param", param_names, ignore, params, (counts, 0, n), parts, front)
+                _kept("grad", grad_names, ignore, grads, (counts, n, counts.shape[0]), parts, back)
             self._layout = (parts, front, back)
         return self._layout
 
@@ -111,8 +113,9 @@ class Step:
             [len(means) for means in self.losses.values()], scale, index, len(modules))
         tail = Tail(tuple(self.losses), scale is not None, modules, grads=fused is not None and bool(fused.grads),
                     params=fused is not None and fused.n_params > 0)
-        return Read(step, summary, recorded, self.slots, recorded_slots, fused, (ignore, params, grads), scaler_skipped,
-                    tail=tail)
+        pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
+        return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
+                    scaler_skipped, tail=tail)
 
 
 def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
