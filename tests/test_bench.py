@@ -288,7 +288,10 @@ def test_the_machine_line_names_the_gpu_the_timings_ran_on(monkeypatch):
 def test_the_step_end_floor_runs_its_three_variants(monkeypatch):
     """benchmarks/step_end_floor.py replaces a private method of its watch copies with calls into the
     watch's internals: it must still run and time every variant's step end inside the steps."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    if not (benchmarks / "step_end_floor.py").exists():
+        pytest.skip("run from an installed package: benchmarks/ is in the checkout (CI runs this test there)")
+    monkeypatch.syspath_prepend(str(benchmarks))
     import step_end_floor
 
     monkeypatch.setitem(watch_workloads.MLP, "batch", 4)
