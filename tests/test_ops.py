@@ -364,6 +364,43 @@ def test_expanded_views_count_every_repeat():
     assert huge.norm.tolist() == [1.5 * 2**20, 0.0] and huge.absmax.tolist() == [1.5, 0.0]
 
 
+def long_list_of_views(n: int) -> list:
+    """n entries of every kind the kernels read: dense, transposed, sliced, negative, complex (and a
+    slice of it, whose real view starts mid-storage), expanded and empty, with NaN and infinities."""
+    gen = torch.Generator().manual_seed(n)
+    out = []
+    for i in range(n):
+        base = torch.randn(6, 5, generator=gen)
+        base.view(-1)[i % 30] = (math.nan, math.inf, -math.inf, 1.0)[i % 4]
+        out.append((base, base.t(), base[1:, ::2], torch._neg_view(base), torch.view_as_complex(base.view(15, 2)),
+                    torch.view_as_complex(base.view(15, 2))[3:], base[0].expand(4, 5), base[:0])[i % 8])
+    return out
+
+
+@pytest.mark.parametrize("n", [1023, 1024, 3001])
+def test_long_lists_of_views_match_reference(restore_num_threads, n):
+    """From 1024 entries their data pointers are read on every thread (see NOTE: [Data pointers on every
+    thread]): the results are those of the float64 reference on either side of that, on 1 and 2 threads."""
+    tensors = long_list_of_views(n)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        check_against_reference(tensors)
+
+
+@pytest.mark.parametrize("refused,first", [([2500], 2500), ([1600, 2500], 1600), ([1200, 1600], 1200), ([5], 5)])
+def test_a_refused_data_pointer_raises_for_the_first_entry_in_order(restore_num_threads, refused, first):
+    """A storage that refuses access to its data raises torch's own error for the first such entry, as a
+    read in order would, though the pointers of 3000 entries are read on two threads (one each side of
+    1500 in [1200, 1600])."""
+    torch.set_num_threads(2)
+    tensors = [torch.ones(8) for _ in range(3000)]
+    for i in refused:
+        torch._C._set_storage_data_ptr_access_error_msg(tensors[i].untyped_storage()._cdata, f"entry {i} refused")
+    for op in (torch.ops.nanfast.stats, torch.ops.nanfast.any_nonfinite, nanfast.stats):
+        with pytest.raises(RuntimeError, match=f"^entry {first} refused$"):
+            op(tensors)
+
+
 def test_integers_and_bools_are_finite_with_norms_of_their_values():
     ints = [torch.tensor([-3, 4], dtype=torch.int8), torch.tensor([True, False, True]),
             torch.tensor([-(2**63)], dtype=torch.int64), torch.tensor([255], dtype=torch.uint8)]
