@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 import nanfast
 from nanfast import _C
@@ -63,7 +62,7 @@ def measure(key: str, repeats: int) -> list[dict]:
     runs, ends = {}, {}
     for variant in ("none", *VARIANTS):
         copy_ = copy.deepcopy(model)
-        opt = torch.optim.SGD(copy_.parameters(), lr=1e-3, momentum=0.9)
+        opt = bench_watch._optimizer(copy_)  # the watch suite's: SGD with momentum
         if variant != "none":
             w = nanfast.watch(copy_, opt, **({} if variant == "watch" else FEATURES_OFF))
             end = _floor_end(w) if variant.startswith("floor") else w._end_step
@@ -72,13 +71,7 @@ def measure(key: str, repeats: int) -> list[dict]:
         runs[variant] = (copy_, opt)
 
     def step(variant: str) -> float:
-        copy_, opt = runs[variant]
-        x, y = batch()
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(copy_(x).flatten(0, -2), y.flatten()).backward()
-        opt.step()
-        return time.perf_counter() - start
+        return bench_watch._timed_step(*runs[variant], batch, "cpu")  # the watch suite's timed step
 
     order = list(runs)
     for variant in order:
