@@ -12,7 +12,6 @@ from typing import NamedTuple
 import torch
 
 
-
 def _copyable(dtype):
     """dtype, where torch can copy its tensors (the tests clone and move their inputs), else None."""
     try:

@@ -290,11 +290,9 @@ _OPTIMIZERS = {
     "asgd": (torch.optim.ASGD, dict(lr=1e-2, t0=1)),
     "rprop": (torch.optim.Rprop, dict(lr=1e-2)),
     "adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
+    "adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
 }
-# The newer optimizers, where this torch has them (torch 2.4 has neither).
-if hasattr(torch.optim, "Adafactor"):
-    _OPTIMIZERS["adafactor"] = (torch.optim.Adafactor, dict(lr=1e-2))
-if hasattr(torch.optim, "Muon"):  # matrices only
+if hasattr(torch.optim, "Muon"):  # torch >= 2.9; matrices only
     _OPTIMIZERS["muon"] = (lambda ps, **kw: torch.optim.Muon([p for p in ps if p.ndim == 2], **kw), dict(lr=1e-2))
 _FUSED = {name for name, (cls, _) in _OPTIMIZERS.items() if "fused" in inspect.signature(cls).parameters}
 _ONE_IMPL = {"muon"}  # no foreach/fused switch

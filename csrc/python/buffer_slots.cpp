@@ -117,7 +117,7 @@ void copy_tensors(py::handle targets, py::handle sources, bool non_blocking) {
               " targets for ", src.list().size(), " sources");
   std::vector<at::Tensor> other_dst;
   std::vector<at::Tensor> other_src;
-  // Named lists: an element's reference taken through a temporary ArrayRef makes GCC 14 warn
+  // Named lists: an element's reference taken through a temporary ArrayRef makes GCC 13 and later warn
   // (-Wdangling-reference), an error under NANFAST_WERROR.
   const at::TensorList dsts = dst.list();
   const at::TensorList srcs = src.list();
