@@ -473,6 +473,51 @@ def test_lagged_reads_nothing_inside_the_step_and_reports_one_step_late():
     w.remove()
 
 
+def test_a_healthy_lagged_step_copies_only_its_summary():
+    """A lagged read starts one copy, of the summary: a healthy step's rows of counts stay on the device
+    (no cat, no conversion: each a launch on a GPU) and are read only for a bad step, which still names
+    its places one step late."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(seed=3)
+    x[1, 2] = INF
+    with warnings.catch_warnings(), nanfast.watch(model, opt, sync="lagged", action="warn") as w:
+        warnings.simplefilter("ignore")
+        train_step(model, opt, *batch())
+        with OpRecorder() as ops:
+            train_step(model, opt, *batch(seed=1))
+        assert not any(name in ops.counts for name in ("aten.cat.default", "aten._to_copy.default",
+                                                       "aten.index_select.default")), dict(ops.counts)
+        train_step(model, opt, x, y)  # step 2, bad: read at step 3
+        train_step(model, opt, *batch(seed=2))
+    first = w.events[0]  # (action="warn" let the inf into the weights: step 3 finds them)
+    assert (first.step, first.phase, first.name, first.posinf) == (2, "input", "input", 1)
+
+
+def test_an_ignored_names_mask_is_made_once():
+    """The summary's mask of the pass's rows to count (ignore=, a check turned off) is the same step after
+    step: made on the device once, not from host values at every step (a copy on a GPU); it still follows
+    the gradients that are set."""
+    from nanfast.watcher.step import _counted_mask
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, ignore="*.bias") as w:
+        for seed in range(2):  # step 0 reads the parameters too, step 1 their gradients alone: two masks
+            train_step(model, opt, *batch(seed=seed))
+        with OpRecorder() as ops:
+            for seed in range(2, 4):
+                train_step(model, opt, *batch(seed=seed))
+        assert "aten.lift_fresh.default" not in ops.counts and w.events == []
+    names = ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
+    both = _counted_mask(names, names, ("*.bias",), True, True, torch.device("cpu"))
+    assert both.tolist() == [1, 0, 1, 0, 1, 0, 1, 0]
+    assert _counted_mask(names, names, ("*.bias",), True, True, torch.device("cpu")) is both
+    fewer = _counted_mask(names, names[2:], ("*.bias",), True, True, torch.device("cpu"))
+    assert fewer.tolist() == [1, 0, 1, 0, 1, 0]
+    assert _counted_mask((), names, (), True, False, torch.device("cpu")).tolist() == [0, 0, 0, 0]
+
+
 def test_a_lagged_read_does_not_keep_the_gradients_alive():
     """The read a lagged watch keeps until the next step holds its pass's counts and names, not the
     gradients the pass read: zero_grad(set_to_none=True) frees them, as without the watch."""

@@ -5,6 +5,7 @@ host once (`verdict`) and turned into places."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -123,9 +124,18 @@ def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) ->
     it counts all of them: the ones ignored or of a check turned off are left out."""
     if params and grads and not ignore:
         return None
-    n, rows = fused.n_params, fused.counts.shape[0]
-    kept_params = _kept("param", fused.param_names, ignore, params, (fused.counts, 0, n), [], [])
-    kept_grads = _kept("grad", fused.grad_names, ignore, grads, (fused.counts, n, rows), [], [])
+    return _counted_mask(fused.param_names, fused.grad_names, ignore, params, grads, fused.counts.device)
+
+
+# The same parameters and gradients give the same mask step after step: made once, not copied to the
+# device at every step (a host-to-device copy on a GPU, where the step's host time is its cost). The
+# summary op only reads it.
+@functools.lru_cache(maxsize=8)
+def _counted_mask(param_names: tuple, grad_names: tuple, ignore: tuple[str, ...], params: bool, grads: bool,
+                  device: torch.device) -> Optional[torch.Tensor]:
+    n, rows = len(param_names), len(param_names) + len(grad_names)
+    kept_params = _kept("param", param_names, ignore, params, (None, 0, n), [], [])
+    kept_grads = _kept("grad", grad_names, ignore, grads, (None, n, rows), [], [])
     if kept_params is None and kept_grads is None:
         return None
     mask = [0] * rows
@@ -133,7 +143,7 @@ def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) ->
         mask[i] = 1
     for i in range(rows - n) if kept_grads is None else kept_grads:
         mask[n + i] = 1
-    return torch.tensor(mask, dtype=torch.int64, device=fused.counts.device)
+    return torch.tensor(mask, dtype=torch.int64, device=device)
 
 
 def _rows_of(parts: list) -> torch.Tensor:
@@ -196,19 +206,18 @@ def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tupl
 
 
 def start_copy(read: Read) -> None:
-    """Starts copying the read to the host without blocking (lagged): pinned memory on CUDA."""
-    read.host = HostCopy(torch.cat([read.summary, read.all_counts().flatten().to(torch.float64)]))
+    """Starts copying the read's summary to the host without blocking (lagged): pinned memory on CUDA.
+    Its rows of counts stay on the device: only a bad step reads them (one wait, on that step alone)."""
+    read.host = HostCopy(read.summary)
 
 
 def verdict(read: Read) -> tuple[bool, list[float], list]:
     """Reads a step on the host: whether it is bad, the summary's values (with its tail) and, for a bad
     step, the rows of counts."""
-    size = read.summary.numel()
     if read.host is not None:  # lagged: the copy was enqueued a step ago
-        values = read.host.tolist()
-        summary, flat = values[:size], values[size:]
+        summary = read.host.tolist()
         bad = summary[0] > 0
-        return bad, summary, [flat[i:i + 3] for i in range(0, len(flat), 3)] if bad else []
+        return bad, summary, read.all_counts().tolist() if bad else []
     # NOTE: [One read per step]
     # The one host sync of a checked step: the summary (a few dozen numbers: flag, counts, norms, the
     # losses, the module norms) is copied to pinned memory without blocking, then the .item() of the
