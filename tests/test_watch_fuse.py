@@ -4,6 +4,7 @@ whatever the model, no host read before the step's one, and the memory bound on 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -173,3 +174,63 @@ def test_what_it_gives_up_a_value_made_finite_in_place_before_the_forward_ends()
             model(torch.randn(3, 2))
         found[fuse] = [(e.phase, e.name) for e in w.events]
     assert found[False] == [("forward", "fc")] and found[True] == []
+
+
+def test_fused_by_default_where_the_results_live_on_an_accelerator():
+    """NOTE: [Fused records by default on accelerators]: the default is by device, an explicit value wins."""
+    from nanfast.watcher.options import fused_records
+
+    assert fused_records(None, torch.device("cuda", 0)) is True
+    assert fused_records(None, torch.device("cpu")) is False and fused_records(None, torch.device("meta")) is False
+    assert fused_records(False, torch.device("cuda")) is False and fused_records(True, torch.device("cpu")) is True
+    with pytest.raises(TypeError, match="fuse must be True, False or None"):
+        fused_records("yes", torch.device("cpu"))
+    model = Net()
+    with nanfast.watch(model) as w:
+        assert w.fuse is False  # a CPU model: each check at once, while the tensor is in cache
+    with nanfast.watch(model, fuse=True) as w:
+        assert w.fuse is True
+
+
+# Besides its calls, what a fused step adds on the host, per device, and the most times each may appear:
+# three views (no launch) of the pass's own rows in the results of the call that also checked the
+# backward's records, and the read: the flag's item() (on CUDA after the summary's non-blocking copy into
+# pinned memory; on a CPU the records' counts, kept as numbers, packed into one tensor).
+ADDED_OPS = {"cpu": {"aten.slice.Tensor": 3, "aten.select.int": 1, "aten._local_scalar_dense.default": 1,
+                     "aten.empty.memory_format": 1},
+             "cuda": {"aten.slice.Tensor": 3, "aten.select.int": 1, "aten._local_scalar_dense.default": 1,
+                      "aten.empty.memory_format": 1, "aten.copy_.default": 1}}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_fused_healthy_step_adds_only_its_calls_and_the_read(device):
+    """On a GPU every op on the step's host path is a launch or a copy, and the host is what bounds a
+    small step (benchmarks/results/cuda-h200.md). A fused watch's healthy step adds to the unwatched
+    step's ops the forward's check, the pass, the summary and the read: no cat of the records (one
+    record is taken as it is), no tensor made from host values, no copy of its counts."""
+    [(_, model, batch)] = watch_workloads.make_workloads(device, ["mlp"])
+    x, y = batch()
+    x, y = x[:4], y[:4]
+
+    def ops_of_a_step(model, opt):
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        with OpRecorder() as ops:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return ops.counts
+
+    plain = copy.deepcopy(model)
+    plain_ops = ops_of_a_step(plain, torch.optim.SGD(plain.parameters(), lr=1e-3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanfast.watch(model, opt, fuse=True) as w:
+        watched_ops = ops_of_a_step(model, opt)
+    added = {name: n - plain_ops[name] for name, n in watched_ops.items() if n != plain_ops[name]}
+    calls = {name: added.pop(name, 0) for name in ("nanfast.stats.default", "nanfast.step_summary.default")}
+    assert calls == {"nanfast.stats.default": 2, "nanfast.step_summary.default": 1}
+    assert all(0 < n <= ADDED_OPS[device].get(name, 0) for name, n in added.items()), added
+    assert added.get("aten._local_scalar_dense.default") == 1 and w.events == []

@@ -158,8 +158,10 @@ py::tuple WatchRecorder::take() {
         out = std::copy(entry.host.begin(), entry.host.end(), out);
       }
     } else {
-      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
-                              : at::cat(counts);
+      // One record's counts are taken as they are: a cat would be one more launch on a GPU.
+      packed = counts.empty()       ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
+               : counts.size() == 1 ? counts[0]
+                                    : at::cat(counts);
     }
     if (!absmax.empty()) {
       packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);

@@ -21,8 +21,8 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
-from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES, patterns,
-                      results_device, rollback_options, steps_option, validate)
+from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
+                      fused_records, patterns, results_device, rollback_options, steps_option, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -67,7 +67,7 @@ class Watch(Hooks, Actions, Readings):
         on_event: Optional[str] = None,
         rerun: Optional[Callable[[], Any]] = None,
         profile: bool = False,
-        fuse: bool = False,
+        fuse: Optional[bool] = None,
         headroom: Union[None, float, Iterable[float]] = DEFAULT_THRESHOLDS,
         rollback_every: Optional[int] = None,
         rollback_device: Optional[Union[str, torch.device]] = None,
@@ -119,8 +119,9 @@ class Watch(Hooks, Actions, Readings):
         self._handles: list = []
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
-        self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if fuse else 0)
-        self._pass_op = self._recorder.stats_with_deferred if fuse else _C.stats_on
+        self.fuse = fused_records(fuse, self._device)
+        self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if self.fuse else 0)
+        self._pass_op = self._recorder.stats_with_deferred if self.fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
         self._hooks = _C.ModuleHooks(self._recorder, walked_floating_tensors, recomputation, self._check_grads)
         self._profile: Optional[Profile] = Profile() if profile else None
@@ -334,7 +335,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     watch reads no clock), ``fuse`` (check a forward's activations in one call when it ends, and the
     backward's gradients in the step's pass over parameters and gradients: three calls per step with
     the summary instead of two per module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
-    keeps up to 64 MiB of checked tensors alive until their call), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
+    keeps up to 64 MiB of checked tensors alive until their call; default None: on when the model's
+    parameters are on an accelerator, off on a CPU), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
     per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).
     action="rollback" skips bad steps as "skip" does, and when a step finds the
@@ -356,7 +358,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
 
     Raises:
         TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
-        TypeError: headroom is not None, a number or numbers.
+        TypeError: headroom is not None, a number or numbers; fuse is not None or a bool.
         ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), or a combination the watch cannot honour
             (action="skip" or "rollback" without an optimizer, with LBFGS, or lagged with a non-fused
             optimizer; "rollback" with params=False or sharded parameters, rollback options with another

@@ -19,7 +19,7 @@ ROLLBACK_DEVICE = "cpu"
 # add information] in fused_pass.py).
 PARAMS_EVERY = 100
 # fuse=True: the most bytes of deferred tensors a watch keeps alive past their use before checking them
-# (see NOTE: [Fused records] in csrc/python/watch_recorder.cpp).
+# (see NOTE: [Fused records] in csrc/python/watch_records.h).
 FUSE_BYTES = 64 << 20
 ON_EVENT = (None, "locate")
 SYNC_MODES = ("eager", "lagged")
@@ -184,3 +184,30 @@ def results_device(model: torch.nn.Module) -> torch.device:
     devices = [p.device for p in model.parameters()]
     accelerator = next((d for d in devices if d.type not in ("cpu", "meta")), None)
     return accelerator or (devices[0] if devices else torch.device("cpu"))
+
+
+def fused_records(fuse: Optional[bool], device: torch.device) -> bool:
+    """The ``fuse`` option with its default filled in.
+
+    Args:
+        fuse: as given to `nanfast.watch`: True, False or None (the default: by device).
+        device: where the watch's results live (`results_device`).
+
+    Returns:
+        Whether module checks are deferred and fused (see NOTE: [Fused records] in
+        csrc/python/watch_records.h).
+
+    Raises:
+        TypeError: fuse is not None or a bool."""
+    # NOTE: [Fused records by default on accelerators]
+    # On a GPU each module check made at once is a kernel launch and a round of host dispatch (~15 us of
+    # host time per call on an H200's host), and a GPU step is bound by its host: watched that way,
+    # ResNet-18's 6.7 ms step took +47%, a small transformer's 4.6 ms one +25%; fused, +18% and +16%
+    # (H200, 2026-11-26; benchmarks/results/cuda-h200.md). On a CPU a check made at once reads the
+    # tensor while it is still in cache, the cheaper way there. So a watch whose results live on an
+    # accelerator fuses unless told otherwise; what that gives up is said at NOTE: [Fused records].
+    if fuse is None:
+        return device.type not in ("cpu", "meta")
+    if not isinstance(fuse, bool):
+        raise TypeError(f"nanfast.watch: fuse must be True, False or None (by device), got {fuse!r}")
+    return fuse
