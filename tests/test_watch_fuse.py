@@ -1,4 +1,4 @@
-"""watch(fuse=True) (NOTE: [Fused records]): a forward's checks in one call at its end, the backward's
+"""watch(fuse=True) (NOTE: [Fused records]): the forward's and the backward's checks
 in the step's pass; the same events as the default watch on real faults, a few fused calls per step
 whatever the model, no host read before the step's one, and the memory bound on deferred tensors."""
 
@@ -103,7 +103,7 @@ def test_the_same_events_as_the_default_watch(name, make_model, make_batch):
 
 
 @pytest.mark.parametrize("workload", ["mlp", "transformer-small"])
-def test_three_calls_per_step_whatever_the_model(workload, monkeypatch):
+def test_two_calls_per_step_whatever_the_model(workload, monkeypatch):
     monkeypatch.setattr(watch_workloads, "MLP", dict(watch_workloads.MLP, batch=4))
     [(_, model, batch)] = watch_workloads.make_workloads("cpu", [workload])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -115,14 +115,15 @@ def test_three_calls_per_step_whatever_the_model(workload, monkeypatch):
                 out = model(x)
                 loss = w.loss(F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten()))
                 loss.backward()
-            assert ops.host_syncs == 0  # forward and backward: nothing read on the host
-            assert ops.counts["nanfast.stats.default"] == 1  # the forward's one call, at its end
+            assert ops.host_syncs == 0  # forward and backward: nothing read on the host, nothing called
+            assert ops.counts["nanfast.stats.default"] == 0
             with OpRecorder() as ops:
                 opt.step()
-            # The pass over the gradients with the backward's checks in it, the summary; then the one read.
+            # The pass over the gradients with the forward's and backward's checks in it, the summary;
+            # then the one read.
             assert ops.counts["nanfast.stats.default"] == 1 and ops.counts["nanfast.step_summary.default"] == 1
             assert ops.host_syncs == 1
-    assert w.costs()["calls"] == 2 * 3 and w.events == []
+    assert w.costs()["calls"] == 1 * 3 and w.events == []
 
 
 def test_the_pass_checks_the_deferred_records_in_its_call():
@@ -153,7 +154,7 @@ def test_deferred_tensors_are_checked_when_they_reach_the_bound():
 
 
 def test_what_it_gives_up_a_value_made_finite_in_place_before_the_forward_ends():
-    # Documented: the fused check reads a tensor when the forward ends; a ReLU(inplace=True) after the
+    # Documented: the fused check reads a tensor at the step's pass; a ReLU(inplace=True) after the
     # layer that made -inf has replaced it with 0 by then. The default watch checks at once and sees it.
     class Net2(torch.nn.Module):
         def __init__(self):
@@ -231,6 +232,41 @@ def test_a_fused_healthy_step_adds_only_its_calls_and_the_read(device):
         watched_ops = ops_of_a_step(model, opt)
     added = {name: n - plain_ops[name] for name, n in watched_ops.items() if n != plain_ops[name]}
     calls = {name: added.pop(name, 0) for name in ("nanfast.stats.default", "nanfast.step_summary.default")}
-    assert calls == {"nanfast.stats.default": 2, "nanfast.step_summary.default": 1}
+    assert calls == {"nanfast.stats.default": 1, "nanfast.step_summary.default": 1}
     assert all(0 < n <= ADDED_OPS[device].get(name, 0) for name, n in added.items()), added
     assert added.get("aten._local_scalar_dense.default") == 1 and w.events == []
+
+
+def test_deferred_to_the_pass_the_same_events_in_inference_and_across_microbatches():
+    """The forward's checks wait for the step's pass, or, without one, for the step's end: an inference
+    forward is its own step, read when it returns; the checks of several microbatches' forwards are
+    told apart as the default watch tells them."""
+    def inference_events(fuse):
+        torch.manual_seed(0)
+        model = Net()
+        with torch.no_grad():
+            model.fc2.weight[0, 0] = NAN
+        with warnings.catch_warnings(), nanfast.watch(model, fuse=fuse, action="warn") as w, torch.no_grad():
+            warnings.simplefilter("ignore")
+            model(torch.randn(4, 6))
+            first = [(e.step, e.phase, e.name) for e in w.events]
+            model(torch.randn(4, 6))
+        return first, [(e.step, e.phase, e.name) for e in w.events]
+
+    def microbatch_events(fuse):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        dirty = torch.randn(4, 6)
+        dirty[1, 3] = INF
+        with warnings.catch_warnings(), nanfast.watch(model, opt, fuse=fuse, action="warn") as w:
+            warnings.simplefilter("ignore")
+            for x in (torch.randn(4, 6), dirty):
+                model(x).square().mean().backward()
+            opt.step()
+        return [(e.step, e.phase, e.name, e.first.microbatch) for e in w.events]
+
+    first, both = inference_events(True)
+    assert first == [(0, "forward", "fc2")] and both == [(0, "forward", "fc2"), (1, "forward", "fc2")]
+    assert (first, both) == inference_events(False)
+    assert microbatch_events(True) == microbatch_events(False) == [(0, "input", "input", 1)]

@@ -111,8 +111,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WatchRecorder::stats_with_deferre
 
 void WatchRecorder::forget() {
   hooked_.clear();
-  py::gil_scoped_release no_gil;
-  records_->flush();
 }
 
 py::tuple WatchRecorder::take() {

@@ -34,8 +34,8 @@ class NANFAST_HIDDEN WatchRecorder {
   // records (see NOTE: [Fused records]): the step's pass and the backward's checks in one.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_with_deferred(py::handle tensors, at::Device device);
 
-  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes); the
-  // deferred records are checked (see NOTE: [Fused records]).
+  // Ends a forward: later tensors get hooks of their own (the ones placed stay on their nodes). Deferred
+  // records wait for the step's pass (see NOTE: [Fused records]).
   void forget();
 
   // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the

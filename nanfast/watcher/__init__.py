@@ -332,9 +332,9 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     ``rerun`` (a callable running the step's forward and backward again on the same batch: a bad step
     is re-run under nanfast.locate and the finding is attached as ``event.located``; sync="eager"),
     ``profile`` (time the watch's hooks and kernels, for ``w.costs()``; off by default, and then the
-    watch reads no clock), ``fuse`` (check a forward's activations in one call when it ends, and the
-    backward's gradients in the step's pass over parameters and gradients: three calls per step with
-    the summary instead of two per module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
+    watch reads no clock), ``fuse`` (check the forward's activations and the backward's gradients in the
+    step's pass over parameters and gradients: two calls per step with the summary instead of two per
+    module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
     keeps up to 64 MiB of checked tensors alive until their call; default None: on when the model's
     parameters are on an accelerator, off on a CPU), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once

@@ -111,7 +111,8 @@ class Hooks:
         # in between. Gradient hooks are keyed by (autograd node, output): a tensor taken by several
         # modules (a container and its first child, a block's main path and its downsample) is hooked
         # once, for the module that took it last. Both are dropped when the forward returns: no
-        # activation outlives its use.
+        # activation outlives its use (but a fused watch's deferred checks, within their bound: NOTE:
+        # [Fused records]).
         self._hooks.forget()
 
     def _record(self, phase: str, site: Any, call: int, tensors: list) -> None:
