@@ -160,6 +160,18 @@ def test_watch_suite_times_watches_left_on_not_first_steps(monkeypatch):
     assert "clipping gradients" in suite["markdown"]
 
 
+def test_the_watch_suite_times_the_other_fuse_beside_the_devices_default():
+    """The default fuses on an accelerator (NOTE: [Fused records by default on accelerators]): the suite
+    times the watch beside the one with the other `fuse` on each device."""
+    assert "nanfast.watch(fuse=True)" in bench_watch.methods("cpu")
+    cuda = bench_watch.methods("cuda")
+    assert "nanfast.watch(fuse=False)" in cuda and "nanfast.watch(fuse=True)" not in cuda
+    model = torch.nn.Linear(2, 2)
+    for name, fused in (("nanfast.watch(fuse=False)", False), ("nanfast.watch(fuse=True)", True)):
+        with bench_watch._method(name, model, torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+            assert w.fuse is fused
+
+
 def test_the_watch_suite_clips_as_torch_does(monkeypatch):
     # Both clipping methods leave the same gradients (norm 1.0 when they exceed it).
     monkeypatch.setattr(watch_workloads, "MLP", dict(features=6, width=5, layers=4, classes=3, batch=4))
@@ -298,3 +310,25 @@ def test_the_step_end_floor_runs_its_three_variants(monkeypatch):
     rows = step_end_floor.measure("mlp", repeats=3)
     assert [r["variant"] for r in rows] == list(step_end_floor.VARIANTS)
     assert all(math.isfinite(r["overhead_pct"]) and r["step_end_us"] > 0 for r in rows)
+
+
+def test_the_watch_cost_benchmarks_run_every_variant(monkeypatch):
+    """benchmarks/watch_cost_parts.py and watch_host_costs.py (the GPU report's tables) time the watch
+    through its private methods: they must still run, and what they count must hold together."""
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    if not (benchmarks / "watch_cost_parts.py").exists():
+        pytest.skip("run from an installed package: benchmarks/ is in the checkout (CI runs this test there)")
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import watch_cost_parts
+    import watch_host_costs
+
+    monkeypatch.setitem(watch_workloads.MLP, "batch", 4)
+    rows = {r["variant"]: r for r in watch_cost_parts.measure("mlp", "cpu", repeats=3, profiled=False)}
+    assert list(rows) == list(watch_cost_parts.VARIANTS)
+    assert rows["bare module hooks"]["kernels"] == 0 and rows["watch"]["kernels"] > 0  # ops on a CPU
+    assert rows["watch, the other fuse"]["kernels"] < rows["watch"]["kernels"]  # fused on a CPU: fewer calls
+    pack = nanfast.watcher.step.Step.pack
+    phases = watch_host_costs.phases_table("cpu", ["mlp"], steps_timed=3)
+    assert nanfast.watcher.step.Step.pack is pack  # put back
+    assert len(phases) == 2 + len(watch_host_costs.VARIANTS)
+    assert all(float(cell) > 0 for row in phases[2:] for cell in row.strip("|").split("|")[2:])

@@ -22,12 +22,22 @@ import torch
 import torch.nn.functional as F
 
 from ..watcher import watch
+from ..watcher.options import fused_records
 # make_workloads is also benchmarks/watch_versions.py's entry point, by the name _workloads.
 from .watch_workloads import KEYS as WORKLOAD_KEYS, Batch, make_workloads as _workloads
 
 TORCH_CLIP = "torch clip_grad_norm_"
 WATCH_CLIP = "nanfast.watch + w.clip_grad_norm_"
 METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "detect_anomaly", TORCH_CLIP, WATCH_CLIP)
+# The watch with the other `fuse` than its default on the device (NOTE: [Fused records by default on
+# accelerators]): fused on a CPU, each check at once on an accelerator.
+OTHER_FUSE = {True: "nanfast.watch(fuse=True)", False: "nanfast.watch(fuse=False)"}
+
+
+def methods(device: str) -> tuple[str, ...]:
+    """METHODS as timed on `device`: the watch beside the one with the other `fuse`."""
+    other = OTHER_FUSE[not fused_records(None, torch.device(device))]
+    return tuple(other if m == OTHER_FUSE[True] else m for m in METHODS)
 # What each method's overhead is taken against (the others: "none"). A loop that clips its gradients
 # reads them for the norm anyway: with Watch.clip_grad_norm_ the watch's pass is that read.
 BASELINES = {WATCH_CLIP: TORCH_CLIP}
@@ -54,8 +64,8 @@ def isnan_hooks(model: torch.nn.Module) -> Iterator[None]:
 def _method(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
     if name in ("nanfast.watch", WATCH_CLIP):
         return watch(model, optimizer)
-    if name == "nanfast.watch(fuse=True)":  # the mode for GPUs (see NOTE: [Fused records])
-        return watch(model, optimizer, fuse=True)
+    if name in OTHER_FUSE.values():  # see NOTE: [Fused records]
+        return watch(model, optimizer, fuse=name == OTHER_FUSE[True])
     if name == "isnan hooks":
         return isnan_hooks(model)
     if name == "detect_anomaly":
@@ -113,12 +123,12 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
     # buffers, the first records' allocations). Installing a watch around each timed step measured that
     # first step: +17% instead of +9% on the MLP, +7.3% instead of +5.8% on ResNet-18 at 64x64 (one
     # process, interleaved, 2026-11-24).
-    rows = []
+    rows, names = [], methods(device)
     for workload, model, batch in workloads:
         model.train()
         with contextlib.ExitStack() as installed:
             runs = {}
-            for method in METHODS:
+            for method in names:
                 copy_ = copy.deepcopy(model)
                 optimizer = _optimizer(copy_)
                 entered = None if method in PER_STEP_METHODS else installed.enter_context(_method(method, copy_, optimizer))
@@ -129,16 +139,16 @@ def _measure(workloads: list[Workload], device: str, repeats: int, warmup: int =
                 with _method(method, model, optimizer) if method in PER_STEP_METHODS else contextlib.nullcontext():
                     return _timed_step(model, optimizer, batch, device, clip)
 
-            for method in METHODS:
+            for method in names:
                 for _ in range(warmup):
                     timed(method)
-            times: dict[str, list[float]] = {m: [] for m in METHODS}
-            ratios: dict[str, list[float]] = {m: [] for m in METHODS}
-            for this_repeat in rotated_repeats(METHODS, timed, repeats):
+            times: dict[str, list[float]] = {m: [] for m in names}
+            ratios: dict[str, list[float]] = {m: [] for m in names}
+            for this_repeat in rotated_repeats(names, timed, repeats):
                 for method, t in this_repeat.items():
                     times[method].append(t)
                     ratios[method].append(t / this_repeat[BASELINES.get(method, "none")])
-        for method in METHODS:
+        for method in names:
             low, high = median_interval(ratios[method])
             rows.append({"workload": workload, "method": method, "baseline": BASELINES.get(method, "none"),
                          "median_ms": statistics.median(times[method]) * 1e3,

@@ -1,0 +1,161 @@
+"""Where a watched step's cost goes, part by part, on a CPU or a GPU (issue 19): the watch with each group
+of its checks turned off in turn, against bare Python module hooks on the same modules (what any per-module
+check pays before it does anything) and against no checks.
+
+Each variant trains its own copy of the model (same weights and batches) with its watch left on; the
+copies' steps are interleaved in a rotating order; overheads are medians of per-repeat ratios to the
+unwatched copy (a step is timed from a synchronize to a synchronize on a GPU). With --profile, one
+torch.profiler table per workload of the watch's host time by function, and the kernels each variant
+launches per step.
+
+    python benchmarks/watch_cost_parts.py --device cuda --workloads mlp,transformer-small,resnet18-64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+
+import torch
+
+import nanfast
+from nanfast.cli import bench_watch, watch_workloads
+from nanfast.watcher.options import PASS_THROUGH, fused_records
+
+# name -> watch options (None: no checks; "hooks": a do-nothing forward pre-hook and forward hook on
+# every module the watch would hook). "the other fuse" is filled in per device (its default fuses on an
+# accelerator: NOTE: [Fused records by default on accelerators]).
+VARIANTS = {
+    "none": None,
+    "bare module hooks": "hooks",
+    "watch": {},
+    "watch, the other fuse": "other fuse",
+    "watch(sync=lagged)": dict(sync="lagged"),
+    "watch(activations=False)": dict(activations=False),
+    "watch(activations=False, grads=False)": dict(activations=False, grads=False),
+    "watch(activations=False, grads=False, sync=lagged)": dict(activations=False, grads=False, sync="lagged"),
+}
+
+
+@contextlib.contextmanager
+def bare_hooks(model: torch.nn.Module):
+    """Do-nothing hooks where the watch puts its module hooks (see Hooks._install)."""
+    def before(module, args):
+        return None
+
+    def after(module, args, output):
+        return None
+
+    handles = []
+    for module in model.modules():
+        if module is model or isinstance(module, PASS_THROUGH) or type(module) is torch.nn.Sequential:
+            continue
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _installed(stack: contextlib.ExitStack, variant, model, optimizer, device: str) -> None:
+    if variant == "hooks":
+        stack.enter_context(bare_hooks(model))
+    elif variant == "other fuse":
+        stack.enter_context(nanfast.watch(model, optimizer, fuse=not fused_records(None, torch.device(device))))
+    elif variant is not None:
+        stack.enter_context(nanfast.watch(model, optimizer, **variant))
+
+
+def kernels_per_step(runs: dict, batch, device: str, steps: int = 3) -> dict[str, float]:
+    """Device kernels launched per step by each variant (torch.profiler), or CPU ops on a CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for name, (model, optimizer) in runs.items():
+        activities = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                bench_watch._timed_step(model, optimizer, batch, device)
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        counts[name] = sum(1 for e in prof.events() if str(e.device_type).lower().endswith(kind)) / steps
+    return counts
+
+
+def host_profile(model, optimizer, batch, device: str, steps: int = 5, rows: int = 30) -> str:
+    """torch.profiler's table of host time by function over `steps` steps of the installed watch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=False) as prof:
+        for _ in range(steps):
+            bench_watch._timed_step(model, optimizer, batch, device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def measure(key: str, device: str, repeats: int, profiled: bool) -> list[dict]:
+    """Overheads of VARIANTS on workload `key` of the watch suite, and kernels per step."""
+    _, model, batch = watch_workloads.make_workloads(device, [key])[0]
+    model.train()
+    runs = {}
+    with contextlib.ExitStack() as stack:
+        for name, variant in VARIANTS.items():
+            copy_ = copy.deepcopy(model)
+            optimizer = bench_watch._optimizer(copy_)
+            _installed(stack, variant, copy_, optimizer, device)
+            runs[name] = (copy_, optimizer)
+
+        def step(name: str) -> float:
+            return bench_watch._timed_step(*runs[name], batch, device)
+
+        for name in runs:
+            for _ in range(3):
+                step(name)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for repeat in bench_watch.rotated_repeats(list(runs), step, repeats):
+            for name, t in repeat.items():
+                times[name].append(t)
+        kernels = kernels_per_step(runs, batch, device)
+        if profiled:
+            print(f"\n### host time by function, watch, {key}\n\n```\n"
+                  f"{host_profile(*runs['watch'], batch, device)}\n```\n", flush=True)
+    base = times["none"]
+    rows = []
+    for name in runs:
+        ratios = [t / b for t, b in zip(times[name], base)]
+        low, high = bench_watch.median_interval(ratios)
+        rows.append({"workload": key, "variant": name, "step_ms": statistics.median(times[name]) * 1e3,
+                     "overhead_pct": (statistics.median(ratios) - 1) * 100,
+                     "ci95": ((low - 1) * 100, (high - 1) * 100),
+                     "added_ms": (statistics.median(times[name]) - statistics.median(base)) * 1e3,
+                     "kernels": kernels[name] - kernels["none"]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workloads", default="mlp,transformer-small,resnet18-64",
+                        help=f"comma-separated keys of the watch suite ({', '.join(watch_workloads.KEYS)})")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="print a host-time table per workload")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats\n")
+    table = ["| workload | variant | median step (ms) | added (ms) | overhead: median | 95% interval | "
+             "kernels added per step |", "|---|---|---:|---:|---:|---:|---:|"]
+    for key in args.workloads.split(","):
+        for row in measure(key, args.device, args.repeats, args.profile):
+            low, high = row["ci95"]
+            table.append(f"| {row['workload']} | {row['variant']} | {row['step_ms']:.2f} | {row['added_ms']:+.2f} | "
+                         f"{row['overhead_pct']:+.1f}% | {low:+.1f}..{high:+.1f}% | {row['kernels']:.0f} |")
+        print("\n".join(table), flush=True)
+        table = table[:2]
+
+
+if __name__ == "__main__":
+    main()
