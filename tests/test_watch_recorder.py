@@ -87,3 +87,42 @@ def test_the_pass_call_under_grad_mode_makes_no_graph():
         assert torch.is_grad_enabled()  # the call's own no-grad ends with it
     assert not norm.requires_grad and norm.grad_fn is None and not absmax.requires_grad
     assert_stats_match(counts, norm, absmax, [p.detach() for p in params])
+
+
+def test_a_device_recorder_takes_one_calls_records_as_one_view():
+    """NOTE: [Records taken as views]: on a device (meta here: the same code path as CUDA, without
+    values) each record keeps its call's whole results and its first row; take() joins adjacent rows of
+    one call into one view, so a fused step's records come out without a cat (a launch on a GPU), and
+    the results of different calls are joined by one cat, in execution order."""
+    from op_recorder import OpRecorder
+
+    meta = torch.device("meta")
+
+    def records(recorder, sizes, dtype=torch.float32):
+        for slot, n in enumerate(sizes):
+            recorder.record([torch.empty(k + 1, device=meta, dtype=dtype) for k in range(n)], slot)
+
+    fused = _C.WatchRecorder(meta, False, 1 << 20)
+    records(fused, [1, 2, 3])
+    counts, norm, _ = fused.stats_with_deferred([torch.empty(5, device=meta)] * 2, meta)
+    assert counts.shape == (2, 3) and norm.shape == (2,)  # the pass's own rows
+    with OpRecorder() as ops:
+        packed, slots, absmax, limited = fused.take()
+    assert packed.shape == (6, 3) and slots == [(0, 1), (1, 2), (2, 3)] and absmax is None and limited == []
+    assert dict(ops.counts) == {"aten.slice.Tensor": 1}  # rows 0-5 of the pass's call: one view
+
+    bounded = _C.WatchRecorder(meta, False, 8)  # 8 bytes: records 0 and 1 (1 + 3 bfloat16 values) reach it
+    with OpRecorder() as ops:
+        records(bounded, [1, 2, 1], dtype=torch.bfloat16)
+        packed, slots, absmax, limited = bounded.take()
+    assert packed.shape == (4, 3) and slots == [(0, 1), (1, 2), (2, 1)]
+    assert absmax.shape == (4,) and [slot for slot, _ in limited] == [0, 1, 1, 2]
+    # The bound's call (records 0 and 1: whole) and the take's (record 2: whole), joined: one cat each.
+    assert ops.counts["aten.cat.default"] == 2 and ops.counts["nanfast.stats.default"] == 2
+    assert "aten.slice.Tensor" not in ops.counts
+
+    at_once = _C.WatchRecorder(meta, False, 0)
+    records(at_once, [2, 1])
+    with OpRecorder() as ops:
+        packed, slots, _, _ = at_once.take()
+    assert packed.shape == (3, 3) and ops.counts["aten.cat.default"] == 1 and "aten.slice.Tensor" not in ops.counts

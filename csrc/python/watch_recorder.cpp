@@ -69,7 +69,35 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
   const uint32_t output_nr_;
 };
 
+// NOTE: [Records taken as views]
+// A fused call checks many records at once (every deferred one: NOTE: [Fused records]); each record's
+// rows are a range of that call's results, kept as the whole result and a first row rather than a view
+// each (a narrow per record is host time in every step on a GPU, where the host bounds a small step).
+// take() joins adjacent ranges of one call's results into one view: a step whose records came from one
+// call is taken without an op that launches; a cat only joins the results of different calls.
+struct RowRange {
+  at::Tensor base;  // one fused call's results
+  int64_t row;
+  int64_t rows;
+};
+
+at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < ranges.size();) {
+    const RowRange& first = ranges[i];
+    int64_t end = first.row + first.rows;
+    for (++i; i < ranges.size() && ranges[i].base.is_same(first.base) && ranges[i].row == end; ++i) {
+      end += ranges[i].rows;
+    }
+    const bool whole = first.row == 0 && end == first.base.size(0);
+    parts.push_back(whole ? first.base : first.base.narrow(0, first.row, end - first.row));
+  }
+  TORCH_INTERNAL_ASSERT(!parts.empty(), "nanfast.watch: packed_rows of no records");
+  return parts.size() == 1 ? parts[0] : at::cat(parts);
+}
+
 }  // namespace
+
 
 void WatchRecorder::record(py::handle tensors, int64_t slot) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
@@ -125,8 +153,8 @@ py::tuple WatchRecorder::take() {
   }
   std::vector<std::pair<int64_t, int64_t>> slots;
   std::vector<std::pair<int64_t, double>> limited;
-  std::vector<at::Tensor> counts;
-  std::vector<at::Tensor> absmax;
+  std::vector<RowRange> counts;
+  std::vector<RowRange> absmax;
   slots.reserve(entries.size());
   const bool on_host = records_->device.is_cpu();  // see NOTE: [CPU counts kept as numbers]
   int64_t rows = 0;
@@ -134,15 +162,16 @@ py::tuple WatchRecorder::take() {
     slots.emplace_back(entry.slot, entry.rows);
     rows += entry.rows;
     if (!on_host) {
-      counts.push_back(std::move(entry.counts));
+      counts.push_back(RowRange{std::move(entry.counts), entry.row, entry.rows});
     }
     if (!entry.limits.empty()) {
-      TORCH_INTERNAL_ASSERT(entry.absmax.defined() && entry.absmax.numel() == static_cast<int64_t>(entry.limits.size()),
+      TORCH_INTERNAL_ASSERT(entry.absmax.defined() && static_cast<int64_t>(entry.limits.size()) == entry.rows &&
+                                entry.row + entry.rows <= entry.absmax.size(0),
                             "nanfast.watch: a record's max |x| and its limits differ in length");
       for (const double limit : entry.limits) {
         limited.emplace_back(entry.slot, limit);
       }
-      absmax.push_back(std::move(entry.absmax));
+      absmax.push_back(RowRange{std::move(entry.absmax), entry.row, entry.rows});
     }
   }
   at::Tensor packed;
@@ -156,13 +185,11 @@ py::tuple WatchRecorder::take() {
         out = std::copy(entry.host.begin(), entry.host.end(), out);
       }
     } else {
-      // One record's counts are taken as they are: a cat would be one more launch on a GPU.
-      packed = counts.empty()       ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
-               : counts.size() == 1 ? counts[0]
-                                    : at::cat(counts);
+      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
+                              : packed_rows(counts);
     }
     if (!absmax.empty()) {
-      packed_absmax = absmax.size() == 1 ? absmax[0] : at::cat(absmax);
+      packed_absmax = packed_rows(absmax);
     }
   }
   return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);

@@ -64,13 +64,15 @@ inline double max_finite(at::ScalarType dtype) {
 // into one new tensor: 19 us (9 us) a step. (Counts computed elsewhere for a CPU recorder have landed:
 // see NOTE: [Results copied to the CPU].) A GPU recorder's counts stay on the GPU.
 
-// One record: its counts [rows, 3] (a tensor on the device; on CPU the numbers, see NOTE: [CPU counts
-// kept as numbers]) and the slot id; for a record holding a low-precision tensor, its max |x| per row
-// (float64 [rows]) and each row's dtype's largest finite value (0 for a row that needs none). See
-// NOTE: [Overflow headroom in the recorder].
+// One record: its counts [rows, 3] (on the device, rows [row, row + rows) of its fused call's counts,
+// kept whole: see NOTE: [Records taken as views]; on CPU the numbers, see NOTE: [CPU counts kept as
+// numbers]) and the slot id; for a record holding a low-precision tensor, its max |x| per row (the same
+// rows of its call's float64 max |x|) and each row's dtype's largest finite value (0 for a row that
+// needs none). See NOTE: [Overflow headroom in the recorder].
 struct Entry {
   at::Tensor counts;  // undefined on CPU: `host` holds them
   c10::SmallVector<int64_t, 6> host;  // CPU: rows x (NaN, +inf, -inf)
+  int64_t row = 0;   // the record's first row in `counts` and `absmax`
   int64_t rows = 0;
   int64_t slot = 0;
   at::Tensor absmax;  // undefined unless `limits` is non-empty
@@ -140,7 +142,7 @@ struct Records {
   // [Overflow headroom in the recorder]).
   static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
                    int64_t row, int64_t rows) {
-    const bool whole = row == 0 && rows == counts.size(0);  // no view to make (the hot path)
+    entry.row = row;
     entry.rows = rows;
     if (counts.is_cpu()) {  // see NOTE: [CPU counts kept as numbers]
       TORCH_INTERNAL_ASSERT(counts.is_contiguous() && counts.scalar_type() == at::kLong,
@@ -148,14 +150,14 @@ struct Records {
       const int64_t* values = counts.const_data_ptr<int64_t>() + 3 * row;
       entry.host.assign(values, values + 3 * rows);
     } else {
-      entry.counts = whole ? counts : counts.narrow(0, row, rows);
+      entry.counts = counts;
     }
     if (limits.empty()) {
       return;
     }
     const auto first = limits.begin() + row, last = first + rows;
     if (std::any_of(first, last, [](double limit) { return limit > 0; })) {
-      entry.absmax = whole ? absmax : absmax.narrow(0, row, rows);
+      entry.absmax = absmax;
       entry.limits.assign(first, last);
     }
   }
