@@ -272,3 +272,30 @@ def test_deferred_to_the_pass_the_same_events_in_inference_and_across_microbatch
     assert first == [(0, "forward", "fc2")] and both == [(0, "forward", "fc2"), (1, "forward", "fc2")]
     assert (first, both) == inference_events(False)
     assert microbatch_events(True) == microbatch_events(False) == [(0, "input", "input", 1)]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_modules_false_hooks_the_model_alone_and_still_catches_every_fault(fuse):
+    """watch(modules=False), the cheapest watch on a GPU step: no hook on any submodule, and each of the
+    faults is still reported, where it reaches what the model itself shows (its input, its output, the
+    parameters and their gradients, by name); the module that made it is not named."""
+    expected = {"weight": ("param", "fc2.weight"), "backward": ("grad", "fc1.weight"),
+                "overflow": ("forward", ""), "input": ("input", "input")}
+    for name, make_model, make_batch in faults():
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        seen = []
+        with nanfast.watch(model, opt, modules=False, fuse=fuse, action=seen.append):
+            assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
+            opt.zero_grad()
+            F.cross_entropy(model(make_batch()), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])).backward()
+            opt.step()
+        assert [(e.first.phase, e.first.name) for e in seen] == [expected[name]], name
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    model = faults()[0][1]()  # a NaN weight: clean without it
+    with torch.no_grad():
+        model.fc2.weight.zero_()
+    with nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=1e-3), modules=False) as w:
+        F.cross_entropy(model(torch.randn(8, 6)), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])).backward()
+        w.optimizer.step()
+    assert w.events == [] and w.step_count == 1

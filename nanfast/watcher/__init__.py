@@ -54,6 +54,7 @@ class Watch(Hooks, Actions, Readings):
         activations: bool = True,
         grads: bool = True,
         params: bool = True,
+        modules: bool = True,
         params_every: int = PARAMS_EVERY,
         loss: bool = True,
         action: Union[str, Callable[[Event], Any]] = "raise",
@@ -95,6 +96,7 @@ class Watch(Hooks, Actions, Readings):
         self._check_inputs = inputs
         self._check_activations = activations
         self._check_grads = grads
+        self._hook_modules = modules
         self._check_params = params
         self._params_every = steps_option("params_every", params_every)
         self._check_loss = loss
@@ -318,7 +320,13 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     the previous optimizer step left it; read every ``params_every`` checked steps, default 100, on
     every step whose model output was not checked, in a lagged watch, and on a bad step to name them:
     a non-finite parameter shows in the next forward's output), ``loss`` (the model's outputs and the loss gradient at them,
-    and the loss value given to ``w.loss(loss)``).
+    and the loss value given to ``w.loss(loss)``). ``modules`` (default True) hooks the submodules for
+    ``activations`` and the gradients flowing out of each (``grads``); ``modules=False`` hooks the model
+    alone: its input, its outputs and the loss gradient at them, the loss value, and the parameters and
+    their gradients in the step's pass are checked, no Python runs per module call (the cheapest watch on a GPU
+    step, whose host is what bounds it), and what it gives up is the module's name: a bad activation or
+    module gradient is seen where it reaches the model's output, the loss gradient or a parameter's
+    gradient (named), and ``on_event="locate"`` names the op that made it.
 
     Options: ``action`` ("raise", "warn", "skip", "rollback" or a callable taking the Event), ``every`` (check one
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step

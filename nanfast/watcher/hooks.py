@@ -71,7 +71,7 @@ class Hooks:
         self._handles.append(model.register_forward_hook(hook(self._after_model)))
         # Registered after _after_model, and also called when the forward raises.
         self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
-        if self._check_activations or self._check_grads:
+        if self._hook_modules and (self._check_activations or self._check_grads):
             for name, module in model.named_modules():
                 if module is model or isinstance(module, self.pass_through) or type(module) is torch.nn.Sequential:
                     continue
