@@ -133,19 +133,30 @@ def measure(key: str, device: str, repeats: int, profiled: bool) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options this script and watch_host_costs.py share: --device and --workloads."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workloads", default="mlp,transformer-small,resnet18-64",
                         help=f"comma-separated keys of the watch suite ({', '.join(watch_workloads.KEYS)})")
+    return parser
+
+
+def machine(device: str) -> str:
+    """The first line of the output: where it ran."""
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    return f"{where}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def main() -> None:
+    parser = arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="print a host-time table per workload")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats\n")
+    print(f"{machine(args.device)}, {args.repeats} repeats\n")
     table = ["| workload | variant | median step (ms) | added (ms) | overhead: median | 95% interval | "
              "kernels added per step |", "|---|---|---:|---:|---:|---:|---:|"]
     for key in args.workloads.split(","):

@@ -13,7 +13,6 @@ the pass over parameters and gradients, the summary (Step.pack), the read with i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -24,6 +23,8 @@ import nanfast
 from nanfast import _C
 from nanfast.cli import bench_watch, watch_workloads
 from nanfast.watcher import step as steps
+
+import watch_cost_parts  # its neighbour in benchmarks/: the options and the machine line they share
 
 VARIANTS = {"watch": {}, "watch(activations=False, grads=False)": dict(activations=False, grads=False)}
 
@@ -127,14 +128,9 @@ def phases_table(device: str, keys: list[str], steps_timed: int = 50) -> list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--workloads", default="mlp,transformer-small,resnet18-64",
-                        help=f"comma-separated keys of the watch suite ({', '.join(watch_workloads.KEYS)})")
-    args = parser.parse_args()
+    args = watch_cost_parts.arguments(__doc__).parse_args()
     keys = args.workloads.split(",")
-    machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"{machine}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(f"{watch_cost_parts.machine(args.device)}\n")
     print("\n".join(calls_table(args.device, list(dict.fromkeys(keys[:1] + keys[-1:])))) + "\n", flush=True)
     print("\n".join(phases_table(args.device, keys)))
 
