@@ -34,8 +34,8 @@ VARIANTS = {
     "watch, the other fuse": "other fuse",
     "watch(sync=lagged)": dict(sync="lagged"),
     "watch(activations=False)": dict(activations=False),
-    "watch(activations=False, grads=False)": dict(activations=False, grads=False),
-    "watch(activations=False, grads=False, sync=lagged)": dict(activations=False, grads=False, sync="lagged"),
+    "watch(modules=False)": dict(modules=False),
+    "watch(modules=False, sync=lagged)": dict(modules=False, sync="lagged"),
 }
 
 
