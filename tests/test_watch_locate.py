@@ -90,3 +90,30 @@ def test_locate_needs_rerun_and_eager_sync():
         nanfast.watch(model, optimizer, on_event="locate", rerun=lambda: None, sync="lagged")
     with pytest.raises(ValueError, match="on_event must be one of"):
         nanfast.watch(model, optimizer, on_event="print")
+
+
+def test_a_watch_without_module_hooks_still_names_the_op_through_locate():
+    """watch(modules=False) sees the bad value only where it reaches the model's output; the re-run under
+    locate names the op and its line, which module hooks would have named as the module."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    current = {}
+
+    def rerun():
+        F.cross_entropy(model(current["x"]), current["y"]).backward()
+
+    with warnings.catch_warnings(), nanfast.watch(model, optimizer, modules=False, action="skip",
+                                                  on_event="locate", rerun=rerun) as w:
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for x, y in _batches(3, bad_step=1):
+            current.update(x=x, y=y)
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    [event] = w.events
+    assert (event.step, event.phase, event.name) == (1, "forward", "")  # the model's output: no module named
+    finding = event.located
+    assert finding is not None and finding.op == "aten.div.Tensor" and finding.phase == "forward"
+    assert "centered.std" in open(__file__).read().splitlines()[finding.where.lineno - 1]
+    assert w.skipped_steps == 1
