@@ -22,6 +22,7 @@ import torch
 
 import nanfast
 from nanfast.cli import bench_watch, watch_workloads
+from nanfast.watcher.hooks import hooked_modules
 from nanfast.watcher.options import PASS_THROUGH, fused_records
 
 # name -> watch options (None: no checks; "hooks": a do-nothing forward pre-hook and forward hook on
@@ -49,9 +50,7 @@ def bare_hooks(model: torch.nn.Module):
         return None
 
     handles = []
-    for module in model.modules():
-        if module is model or isinstance(module, PASS_THROUGH) or type(module) is torch.nn.Sequential:
-            continue
+    for _, module in hooked_modules(model, PASS_THROUGH):
         handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     try:
         yield

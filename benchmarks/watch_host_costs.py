@@ -22,16 +22,15 @@ import torch
 import nanfast
 from nanfast import _C
 from nanfast.cli import bench_watch, watch_workloads
+from nanfast.cli.bench import _sync
 from nanfast.watcher import step as steps
 
-import watch_cost_parts  # its neighbour in benchmarks/: the options and the machine line they share
+# Its neighbours in benchmarks/: the options and the machine line they share, and the timing of a
+# method inside the steps.
+import watch_cost_parts
+from step_end_floor import _timed
 
 VARIANTS = {"watch": {}, "watch(activations=False, grads=False)": dict(activations=False, grads=False)}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def per_call_us(fn, device: str, calls: int = 300) -> tuple[float, float]:
@@ -87,24 +86,14 @@ def calls_table(device: str, keys: list[str]) -> list[str]:
     return rows
 
 
-def _timed(name: str, fn, spent: dict):
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent.setdefault(name, []).append(time.perf_counter() - start)
-    return timed
-
-
 def phases_table(device: str, keys: list[str], steps_timed: int = 50) -> list[str]:
     phases = ("pass", "summary", "read", "evaluation", "step end")
     rows = ["| workload | watch | step without it (ms) | with it (ms) | " + " | ".join(f"{p} (us)" for p in phases) + " |",
             "|---|---|---:|---:|" + "---:|" * len(phases)]
     pack, verdict = steps.Step.pack, steps.verdict
-    spent: dict[str, list[float]] = {}
-    steps.Step.pack = _timed("summary", pack, spent)
-    steps.verdict = _timed("read", verdict, spent)
+    spent: dict[str, list[float]] = {phase: [] for phase in phases}
+    steps.Step.pack = _timed(pack, spent["summary"])
+    steps.verdict = _timed(verdict, spent["read"])
     try:
         for key in keys:
             for name, options in VARIANTS.items():
@@ -112,12 +101,13 @@ def phases_table(device: str, keys: list[str], steps_timed: int = 50) -> list[st
                 optimizer = bench_watch._optimizer(model)
                 plain = [bench_watch._timed_step(model, optimizer, batch, device) for _ in range(steps_timed + 10)][10:]
                 with nanfast.watch(model, optimizer, **options) as w:
-                    w._end_step = _timed("step end", w._end_step, spent)
-                    w._fused_pass = _timed("pass", w._fused_pass, spent)
-                    w._evaluate = _timed("evaluation", w._evaluate, spent)
+                    w._end_step = _timed(w._end_step, spent["step end"])
+                    w._fused_pass = _timed(w._fused_pass, spent["pass"])
+                    w._evaluate = _timed(w._evaluate, spent["evaluation"])
                     for _ in range(10):
                         bench_watch._timed_step(model, optimizer, batch, device)
-                    spent.clear()
+                    for times in spent.values():
+                        times.clear()
                     watched = [bench_watch._timed_step(model, optimizer, batch, device) for _ in range(steps_timed)]
                 medians = [statistics.median(spent[p]) * 1e6 for p in phases]
                 rows.append(f"| {key} | {name} | {statistics.median(plain) * 1e3:.2f} | "

@@ -41,15 +41,20 @@ def _batches(steps: int, bad_step: int) -> list[tuple[torch.Tensor, torch.Tensor
     return batches
 
 
-def test_bad_step_is_located_and_skipped():
+def _rerunnable():
+    """A model, its optimizer, the batch being trained (fill in "x" and "y") and a rerun of it."""
     torch.manual_seed(0)
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     current = {}
 
     def rerun():
         F.cross_entropy(model(current["x"]), current["y"]).backward()
 
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), current, rerun
+
+
+def test_bad_step_is_located_and_skipped():
+    model, optimizer, current, rerun = _rerunnable()
     w = nanfast.watch(model, optimizer, action="skip", on_event="locate", rerun=rerun)
     rng_after_bad_step = None
     with warnings.catch_warnings():
@@ -95,14 +100,7 @@ def test_locate_needs_rerun_and_eager_sync():
 def test_a_watch_without_module_hooks_still_names_the_op_through_locate():
     """watch(modules=False) sees the bad value only where it reaches the model's output; the re-run under
     locate names the op and its line, which module hooks would have named as the module."""
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    current = {}
-
-    def rerun():
-        F.cross_entropy(model(current["x"]), current["y"]).backward()
-
+    model, optimizer, current, rerun = _rerunnable()
     with warnings.catch_warnings(), nanfast.watch(model, optimizer, modules=False, action="skip",
                                                   on_event="locate", rerun=rerun) as w:
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -98,7 +98,6 @@ at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
 
 }  // namespace
 
-
 void WatchRecorder::record(py::handle tensors, int64_t slot) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
   if (inputs.list().empty()) {

@@ -32,16 +32,16 @@ METHODS = ("none", "nanfast.watch", "nanfast.watch(fuse=True)", "isnan hooks", "
 # The watch with the other `fuse` than its default on the device (NOTE: [Fused records by default on
 # accelerators]): fused on a CPU, each check at once on an accelerator.
 OTHER_FUSE = {True: "nanfast.watch(fuse=True)", False: "nanfast.watch(fuse=False)"}
+# What each method's overhead is taken against (the others: "none"). A loop that clips its gradients
+# reads them for the norm anyway: with Watch.clip_grad_norm_ the watch's pass is that read.
+BASELINES = {WATCH_CLIP: TORCH_CLIP}
+MAX_NORM = 1.0
 
 
 def methods(device: str) -> tuple[str, ...]:
     """METHODS as timed on `device`: the watch beside the one with the other `fuse`."""
     other = OTHER_FUSE[not fused_records(None, torch.device(device))]
     return tuple(other if m == OTHER_FUSE[True] else m for m in METHODS)
-# What each method's overhead is taken against (the others: "none"). A loop that clips its gradients
-# reads them for the norm anyway: with Watch.clip_grad_norm_ the watch's pass is that read.
-BASELINES = {WATCH_CLIP: TORCH_CLIP}
-MAX_NORM = 1.0
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ C++ (NOTE: [Module hooks in C++]) and one fused op."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +29,15 @@ def walked_floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
     return [t for t in _tree.leaves(obj) if isinstance(t, torch.Tensor)
             and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
+
+
+def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The submodules of `model` that get module hooks, with their names: all but the model itself, the
+    types in `pass_through` (NOTE: [Modules that cannot make non-finite values]) and plain nn.Sequential
+    containers (NOTE: [Containers that compute nothing])."""
+    for name, module in model.named_modules():
+        if module is not model and not isinstance(module, pass_through) and type(module) is not torch.nn.Sequential:
+            yield name, module
 
 
 class Hooks:
@@ -72,9 +82,7 @@ class Hooks:
         # Registered after _after_model, and also called when the forward raises.
         self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
         if self._hook_modules and (self._check_activations or self._check_grads):
-            for name, module in model.named_modules():
-                if module is model or isinstance(module, self.pass_through) or type(module) is torch.nn.Sequential:
-                    continue
+            for name, module in hooked_modules(model, self.pass_through):
                 before, after = self._hooks_of(self._site(name, type(module).__name__))
                 self._handles.append(module.register_forward_pre_hook(hook(before)))
                 if self._check_activations:

@@ -17,8 +17,7 @@ from .history import Tail
 from .host_copy import HostCopy
 from .options import ignored
 
-# Leading entries of the per-step summary tensor; its Tail follows (losses, scale, module norms), then, in
-# a lagged read, the counts of every slot.
+# Leading entries of the per-step summary tensor; its Tail follows (losses, scale, module norms).
 SUMMARY = ("flag", "nan", "posinf", "neginf", "grad_norm", "grad_max_abs", "param_norm", "scaler_found_inf")
 GRAD_NORM = SUMMARY.index("grad_norm")
 # Values that are scaled by a GradScaler's loss scale, so may overflow (see NOTE: [AMP and GradScaler]).
@@ -40,7 +39,7 @@ class Read:
     reported: tuple  # which of the pass's rows the step reports: (ignore patterns, params checked, grads checked)
     scaler_skipped: bool
     agreeing: Optional[Any] = None  # the Work of the flag's all-reduce across ranks, until waited on
-    host: Optional[HostCopy] = None  # summary and counts, copied without blocking (lagged)
+    host: Optional[HostCopy] = None  # the summary, copied without blocking (lagged)
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
@@ -49,8 +48,8 @@ class Read:
     def layout(self) -> tuple[list, list, list]:
         """Where the counts' rows come from, in row order ((int64 [*, 3] tensor, start, stop, kept rows or
         None) each), the parameters' slot (phase, names, call, microbatch, rows) before the records' rows
-        and the gradients' slot after them: made when read (a bad step, a lagged copy), since a good eager
-        step never reads them."""
+        and the gradients' slot after them: made when read (a bad step), since a good step never reads
+        them."""
         if self._layout is None:
             front: list = []
             back: list = []
@@ -71,7 +70,7 @@ class Read:
 
     def all_counts(self) -> torch.Tensor:
         """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
-        read (a bad step, a lagged copy), since a good eager step never reads them."""
+        read (a bad step), since a good step never reads them."""
         return _rows_of(self.layout()[0])
 
 
@@ -134,8 +133,8 @@ def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) ->
 def _counted_mask(param_names: tuple, grad_names: tuple, ignore: tuple[str, ...], params: bool, grads: bool,
                   device: torch.device) -> Optional[torch.Tensor]:
     n, rows = len(param_names), len(param_names) + len(grad_names)
-    kept_params = _kept("param", param_names, ignore, params, (None, 0, n), [], [])
-    kept_grads = _kept("grad", grad_names, ignore, grads, (None, n, rows), [], [])
+    kept_params = _kept_indices(param_names, ignore, params)
+    kept_grads = _kept_indices(grad_names, ignore, grads)
     if kept_params is None and kept_grads is None:
         return None
     mask = [0] * rows
@@ -157,18 +156,23 @@ def _rows_of(parts: list) -> torch.Tensor:
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
+def _kept_indices(names, ignore: tuple[str, ...], wanted: bool) -> Optional[list[int]]:
+    """The indices of the names a step reports (none if the check is off, the ignored ones left out), or
+    None when it reports all of them."""
+    if not wanted:
+        return []
+    if not ignore:
+        return None
+    keep = [i for i, name in enumerate(names) if not ignored(ignore, name)]
+    return None if len(keep) == len(names) else keep
+
+
 def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, rows: tuple, parts: list,
           slots: list) -> Optional[list[int]]:
     """Adds the rows of the parameters or gradients a step reports (one per name, the ignored ones left
     out; none if the check is off) to `parts` and their slot to `slots` (the read's front or back):
     the parameters' in front, the gradients' at the end. Returns the indices kept, or None when all are."""
-    keep = None
-    if not wanted:
-        keep = []
-    elif ignore:
-        keep = [i for i, name in enumerate(names) if not ignored(ignore, name)]
-        if len(keep) == len(names):
-            keep = None
+    keep = _kept_indices(names, ignore, wanted)
     kept = names if keep is None else [names[i] for i in keep]
     if kept:
         part, slot = (*rows, keep), (phase, tuple(kept), 1, 0, len(kept))
