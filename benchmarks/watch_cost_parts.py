@@ -1,6 +1,9 @@
 """Where a watched step's cost goes, part by part, on a CPU or a GPU (issue 19): the watch with each group
-of its checks turned off in turn, against bare Python module hooks on the same modules (what any per-module
-check pays before it does anything) and against no checks.
+of its checks turned off in turn, down to its glue (nothing read but input, output and loss: its hooks and
+step end), against bare Python module hooks on the same modules (what any per-module check pays before it
+does anything), against one bare stats call over the gradients at the optimizer step (what the watch's
+pass reads) or one per gradient in backward (the same reads while the gradient may be in cache), and
+against no checks.
 
 Each variant trains its own copy of the model (same weights and batches) with its watch left on; the
 copies' steps are interleaved in a rotating order; overheads are medians of per-repeat ratios to the
@@ -21,22 +24,33 @@ import statistics
 import torch
 
 import nanfast
+from nanfast import _C
 from nanfast.cli import bench_watch, watch_workloads
 from nanfast.watcher.hooks import hooked_modules
 from nanfast.watcher.options import PASS_THROUGH, fused_records
 
+# Its neighbour in benchmarks/: the watch options that turn the health features off.
+from step_end_floor import FEATURES_OFF
+
 # name -> watch options (None: no checks; "hooks": a do-nothing forward pre-hook and forward hook on
-# every module the watch would hook). "the other fuse" is filled in per device (its default fuses on an
-# accelerator: NOTE: [Fused records by default on accelerators]).
+# every module the watch would hook; "grad pass" / "grad hooks": no watch, only a stats call over every
+# gradient, at the optimizer step or in backward as each is accumulated). "the other fuse" is filled in
+# per device (its default fuses on an accelerator: NOTE: [Fused records by default on accelerators]).
+# The watch with nothing read but its input, output and loss is its per-step glue: its hooks and step end.
+GLUE = dict(modules=False, params=False, grads=False)
 VARIANTS = {
     "none": None,
     "bare module hooks": "hooks",
+    "bare gradient pass at the optimizer step": "grad pass",
+    "bare gradient checks in backward": "grad hooks",
     "watch": {},
     "watch, the other fuse": "other fuse",
     "watch(sync=lagged)": dict(sync="lagged"),
     "watch(activations=False)": dict(activations=False),
     "watch(modules=False)": dict(modules=False),
     "watch(modules=False, sync=lagged)": dict(modules=False, sync="lagged"),
+    "watch(modules=False, params=False, grads=False)": GLUE,
+    "the same, health features off": dict(GLUE, **FEATURES_OFF),
 }
 
 
@@ -59,9 +73,34 @@ def bare_hooks(model: torch.nn.Module):
             h.remove()
 
 
+@contextlib.contextmanager
+def bare_gradient_checks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, in_backward: bool):
+    """One stats call over every gradient right before the optimizer step (what the watch's pass reads), or
+    one per gradient as backward accumulates it (while it may still be in cache)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
+    if in_backward:
+        def check(p):
+            _C.stats_on([p.grad], device)
+
+        handles = [p.register_post_accumulate_grad_hook(check) for p in params]
+    else:
+        def check_all(optimizer, args, kwargs):
+            _C.stats_on([p.grad for p in params if p.grad is not None], device)
+
+        handles = [optimizer.register_step_pre_hook(check_all)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _installed(stack: contextlib.ExitStack, variant, model, optimizer, device: str) -> None:
     if variant == "hooks":
         stack.enter_context(bare_hooks(model))
+    elif variant in ("grad pass", "grad hooks"):
+        stack.enter_context(bare_gradient_checks(model, optimizer, in_backward=variant == "grad hooks"))
     elif variant == "other fuse":
         stack.enter_context(nanfast.watch(model, optimizer, fuse=not fused_records(None, torch.device(device))))
     elif variant is not None:

@@ -327,6 +327,10 @@ def test_the_watch_cost_benchmarks_run_every_variant(monkeypatch):
     assert list(rows) == list(watch_cost_parts.VARIANTS)
     assert rows["bare module hooks"]["kernels"] == 0 and rows["watch"]["kernels"] > 0  # ops on a CPU
     assert rows["watch, the other fuse"]["kernels"] < rows["watch"]["kernels"]  # fused on a CPU: fewer calls
+    # the bare gradient reads: one call at the optimizer step, one per parameter in backward
+    assert 0 < rows["bare gradient pass at the optimizer step"]["kernels"] < rows["bare gradient checks in backward"]["kernels"]
+    # the glue reads no parameters or gradients: no pass
+    assert rows["watch(modules=False, params=False, grads=False)"]["kernels"] < rows["watch(modules=False)"]["kernels"]
     pack = nanfast.watcher.step.Step.pack
     phases = watch_host_costs.phases_table("cpu", ["mlp"], steps_timed=3)
     assert nanfast.watcher.step.Step.pack is pack  # put back
