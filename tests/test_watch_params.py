@@ -142,3 +142,46 @@ def test_params_every_must_be_a_positive_int():
     for bad in (0, -1, 2.0, True, "10"):
         with pytest.raises(ValueError, match=r"params_every must be an int >= 1, got"):
             nanfast.watch(model, params_every=bad)
+
+
+def test_several_parameters_read_together_are_not_said_to_propagate_to_each_other():
+    """The parameters are read together at the step's start: two made NaN by the same update are both
+    where the step began, in the optimizer's order, and only the places after them are propagation."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action=lambda event: None) as w:
+        step(model, opt, w)
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("nan")
+            model[2].weight[1, 1] = float("nan")
+        step(model, opt, w)
+    [event] = w.events
+    assert [(p.phase, p.name) for p in event.places[:2]] == [("param", "0.weight"), ("param", "2.weight")]
+    assert all(p.phase != "param" for p in event.places[2:]) and len(event.places) > 2
+    text = event.summary()
+    head, propagated = text.split("; then propagated to ")
+    assert "non-finite values in parameter 0.weight (nan=1, +inf=0, -inf=0), parameter 2.weight (nan=1" in head
+    listed = "; ".join(p.where() for p in event.places[2:10])
+    assert propagated.startswith(f"{len(event.places) - 2} places: {listed}")
+
+
+def test_gradients_that_overflow_where_nothing_else_does_are_named_as_read_together():
+    """A float16 weight gradient sums over the batch: with finite inputs, outputs and output gradients it
+    overflows alone (here 4096 rows of 16 x 16 = 1M > 65504, in the weight's and the bias's gradients).
+    Those rows come from the one pass after backward, in the optimizer's order: the event names both,
+    says that their order is unknown, and claims no propagation between them."""
+    lin = torch.nn.Linear(4, 4).half()
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-6)
+    x = torch.full((4096, 4), 16.0, dtype=torch.half)
+    with nanfast.watch(lin, opt, action=lambda event: None) as w:
+        opt.zero_grad()
+        out = lin(x)
+        (out.float() * 16).sum().backward()
+        assert out.isfinite().all() and lin.weight.grad.isinf().all() and lin.bias.grad.isinf().all()
+        opt.step()
+    [event] = w.events
+    assert [(p.phase, p.name, p.posinf) for p in event.places] == [("grad", "weight", 16), ("grad", "bias", 4)]
+    assert event.summary() == (
+        "nanfast.watch: step 0: non-finite values first appeared in the gradients of 2 parameters, read together "
+        "after backward (which one backward made first is not known): gradient of parameter weight (nan=0, +inf=16, "
+        "-inf=0), gradient of parameter bias (nan=0, +inf=4, -inf=0)")

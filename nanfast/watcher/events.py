@@ -63,9 +63,12 @@ def _of_first(field: str) -> property:
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What a watch found in one step. Kind "nonfinite": the first place in execution order where a
-    non-finite value appeared (the producer) and the places hit after it (where it propagated). Kinds
-    "headroom" and "spike": a warning about finite values at `first` (its counts are zeros), said in
-    `detail`."""
+    non-finite value appeared (the producer) and the places hit after it (where it propagated). The
+    parameters are read together at a step's start and their gradients together after backward (NOTE:
+    [Parameters and gradients in one pass]): several of them are in the optimizer's order (or the
+    model's), which says nothing of which came first, and none propagated to another; the summary says
+    so. Kinds "headroom" and "spike": a warning about finite values at `first` (its counts are zeros),
+    said in `detail`."""
 
     step: int
     first: Place
@@ -111,11 +114,22 @@ class Event:
         if self.kind != "nonfinite":
             return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
+        # The parameters' rows, and the gradients', are read together: the ones after `first` are not
+        # where its values went, and their order is the optimizer's (see the class docstring).
+        together = 0
+        if self.first.phase in ("param", "grad"):
+            while together < len(self.later) and self.later[together].phase == self.first.phase:
+                together += 1
+        read_with = self.later[:together]
         if self.dirty_input:
             head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"
         elif self.first.phase == "param":
-            head = (f"step {self.step} began with non-finite values{on} in {self.first.describe()}: made by the previous "
-                    "optimizer step (or whatever last wrote the parameters)")
+            head = (f"step {self.step} began with non-finite values{on} in {_listed(self.first, read_with)}: made by "
+                    "the previous optimizer step (or whatever last wrote the parameters)")
+        elif read_with:
+            head = (f"step {self.step}: non-finite values first appeared{on} in the gradients of {1 + together} "
+                    f"parameters, read together after backward (which one backward made first is not known): "
+                    f"{_listed(self.first, read_with)}")
         else:
             head = f"step {self.step}: non-finite values first appeared{on} in the {self.first.describe()}"
         if self.by_rank:
@@ -123,13 +137,23 @@ class Event:
         if self.located is not None:
             head += f"; located: {self.located.summary()}"
             head += f" ({self.located_differs})" if self.located_differs else ""
-        if not self.later:
+        later = self.later[together:]
+        if not later:
             return f"nanfast.watch: {head}"
-        named = "; ".join(p.where() for p in self.later[:_MAX_NAMED_IN_SUMMARY])
-        more = f"; and {len(self.later) - _MAX_NAMED_IN_SUMMARY} more" if len(self.later) > _MAX_NAMED_IN_SUMMARY else ""
-        return f"nanfast.watch: {head}; then propagated to {len(self.later)} places: {named}{more}"
+        named = "; ".join(p.where() for p in later[:_MAX_NAMED_IN_SUMMARY])
+        more = f"; and {len(later) - _MAX_NAMED_IN_SUMMARY} more" if len(later) > _MAX_NAMED_IN_SUMMARY else ""
+        return f"nanfast.watch: {head}; then propagated to {len(later)} places: {named}{more}"
 
     __str__ = summary
+
+
+def _listed(first: Place, read_with: tuple[Place, ...]) -> str:
+    """`first` and the places read together with it, in words, the first few named."""
+    if not read_with:
+        return first.describe()
+    named = ", ".join(p.describe() for p in (first, *read_with)[:_MAX_NAMED_IN_SUMMARY])
+    rest = 1 + len(read_with) - _MAX_NAMED_IN_SUMMARY
+    return f"{named}" + (f" and {rest} more" if rest > 0 else "")
 
 
 def phase_order(place: Place) -> tuple[int, int]:
