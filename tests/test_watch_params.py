@@ -185,3 +185,36 @@ def test_gradients_that_overflow_where_nothing_else_does_are_named_as_read_toget
         "nanfast.watch: step 0: non-finite values first appeared in the gradients of 2 parameters, read together "
         "after backward (which one backward made first is not known): gradient of parameter weight (nan=0, +inf=16, "
         "-inf=0), gradient of parameter bias (nan=0, +inf=4, -inf=0)")
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_a_parameter_nonfinite_at_the_watchs_first_step_is_not_blamed_on_an_optimizer_step(loaded, tmp_path):
+    """At the watch's first step no optimizer step of its own came before: a NaN weight then was in the
+    initial values or in a checkpoint loaded before training (here one saved by torch.save and loaded
+    with load_state_dict); from the second step on, the update before is named."""
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    if loaded:
+        torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+        model = mlp()
+        model.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action=lambda event: None) as w:
+        step(model, opt, w)
+    [event] = w.events
+    assert (event.step, event.phase, event.name) == (0, "param", "2.weight")
+    assert "already there when the watch began" in event.summary()
+    assert "previous optimizer step" not in event.summary()
+
+
+def test_one_place_after_the_producer_is_one_place():
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with nanfast.watch(model, action=lambda event: None) as w:
+        model(torch.randn(3, 4)).sum().backward()
+        w.step()
+    [event] = w.events
+    assert [p.phase for p in event.places] == ["param", "forward"]
+    assert event.summary().endswith("then propagated to 1 place: output of <model> (Linear)")

@@ -124,8 +124,11 @@ class Event:
         if self.dirty_input:
             head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"
         elif self.first.phase == "param":
-            head = (f"step {self.step} began with non-finite values{on} in {_listed(self.first, read_with)}: made by "
-                    "the previous optimizer step (or whatever last wrote the parameters)")
+            # The watch's first step has no optimizer step of its own before it.
+            made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
+                    "wrote them before)" if self.step == 0 else
+                    "made by the previous optimizer step (or whatever last wrote the parameters)")
+            head = f"step {self.step} began with non-finite values{on} in {_listed(self.first, read_with)}: {made}"
         elif read_with:
             head = (f"step {self.step}: non-finite values first appeared{on} in the gradients of {1 + together} "
                     f"parameters, read together after backward (which one backward made first is not known): "
@@ -142,7 +145,8 @@ class Event:
             return f"nanfast.watch: {head}"
         named = "; ".join(p.where() for p in later[:_MAX_NAMED_IN_SUMMARY])
         more = f"; and {len(later) - _MAX_NAMED_IN_SUMMARY} more" if len(later) > _MAX_NAMED_IN_SUMMARY else ""
-        return f"nanfast.watch: {head}; then propagated to {len(later)} places: {named}{more}"
+        places = "1 place" if len(later) == 1 else f"{len(later)} places"
+        return f"nanfast.watch: {head}; then propagated to {places}: {named}{more}"
 
     __str__ = summary
 
