@@ -303,3 +303,24 @@ def test_scaled_gradients_are_measured_at_scale_one():
     event = next(e for e in headroom_events(w) if (e.phase, e.name) == ("backward", "1"))
     assert f"before loss scaling (the largest GradScaler scale that fits is ~{1 / fraction:.3g})" in event.detail
     assert [str(c.message) for c in caught] == [e.summary() for e in headroom_events(w)]
+
+
+def test_a_place_crossing_several_thresholds_in_one_step_warns_once_for_all():
+    """A float16 output that jumps from far below to 87% of the maximum crosses 25% and 50% at once: one
+    warning naming both (not one per threshold in the same step); 90%, crossed later, warns on its own."""
+    model = torch.nn.Linear(4, 4, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    w = nanfast.watch(model, action="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for value in (1.0, 14250.0, 15500.0):  # outputs 4, 57000 (87%), 62000 (95%)
+            model(torch.full((2, 4), value, dtype=torch.half))
+            w.step()
+    w.remove()
+    events = headroom_events(w)
+    assert [(e.step, e.phase) for e in events] == [(1, "forward"), (2, "forward")]
+    assert "at 87% of float16's max (thresholds 25% and 50%)" in events[0].detail
+    assert "at 95% of float16's max (threshold 90%)" in events[1].detail
+    messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+    assert messages == [e.summary() for e in events]

@@ -193,7 +193,8 @@ class Headroom:
             pending: what start() returned for it.
 
         Returns:
-            The headroom events of this step: one per place and threshold crossed for the first time."""
+            The headroom events of this step: one per place that crossed thresholds it had not crossed
+            before (all of them named in one event)."""
         if pending is None:
             self.last = None
             return []
@@ -205,10 +206,11 @@ class Headroom:
                 samples = self._samples[key] = collections.deque(maxlen=WINDOW)
             if fraction > 0:
                 samples.append((step, math.log2(fraction)))
-            crossed = self._crossed.get(key, 0)
+            before = crossed = self._crossed.get(key, 0)
             while crossed < len(self.thresholds) and fraction >= self.thresholds[crossed]:
-                events.append(self._event(step, key, fraction, limit, unscaled, self.thresholds[crossed]))
                 crossed += 1
+            if crossed > before:  # one event for every threshold this step crossed at once
+                events.append(self._event(step, key, fraction, limit, unscaled, self.thresholds[before:crossed]))
             self._crossed[key] = crossed
         if found:
             key, (fraction, _, _) = max(found.items(), key=lambda item: item[1][0])
@@ -231,14 +233,17 @@ class Headroom:
         slope = sxy / sxx if sxx else 0.0
         return 1.0 / slope if slope > 0 else math.inf
 
-    def _event(self, step: int, key: tuple, fraction: float, limit: float, unscaled: bool, threshold: float) -> Event:
+    def _event(self, step: int, key: tuple, fraction: float, limit: float, unscaled: bool,
+               thresholds: tuple[float, ...]) -> Event:
         place = _place(key)
         dtype = _NAMES.get(limit, f"its dtype ({limit:g})")
         text = f"{place.where()} at {_percent(fraction)} of {dtype}'s max"
         if unscaled:
             # See NOTE: [Headroom under a GradScaler]: the largest scale at which these values still fit.
             text += f" before loss scaling (the largest GradScaler scale that fits is ~{1 / fraction:.3g})"
-        text += f" (threshold {_percent(threshold)}), " + _trend(self.doubling_steps(key), len(self._samples[key]))
+        named = [_percent(t) for t in thresholds]
+        crossed = f"threshold {named[0]}" if len(named) == 1 else f"thresholds {', '.join(named[:-1])} and {named[-1]}"
+        text += f" ({crossed}), " + _trend(self.doubling_steps(key), len(self._samples[key]))
         return Event(step, place, (), kind="headroom", detail=text)
 
 
