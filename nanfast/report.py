@@ -93,11 +93,15 @@ class Report:
         """Returns:
             One line: how many tensors are bad, and which (the first MAX_NAMED_IN_MESSAGE)."""
         bad = self.bad
+        if not self.entries:  # nothing was looked at: not "all finite" (e.g. grads=True before a backward)
+            return f"no tensors found: nothing was checked{self._unchecked_text()}"
+        tensors = "tensor" if self.num_tensors == 1 else "tensors"
         if not bad:
-            return f"all {self.num_tensors} tensors are finite ({self.num_elements:,} elements){self._unchecked_text()}"
+            finite = "the 1 tensor is finite" if self.num_tensors == 1 else f"all {self.num_tensors} tensors are finite"
+            return f"{finite} ({self.num_elements:,} elements){self._unchecked_text()}"
         named = "; ".join(f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad[:MAX_NAMED_IN_MESSAGE])
         more = f"; and {len(bad) - MAX_NAMED_IN_MESSAGE} more" if len(bad) > MAX_NAMED_IN_MESSAGE else ""
-        return f"non-finite values in {len(bad)} of {self.num_tensors} tensors: {named}{more}{self._unchecked_text()}"
+        return f"non-finite values in {len(bad)} of {self.num_tensors} {tensors}: {named}{more}{self._unchecked_text()}"
 
     def _unchecked_text(self) -> str:
         if not self.unchecked:

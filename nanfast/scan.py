@@ -1,5 +1,5 @@
 """Checking checkpoints (.pt/.pth/.bin, .safetensors) for NaN/inf without running pickled code:
-`scan_file`, and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean
+`scan_file`, and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean or empty
 (every tensor read), 1 non-finite values found, 2 an input could not be read whole (refused,
 unreadable, or some of its tensors not checked)."""
 
@@ -38,8 +38,9 @@ _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torc
 @dataclasses.dataclass(frozen=True)
 class FileScan:
     """The result of scanning one file. status: "clean", "nonfinite", "incomplete" (read, no NaN/inf
-    found, but some tensors could not be checked), "unreadable", or "refused" (a pickle that asks to run
-    code, or not a regular file)."""
+    found, but some tensors could not be checked), "empty" (read whole, and it holds no tensor: nothing
+    was checked, so it is not called clean), "unreadable", or "refused" (a pickle that asks to run code,
+    or not a regular file)."""
 
     path: str
     status: str
@@ -216,12 +217,14 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{_first_sentence(e)})")
     report = Report(tuple(entries))
-    status = "nonfinite" if not report.ok else "incomplete" if not_checked else "clean"
+    status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
+              "clean" if entries else "empty")
     return FileScan(path, status, report, not_checked=tuple(not_checked))
 
 
 def exit_code(scans: list[FileScan]) -> int:
-    """2 if any file could not be read whole (this dominates), else 1 if any holds NaN/inf, else 0."""
+    """2 if any file could not be read whole (this dominates), else 1 if any holds NaN/inf, else 0 (an
+    empty file too: read whole, it holds nothing non-finite)."""
     if any(s.status in ("unreadable", "refused") or s.not_checked for s in scans):
         return EXIT_UNREADABLE
     return EXIT_NONFINITE if any(s.status == "nonfinite" for s in scans) else EXIT_CLEAN
@@ -237,6 +240,8 @@ def format_scan(scan: FileScan) -> str:
         more = len(scan.not_checked) - MAX_NAMED_IN_MESSAGE
         missed = f"; {len(scan.not_checked)} not checked: {named}{f' and {more} more' if more > 0 else ''}"
     head = f"{scan.path}: {report.num_tensors} tensors, {report.num_elements:,} elements"
+    if scan.status == "empty":
+        return f"{scan.path}: no tensors in it: nothing checked"
     if report.ok:
         return f"{head} checked: no NaN/inf{missed}" if scan.not_checked else f"{head}: clean"
     rows = [(e.name, str(tuple(e.shape)), e.dtype, str(e.nan), str(e.posinf), str(e.neginf)) for e in report.bad]

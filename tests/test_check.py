@@ -323,6 +323,11 @@ def test_empty_inputs():
     for obj in ([], {}, torch.nn.ReLU()):
         report = check_all(obj)
         assert report.ok and report.num_tensors == 0 and report.num_elements == 0 and report.total_norm == 0.0
+        # nothing was looked at: the summary does not call it finite
+        assert report.summary() == "no tensors found: nothing was checked"
+    # the gradients of a model before its first backward: none to check, not "all finite"
+    assert check_all(torch.nn.Linear(2, 2), grads=True).summary() == "no tensors found: nothing was checked"
+    assert check_all(torch.ones(3)).summary() == "the 1 tensor is finite (3 elements)"
 
 
 def many_bad_tensors():

@@ -373,3 +373,23 @@ def test_scan_finds_tensors_in_sets_and_tensor_attributes(capsys, tmp_path):
     code, out = run_scan(capsys, path)
     assert code == 1 and out.splitlines()[0] == f"{path}: 3 tensors, 4 elements: 2 of them hold non-finite values"
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["w.scale", "s{0}"]
+
+
+def test_a_checkpoint_with_no_tensor_is_empty_not_clean(capsys, tmp_path):
+    """A file read whole that holds no tensor (a torch.save of hyperparameters, numbers and strings; a
+    .safetensors file with no tensor; the wrong file of a checkpoint folder) is named empty: nothing was
+    checked, so it is not called clean; nothing in it is unreadable or non-finite, so the exit code is 0
+    (2 if another file is unreadable, 1 if another holds NaN/inf, as before)."""
+    args = tmp_path / "training_args.bin"
+    torch.save({"learning_rate": 5e-5, "output_dir": "out", "seed": 42, "fp16": False}, args)
+    paths = [args]
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    empty_safetensors = tmp_path / "empty.safetensors"
+    safetensors_torch.save_file({}, empty_safetensors)
+    paths.append(empty_safetensors)
+    code, out = run_scan(capsys, *paths)
+    assert code == 0
+    assert out.splitlines() == [f"{path}: no tensors in it: nothing checked" for path in paths]
+    assert {scan.scan_file(str(path)).status for path in paths} == {"empty"}
+    code, out = run_scan(capsys, "--json", args)
+    assert (code, json.loads(out)["files"][0]["status"]) == (0, "empty")

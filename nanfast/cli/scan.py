@@ -1,5 +1,5 @@
 """`python -m nanfast scan FILE...`: checks checkpoint files for NaN/inf without running pickled code
-(nanfast.scan does the work); prints a table per file, or one JSON object, and exits 0 (clean), 1
+(nanfast.scan does the work); prints a table per file, or one JSON object, and exits 0 (clean, or empty), 1
 (NaN/inf) or 2 (a file not read whole)."""
 
 from __future__ import annotations
