@@ -65,8 +65,11 @@ class BatchReport:
 
     def summary(self) -> str:
         where = f"batch {self.batch_index}: " if self.batch_index is not None else ""
+        if self.num_tensors == 0:  # nothing was looked at: not "all finite" (a batch of strings, the wrong object)
+            return f"nanfast: {where}no tensors in the batch: nothing was checked"
         if self.ok:
-            return f"nanfast: {where}all {self.num_tensors} tensors of the batch are finite"
+            finite = "its 1 tensor is" if self.num_tensors == 1 else f"all {self.num_tensors} tensors of the batch are"
+            return f"nanfast: {where}{finite} finite"
         return f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
 
     __str__ = summary

@@ -36,6 +36,15 @@ def test_clean_batch():
     assert report.ok and report.num_tensors == 2 and report.bad == () and report.samples == []
 
 
+def test_a_batch_without_tensors_is_not_called_finite():
+    """A batch of strings (a tokenizer not run), an empty dict, the wrong object: nothing was looked at."""
+    for batch in ({"text": ["a", "b"]}, {}, [None]):
+        report = nanfast.check_batch(batch)
+        assert report.ok and report.num_tensors == 0
+        assert report.summary() == "nanfast: no tensors in the batch: nothing was checked"
+    assert nanfast.check_batch({"x": torch.ones(2, 3)}).summary() == "nanfast: its 1 tensor is finite"
+
+
 def test_names_field_paths_and_sample_indices():
     image = torch.randn(5, 2, 3)
     image[3, 1, 2] = NAN
