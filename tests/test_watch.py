@@ -370,6 +370,21 @@ def test_invalid_options_are_refused():
         nanfast.watch(torch.ones(3))
 
 
+def test_a_watch_that_would_check_nothing_is_refused():
+    """Every check off: the watch would look at nothing and its timeline would read as clean steps (nan=0).
+    A switch that is not a bool ("no" is true) is refused too. Hooks are left as they were."""
+    model = MLP()
+    before = hook_state(model)
+    off = dict(inputs=False, activations=False, grads=False, params=False, loss=False)
+    with pytest.raises(ValueError, match="would check nothing"):
+        nanfast.watch(model, **off)
+    with pytest.raises(TypeError, match="inputs must be True or False, got 'no'"):
+        nanfast.watch(model, inputs="no")
+    assert hook_state(model) == before
+    for name in off:  # any one check on is a watch
+        nanfast.watch(model, **{**off, name: True}).remove()
+
+
 # ---- installing and removing ----
 
 

@@ -22,7 +22,7 @@ from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
-                      fused_records, patterns, results_device, rollback_options, steps_option, validate)
+                      checks, fused_records, patterns, results_device, rollback_options, steps_option, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -77,6 +77,7 @@ class Watch(Hooks, Actions, Readings):
         spikes: Union[bool, dict, SpikeOptions] = True,
     ):
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
+        checks(inputs=inputs, activations=activations, grads=grads, params=params, modules=modules, loss=loss)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
         spiking = spike_options(spikes, action, sync)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
@@ -366,8 +367,10 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
 
     Raises:
         TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
-        TypeError: headroom is not None, a number or numbers; fuse is not None or a bool.
-        ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), or a combination the watch cannot honour
+        TypeError: headroom is not None, a number or numbers; fuse is not None or a bool; inputs,
+            activations, grads, params, modules or loss is not a bool.
+        ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), every check
+            off (inputs, activations, grads, params and loss all False), or a combination the watch cannot honour
             (action="skip" or "rollback" without an optimizer, with LBFGS, or lagged with a non-fused
             optimizer; "rollback" with params=False or sharded parameters, rollback options with another
             action; on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""

@@ -134,6 +134,22 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
     return skip_on_device
 
 
+def checks(**switches: Any) -> None:
+    """Validates the watch's on/off options (inputs, activations, grads, params, modules, loss).
+
+    Raises:
+        TypeError: a switch that is not a bool (a string such as "no" would be true).
+        ValueError: every check is off (inputs, activations, grads, params and loss): the watch would
+            look at nothing, and its records would read as clean steps."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"nanfast.watch: {name} must be True or False, got {value!r}")
+    looked_at = ("inputs", "activations", "grads", "params", "loss")
+    if not any(switches[name] for name in looked_at):
+        raise ValueError(f"nanfast.watch: {', '.join(looked_at)} are all False: the watch would check nothing, and a "
+                         "step it did not look at must not read as clean; turn one of them on, or do not watch")
+
+
 def rollback_options(action: Union[str, Callable], params: bool, every: Optional[int],
                      device: Optional[Union[str, torch.device]]) -> Optional[tuple[int, torch.device]]:
     """Checks the options of action="rollback" and fills in their defaults.
