@@ -218,3 +218,21 @@ def test_one_place_after_the_producer_is_one_place():
     [event] = w.events
     assert [p.phase for p in event.places] == ["param", "forward"]
     assert event.summary().endswith("then propagated to 1 place: output of <model> (Linear)")
+
+
+def test_a_dirty_input_the_model_made_in_an_earlier_step_is_not_said_to_come_from_elsewhere():
+    """A sampling loop feeds each output back as the next input (generation, diffusion): the step whose
+    output overflowed is the producer; the next step's dirty input is then said not to come from the
+    model *in that step*, which is true, where "the model did not produce it" was not."""
+    model = torch.nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # each output is the sum of the inputs
+    x = torch.ones(1, 8)
+    with nanfast.watch(model, action=lambda event: None) as w, torch.no_grad():
+        x = model(x)  # step 0: 8.0 each
+        x = model(x * 1.25e37)  # step 1: finite inputs (1e38), sums of 8e38 overflow float32
+        model(x)  # step 2: fed its own output back
+    first, second = w.events
+    assert (first.step, first.phase, first.posinf) == (1, "forward", 8)
+    assert (second.step, second.phase) == (2, "input")
+    assert "; the model did not produce it in this step" in second.summary()

@@ -122,7 +122,8 @@ class Event:
                 together += 1
         read_with = self.later[:together]
         if self.dirty_input:
-            head = f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not produce it"
+            head = (f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not "
+                    "produce it in this step")
         elif self.first.phase == "param":
             # The watch's first step has no optimizer step of its own before it.
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
