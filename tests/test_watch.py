@@ -418,6 +418,27 @@ def test_remove_restores_model_optimizer_and_scaler_exactly():
     w.remove()  # idempotent
 
 
+def test_a_second_watch_on_a_watched_model_warns():
+    """Two watches on one model (a Trainer callback and one's own) both check every step, at twice the
+    cost, and only the first to act reports a bad step: the second says so when made. None once the other
+    is removed, nor for watches of other models."""
+    model, other = MLP(), MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = nanfast.watch(model, opt)
+    with pytest.warns(UserWarning, match=r"MLP is already watched by Watch\(MLP, .*installed\): both check every step"):
+        second = nanfast.watch(model, opt)
+    with pytest.raises(nanfast.NonFiniteError):
+        train_step(model, opt, batch()[0] * math.nan, batch()[1])
+    assert (len(first.events), len(second.events)) == (1, 0)  # the first to act reported it
+    first.remove()
+    second.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanfast.watch(model, opt), nanfast.watch(other):
+            pass
+        nanfast.watch(model, opt).remove()
+
+
 def test_context_manager_removes_on_error_and_hooks_left_in_the_graph_are_inert():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -5,6 +5,8 @@ C++ (NOTE: [Module hooks in C++]) and one fused op."""
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +40,11 @@ def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> It
     for name, module in model.named_modules():
         if module is not model and not isinstance(module, pass_through) and type(module) is not torch.nn.Sequential:
             yield name, module
+
+
+# The watches ever installed on each model (weakly: a dropped model or watch leaves), to tell a second
+# watch on the same model (see Hooks._install).
+_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Hooks:
@@ -77,6 +84,15 @@ class Hooks:
 
     def _install(self) -> None:
         model, hook = self.model, self._hook
+        # Two watches on one model (a Trainer callback and a watch of one's own, a watch never removed)
+        # both check everything, at twice the cost, and the first to act on a bad step is the one that
+        # reports it: almost always a mistake, so said at once.
+        watching = [w for w in _WATCHES.get(model, ()) if w._installed]
+        if watching:
+            warnings.warn(f"nanfast.watch: {type(model).__name__} is already watched by {watching[0]!r}: both check "
+                          "every step, at twice the cost, and only the first to act on a bad step reports it; call "
+                          "remove() on the other (or leave its `with` block) first", UserWarning, stacklevel=4)
+        _WATCHES.setdefault(model, weakref.WeakSet()).add(self)
         self._handles.append(model.register_forward_pre_hook(hook(self._before_model), with_kwargs=True))
         self._handles.append(model.register_forward_hook(hook(self._after_model)))
         # Registered after _after_model, and also called when the forward raises.
