@@ -225,6 +225,35 @@ def test_validation_and_bf16_during_fit(tmp_path):
     assert any("val_loss" in r for r in logged(t))
 
 
+def test_a_dirty_validation_batch_skips_no_training_step(tmp_path):
+    """Validation runs under inference_mode between optimizer steps. A NaN in a validation batch is that
+    forward's own event (evaluation), read when it returns: it used to count into the next training
+    step, which a skip watch then skipped though it was healthy (and a raise watch stopped at its
+    optimizer step, naming its input batch)."""
+    class DirtyValidation(Regression):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    module = DirtyValidation()
+    callback = NanfastCallback(action="skip")
+    t = trainer(tmp_path, [callback], steps=6, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0)
+    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
+        t.fit(module)
+    w = callback.watch
+    assert t.global_step == 6 and w.skipped_steps == 0 and w.step_count == 6
+    assert w.events and all(e.evaluation and e.phase == "input" for e in w.events)
+    assert [e.step for e in w.events] == [2, 4, 6]  # after steps 1, 3 and 5: before the next one began
+    assert "(a forward without gradients before its training forward: an evaluation)" in w.events[0].summary()
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_loss_goes_to_watch_loss(tmp_path):
     class NaNLoss(Regression):
         def training_step(self, batch, batch_idx):

@@ -428,3 +428,53 @@ def test_the_locate_rerun_opens_no_step():
         model(batch()[0])  # inference: a step of its own, as the re-run was no training forward
     assert w.step_count == 2
     w.remove()
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_an_evaluation_forward_between_optimizer_steps_is_its_own_event(sync):
+    """A validation pass between optimizer steps (see NOTE: [Evaluation forwards between optimizer
+    steps]): a NaN there is that forward's event, read when it returns; the training steps around it are
+    neither skipped nor recorded differently: one timeline record per training step, w.stats() the last
+    training step's, the step numbers the optimizer's."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)  # lagged skip: skipped on the device
+    reference = [p.detach().clone() for p in model.parameters()]
+    plain = MLP()
+    plain.load_state_dict(model.state_dict())
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, fused=True)
+    with nanfast.watch(model, opt, action="skip", sync=sync) as w:
+        for s in range(3):
+            for m, o in ((model, opt), (plain, plain_opt)):
+                o.zero_grad()
+                F.mse_loss(m(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+                o.step()
+            x_val = batch(seed=10 + s)[0]
+            if s == 1:
+                x_val[0, 0] = float("nan")
+            with pytest.warns(RuntimeWarning, match="an evaluation forward") if s == 1 else warnings.catch_warnings():
+                with torch.no_grad():
+                    model(x_val)
+        stats = w.stats()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))  # no step skipped
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), reference))
+    [event] = w.events
+    assert (event.step, event.phase, event.evaluation, w.skipped_steps, w.step_count) == (2, "input", True, 0, 3)
+    assert [r.step for r in w.history] == [0, 1, 2] and stats["step"] == 2.0 and stats["grad_norm"] > 0
+
+
+def test_an_evaluation_forward_raises_there_in_a_raising_watch():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt) as w:
+        opt.zero_grad()
+        F.mse_loss(model(batch()[0]), batch()[1]).backward()
+        opt.step()
+        x_val = batch(seed=3)[0] * float("inf")
+        with pytest.raises(nanfast.NonFiniteError, match=r"step 1 \(a forward without gradients before its training"):
+            with torch.inference_mode():
+                model(x_val)
+        opt.zero_grad()
+        F.mse_loss(model(batch()[0]), batch()[1]).backward()
+        opt.step()  # the next training step is healthy: no raise
+    assert [(e.step, e.evaluation) for e in w.events] == [(1, True)] and w.step_count == 2

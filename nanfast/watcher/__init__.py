@@ -247,10 +247,12 @@ class Watch(Hooks, Actions, Readings):
         return total.to(fused.grads[0].dtype)
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
-                  scaler_skipped: bool = False, fused_pass: bool = True) -> Optional[Read]:
+                  scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False) -> Optional[Read]:
         """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
-        (lagged), and acts. Returns this step's packed read if the step was checked."""
+        (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
+        checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
+        forwards between optimizer steps])."""
         self._skip_now = False
         self._drop_failed_backward()
         read = None
@@ -267,15 +269,17 @@ class Watch(Hooks, Actions, Readings):
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
-            if self._headroom is not None:
+            read.evaluation = evaluation
+            if self._headroom is not None and not evaluation:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
                     ignore=self.ignore, scale=scale,  # None until an enabled scaler scales
                     grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
-            agree.start(read, self.process_group)
-        self.step_count += 1
+            if not evaluation:
+                agree.start(read, self.process_group)
+        self.step_count += not evaluation
         self._reset_step()
-        if self.sync == "lagged" and not (read is not None and self._needs_host_verdict()):
+        if self.sync == "lagged" and not evaluation and not (read is not None and self._needs_host_verdict()):
             if read is not None:
                 agree.wait(read)
                 steps.start_copy(read)
@@ -285,7 +289,7 @@ class Watch(Hooks, Actions, Readings):
         elif read is not None:
             self.flush()  # lagged: the previous step's read comes first
             self._evaluate(read)
-        if read is not None and self._rollback is not None:
+        if read is not None and self._rollback is not None and not evaluation:
             self._rollback.step_ended(read.step, proven=self._pending is not read)
         return read
 

@@ -31,6 +31,13 @@ class Actions:
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
         before_step = read.host is None
         bad, summary, rows = steps.verdict(read)
+        if read.evaluation:  # see NOTE: [Evaluation forwards between optimizer steps]
+            places = steps.places(rows, read.slots(), False, self.nan_only) if bad else []
+            if places:
+                self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=True)
+                self.events.append(event)
+                self._act(event, False, before_step)
+            return
         if bad and read.params_unread:
             rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
         self._summary_values, self._summary_step, self._summary_params = summary, read.step, read.tail.params
@@ -156,13 +163,19 @@ class Actions:
 
     def _act(self, event: Event, scaler_skipped: bool, before_step: bool) -> None:
         """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
-        so a skip or a raise can still leave the model as the step found it."""
+        so a skip or a raise can still leave the model as the step found it. An evaluation forward's event
+        has no optimizer step to skip: a skip or rollback watch puts back the buffers it changed and warns."""
         if callable(self.action):
             self.action(event)
         elif self.action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
         else:
             missed = self._undo.restore() if before_step and self._undo is not None else []
+            if event.evaluation and self.action in SKIPPING:
+                unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
+                warnings.warn(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
+                              RuntimeWarning, stacklevel=2)
+                return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
             unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
                           "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""

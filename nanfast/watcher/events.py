@@ -84,6 +84,9 @@ class Event:
     located_differs: Optional[str] = None
     kind: str = "nonfinite"  # one of KINDS
     detail: Optional[str] = None  # kinds headroom and spike: what was seen, in words
+    # Seen in a forward without gradients between two optimizer steps (a validation pass), read when it
+    # returned; `step` is the training step that had not begun yet.
+    evaluation: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -114,6 +117,8 @@ class Event:
         if self.kind != "nonfinite":
             return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
+        at = f"step {self.step}" + (" (a forward without gradients before its training forward: an evaluation)"
+                                    if self.evaluation else "")
         # The parameters' rows, and the gradients', are read together: the ones after `first` are not
         # where its values went, and their order is the optimizer's (see the class docstring).
         together = 0
@@ -122,20 +127,20 @@ class Event:
                 together += 1
         read_with = self.later[:together]
         if self.dirty_input:
-            head = (f"step {self.step}: the input batch{on} is dirty: {self.first.describe()}; the model did not "
+            head = (f"{at}: the input batch{on} is dirty: {self.first.describe()}; the model did not "
                     "produce it in this step")
         elif self.first.phase == "param":
             # The watch's first step has no optimizer step of its own before it.
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
                     "wrote them before)" if self.step == 0 else
                     "made by the previous optimizer step (or whatever last wrote the parameters)")
-            head = f"step {self.step} began with non-finite values{on} in {_listed(self.first, read_with)}: {made}"
+            head = f"{at} began with non-finite values{on} in {_listed(self.first, read_with)}: {made}"
         elif read_with:
-            head = (f"step {self.step}: non-finite values first appeared{on} in the gradients of {1 + together} "
+            head = (f"{at}: non-finite values first appeared{on} in the gradients of {1 + together} "
                     f"parameters, read together after backward (which one backward made first is not known): "
                     f"{_listed(self.first, read_with)}")
         else:
-            head = f"step {self.step}: non-finite values first appeared{on} in the {self.first.describe()}"
+            head = f"{at}: non-finite values first appeared{on} in the {self.first.describe()}"
         if self.by_rank:
             head += f" (ranks that saw non-finite values: {list(self.ranks)})"
         if self.located is not None:

@@ -238,6 +238,17 @@ class Hooks:
             # Inference: each forward is a step, of activations only; one inside a training step (an
             # eval pass before w.step()) belongs to that step.
             self._end_step(fused_pass=False)
+        elif self.optimizer is not None and not torch.is_grad_enabled() and self._steps.grad_forwards == 0:
+            # NOTE: [Evaluation forwards between optimizer steps]
+            # A forward without gradients before the step's first forward with them (a validation pass
+            # after optimizer.step()) is not part of the training step that follows: read when it
+            # returns, its own event (Event.evaluation), not the next step's. Counted into that step, a
+            # dirty validation batch skipped (action="skip") or stopped (raise, at optimizer.step())
+            # a healthy training step, named as its input batch. It is no step of its own either: the
+            # step numbers stay the optimizer's, and it leaves no timeline record, spike or headroom
+            # sample (those describe training steps), makes no collective (a validation pass may run on
+            # one rank only), and, with nothing to skip, a skip or rollback watch warns.
+            self._end_step(fused_pass=False, evaluation=True)
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         forward = self._steps.end_forward()

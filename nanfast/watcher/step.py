@@ -43,6 +43,9 @@ class Read:
     tail: Tail = Tail()
     headroom: Optional[Any] = None  # headroom.Pending: max |x| of the low-precision places, on its way to the host
     params_unread: bool = False  # the pass left the parameters out: a bad verdict reads them (Actions._evaluate)
+    # An evaluation forward's own read (see NOTE: [Evaluation forwards between optimizer steps]): not a
+    # training step, so no timeline record, spike or headroom sample, and nothing to skip.
+    evaluation: bool = False
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
