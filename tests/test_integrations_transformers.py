@@ -244,3 +244,24 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "nanfast.integrations.transformers")
     with pytest.raises(ImportError, match=r"pip install 'nanfast\[transformers\]'"):
         importlib.import_module("nanfast.integrations.transformers")
+
+
+def test_an_evaluation_whose_labels_are_all_masked_skips_no_training_step(tmp_path):
+    """The Trainer evaluates between optimizer steps (eval_strategy="steps"). An evaluation batch whose
+    labels are all -100 makes the model's loss a mean over nothing: NaN (a known HF pitfall). That is the
+    evaluation forward's own event, not the next training step's, which a skip watch used to skip though
+    it was healthy."""
+    model = tiny_gpt2()
+    callback = NanfastCallback(action="skip")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=2, eval_strategy="steps", eval_steps=2, learning_rate=1e-2,
+                             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             seed=0)
+    t = Trainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset(4, labels=False),
+                callbacks=[callback])
+    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
+        t.train()
+    w = callback.watch
+    assert t.state.global_step == 5 and w.skipped_steps == 0
+    assert w.events and all(e.evaluation and e.phase == "forward" for e in w.events)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
