@@ -454,7 +454,9 @@ def test_an_evaluation_forward_between_optimizer_steps_is_its_own_event(sync):
                 x_val[0, 0] = float("nan")
             with pytest.warns(RuntimeWarning, match="an evaluation forward") if s == 1 else warnings.catch_warnings():
                 with torch.no_grad():
+                    model.eval()
                     model(x_val)
+                    model.train()
         stats = w.stats()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))  # no step skipped
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), reference))
@@ -473,8 +475,32 @@ def test_an_evaluation_forward_raises_there_in_a_raising_watch():
         x_val = batch(seed=3)[0] * float("inf")
         with pytest.raises(nanfast.NonFiniteError, match=r"step 1 \(a forward without gradients before its training"):
             with torch.inference_mode():
+                model.eval()
                 model(x_val)
+        model.train()
         opt.zero_grad()
         F.mse_loss(model(batch()[0]), batch()[1]).backward()
         opt.step()  # the next training step is healthy: no raise
     assert [(e.step, e.evaluation) for e in w.events] == [(1, True)] and w.step_count == 2
+
+
+def test_a_forward_without_gradients_in_train_mode_stays_in_the_step():
+    """A GAN's generator run under no_grad for its discriminator's step, PPO's old log-probabilities: in
+    train mode, before the training forward, part of the step as before: no read of its own, and a NaN
+    there is the step's (skipped by a skip watch)."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def without_gradients(x):
+        with torch.no_grad():
+            model(x)
+
+    with nanfast.watch(model, opt, action="skip") as w:
+        assert count_syncs(lambda: without_gradients(batch(seed=4)[0])) == 0
+        without_gradients(batch(seed=5)[0] * NAN)
+        opt.zero_grad()
+        F.mse_loss(model(batch()[0]), batch()[1]).backward()
+        with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+            opt.step()
+    assert [(e.step, e.phase, e.first.microbatch, e.evaluation) for e in w.events] == [(0, "input", 1, False)]
+    assert w.skipped_steps == 1

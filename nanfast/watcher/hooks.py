@@ -238,16 +238,20 @@ class Hooks:
             # Inference: each forward is a step, of activations only; one inside a training step (an
             # eval pass before w.step()) belongs to that step.
             self._end_step(fused_pass=False)
-        elif self.optimizer is not None and not torch.is_grad_enabled() and self._steps.grad_forwards == 0:
+        elif (self.optimizer is not None and not torch.is_grad_enabled() and not model.training
+              and self._steps.grad_forwards == 0):
             # NOTE: [Evaluation forwards between optimizer steps]
-            # A forward without gradients before the step's first forward with them (a validation pass
-            # after optimizer.step()) is not part of the training step that follows: read when it
-            # returns, its own event (Event.evaluation), not the next step's. Counted into that step, a
-            # dirty validation batch skipped (action="skip") or stopped (raise, at optimizer.step())
-            # a healthy training step, named as its input batch. It is no step of its own either: the
+            # A forward in eval mode without gradients before the step's first forward with them (a
+            # validation pass after optimizer.step(): Lightning and the HF Trainer call model.eval()
+            # and run it under inference_mode or no_grad) is not part of the training step that
+            # follows: read when it returns, its own event (Event.evaluation). Counted into that step, a
+            # dirty validation batch skipped (action="skip") or stopped (raise, at optimizer.step()) a
+            # healthy training step, named as its input batch. It is no step of its own either: the
             # step numbers stay the optimizer's, and it leaves no timeline record, spike or headroom
             # sample (those describe training steps), makes no collective (a validation pass may run on
-            # one rank only), and, with nothing to skip, a skip or rollback watch warns.
+            # one rank only), and, with nothing to skip, a skip or rollback watch warns. A forward
+            # without gradients in train mode (a GAN's generator for its discriminator's step, PPO's
+            # old log-probabilities) is part of the training step, as before, with no read of its own.
             self._end_step(fused_pass=False, evaluation=True)
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
