@@ -504,3 +504,28 @@ def test_a_forward_without_gradients_in_train_mode_stays_in_the_step():
             opt.step()
     assert [(e.step, e.phase, e.first.microbatch, e.evaluation) for e in w.events] == [(0, "input", 1, False)]
     assert w.skipped_steps == 1
+
+
+def test_a_validation_loss_given_to_watch_loss_is_an_evaluations():
+    """w.loss(val_loss) in a validation loop (no gradients, eval mode, between optimizer steps): a NaN
+    validation loss (a mean over no elements) is that evaluation's event, and its value stays out of the
+    next training step's record and spike alarms."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action="skip") as w:
+        for s in range(3):
+            opt.zero_grad()
+            w.loss(F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1])).backward()
+            opt.step()
+            model.eval()
+            with torch.no_grad():
+                out = model(batch(seed=9)[0])
+                if s == 1:
+                    with pytest.warns(RuntimeWarning, match="an evaluation forward"):
+                        w.loss(F.mse_loss(out[:0], batch(seed=9)[1][:0]))  # NaN: a mean over nothing
+                else:
+                    w.loss(F.mse_loss(out, batch(seed=9)[1]) * 1e6)  # finite, far from the training loss
+            model.train()
+    [event] = w.events
+    assert (event.step, event.phase, event.evaluation, w.skipped_steps) == (2, "loss_value", True, 0)
+    assert [r.step for r in w.history] == [0, 1, 2] and all(r.loss < 1e3 for r in w.history)

@@ -159,7 +159,10 @@ class Hooks:
         ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
         unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False. Its
         mean (over its elements and the step's microbatches) goes to the step's record and the spike
-        alarms, read with the step's one read (kept even with loss=False or an ignored name).
+        alarms, read with the step's one read (kept even with loss=False or an ignored name). A
+        validation loss (no gradients, the model in eval mode, between optimizer steps) is read at once
+        as an evaluation's, without record or spike sample (see NOTE: [Evaluation forwards between
+        optimizer steps]).
 
         Args:
             value: the loss tensor (any floating tensor: each of its elements is checked).
@@ -184,7 +187,16 @@ class Hooks:
             tensors = floating_tensors(value)
             if tensors and not site.ignored:
                 self._record("loss_value", site, 1, tensors)
+        if self._evaluating():  # a validation loss: its own read, not the next step's (see the NOTE)
+            self._end_step(fused_pass=False, evaluation=True)
         return value
+
+    def _evaluating(self) -> bool:
+        """Whether what runs now is an evaluation between optimizer steps (see NOTE: [Evaluation forwards
+        between optimizer steps]): an optimizer, no gradients, the model in eval mode, and no forward with
+        gradients in the step yet."""
+        return (self.optimizer is not None and not torch.is_grad_enabled() and not self.model.training
+                and self._steps.grad_forwards == 0)
 
     # NOTE: [The watch and torch.compile]
     # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
@@ -238,8 +250,7 @@ class Hooks:
             # Inference: each forward is a step, of activations only; one inside a training step (an
             # eval pass before w.step()) belongs to that step.
             self._end_step(fused_pass=False)
-        elif (self.optimizer is not None and not torch.is_grad_enabled() and not model.training
-              and self._steps.grad_forwards == 0):
+        elif self._evaluating():
             # NOTE: [Evaluation forwards between optimizer steps]
             # A forward in eval mode without gradients before the step's first forward with them (a
             # validation pass after optimizer.step(): Lightning and the HF Trainer call model.eval()
@@ -252,6 +263,7 @@ class Hooks:
             # one rank only), and, with nothing to skip, a skip or rollback watch warns. A forward
             # without gradients in train mode (a GAN's generator for its discriminator's step, PPO's
             # old log-probabilities) is part of the training step, as before, with no read of its own.
+            # A loss given to Watch.loss in an evaluation is read the same way.
             self._end_step(fused_pass=False, evaluation=True)
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
