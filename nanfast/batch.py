@@ -173,6 +173,8 @@ class Checked:
             if self.action == "warn":
                 warnings.warn(report.summary(), RuntimeWarning, stacklevel=2)
                 yield batch
+            else:  # skip: data dropped is said, as a watch's skipped step is (a loader gone all bad is seen)
+                warnings.warn(f"{report.summary()}: skipped the batch", RuntimeWarning, stacklevel=2)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -181,7 +183,7 @@ class Checked:
 def checked(loader: Iterable, *, action: str = "raise") -> Checked:
     """Wraps a DataLoader (or any iterable of batches) so that every batch is checked with
     check_batch before it is used. On a batch holding NaN/inf: action="raise" raises NonFiniteError
-    naming the batch index, sample index and field; "warn" warns and yields it; "skip" drops it.
+    naming the batch index, sample index and field; "warn" warns and yields it; "skip" warns and drops it.
     Batches found bad are kept in `.bad_batches`. Costs one host sync per batch and device.
 
     Args:

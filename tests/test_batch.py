@@ -129,9 +129,11 @@ def test_checked_warn_yields_every_batch():
 
 def test_checked_skip_drops_bad_batches():
     loader = nanfast.checked(poisoned_loader(), action="skip")
-    labels = torch.cat([labels for _, labels in loader])
+    with pytest.warns(RuntimeWarning) as caught:  # dropped data is said, never silent
+        labels = torch.cat([labels for _, labels in loader])
     assert labels.tolist() == [0, 1, 2, 3, 8, 9]
     assert loader.bad_batches[0].samples == [3]
+    assert [str(w.message) for w in caught] == [f"{r.summary()}: skipped the batch" for r in loader.bad_batches]
 
 
 def test_checked_rejects_unknown_action():
