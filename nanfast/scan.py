@@ -239,7 +239,8 @@ def format_scan(scan: FileScan) -> str:
         named = ", ".join(f"{name!r} ({why})" for name, why in scan.not_checked[:MAX_NAMED_IN_MESSAGE])
         more = len(scan.not_checked) - MAX_NAMED_IN_MESSAGE
         missed = f"; {len(scan.not_checked)} not checked: {named}{f' and {more} more' if more > 0 else ''}"
-    head = f"{scan.path}: {report.num_tensors} tensors, {report.num_elements:,} elements"
+    tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
+    head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":
         return f"{scan.path}: no tensors in it: nothing checked"
     if report.ok:

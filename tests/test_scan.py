@@ -251,7 +251,7 @@ def test_scan_never_calls_a_file_clean_without_reading_every_tensor(capsys, tmp_
     torch.save({"w": torch.ones(3), "m": torch.empty(2, device="meta")}, path)
     code, out = run_scan(capsys, path)
     assert code == 2
-    assert out.strip() == f"{path}: 1 tensors, 3 elements checked: no NaN/inf; 1 not checked: 'm' (a meta tensor: it holds no values)"
+    assert out.strip() == f"{path}: 1 tensor, 3 elements checked: no NaN/inf; 1 not checked: 'm' (a meta tensor: it holds no values)"
     scanned = json.loads(run_scan(capsys, "--json", path)[1])["files"][0]
     assert scanned["status"] == "incomplete" and scanned["not_checked"] == [
         {"name": "m", "reason": "a meta tensor: it holds no values"}]
@@ -393,3 +393,6 @@ def test_a_checkpoint_with_no_tensor_is_empty_not_clean(capsys, tmp_path):
     assert {scan.scan_file(str(path)).status for path in paths} == {"empty"}
     code, out = run_scan(capsys, "--json", args)
     assert (code, json.loads(out)["files"][0]["status"]) == (0, "empty")
+    one = tmp_path / "one.pt"
+    torch.save({"w": torch.ones(3)}, one)
+    assert run_scan(capsys, one) == (0, f"{one}: 1 tensor, 3 elements: clean\n")
