@@ -277,7 +277,8 @@ class Watch(Hooks, Actions, Readings):
                     grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
             if not evaluation:
                 agree.start(read, self.process_group)
-        self.step_count += not evaluation
+        if not evaluation:  # an evaluation keeps the number of the step it comes before
+            self.step_count += 1
         self._reset_step()
         if self.sync == "lagged" and not evaluation and not (read is not None and self._needs_host_verdict()):
             if read is not None:

@@ -171,10 +171,10 @@ def _kept_indices(names, ignore: tuple[str, ...], wanted: bool) -> Optional[list
 
 
 def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, rows: tuple, parts: list,
-          slots: list) -> Optional[list[int]]:
+          slots: list) -> None:
     """Adds the rows of the parameters or gradients a step reports (one per name, the ignored ones left
     out; none if the check is off) to `parts` and their slot to `slots` (the read's front or back):
-    the parameters' in front, the gradients' at the end. Returns the indices kept, or None when all are."""
+    the parameters' in front, the gradients' at the end."""
     keep = _kept_indices(names, ignore, wanted)
     kept = names if keep is None else [names[i] for i in keep]
     if kept:
@@ -184,7 +184,6 @@ def _kept(phase: str, names: list[str], ignore: tuple[str, ...], wanted: bool, r
         else:
             parts.append(part)
         slots.append(slot)
-    return keep
 
 
 def with_params(read: Read, rows: list, summary: list, fused: Pass, ignore: tuple[str, ...]) -> list:
