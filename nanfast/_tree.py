@@ -85,19 +85,35 @@ def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False, name_pai
 def leaves(obj: Any) -> Iterator[Any]:
     """The leaves `named_leaves(obj)` yields, in the same order, without building their paths (for
     hooks that run at every step and need only the tensors)."""
-    return (leaf for _, leaf in _walk(obj, False, False, False))
+    return (leaf for _, leaf in leaves_with_nodes(obj))
+
+
+def leaves_with_nodes(obj: Any) -> Iterator[tuple[_Node, Any]]:
+    """`leaves(obj)` with each leaf's node, from which `path_steps` gives its path when it is needed (a
+    watch names its input's entries only on a bad step): a node holds its keys, not the values."""
+    return _walk(obj, False, False, False)
+
+
+def path_steps(node: _Node) -> list[tuple[Any, int]]:
+    """The steps from the root to `node`, root first: (key, how it names) each."""
+    steps = []
+    while node is not None:
+        node, key, how = node
+        steps.append((key, how))
+    steps.reverse()
+    return steps
+
+
+def path_of(steps: Sequence[tuple[Any, int]], prefix: str = "", brackets: bool = False) -> str:
+    """The path of `steps` (path_steps) under `prefix`, written as named_leaves writes it."""
+    parts = [f".{key}" if how == _KEY or not brackets else f"[{key}]" if how == _POSITION else f"{{{key}}}"
+             for key, how in steps]
+    path = prefix + "".join(parts)
+    return path if prefix else path.removeprefix(".")
 
 
 def _path(node: _Node, prefix: str, brackets: bool) -> str:
-    parts = []
-    while node is not None:
-        node, key, how = node
-        if how == _KEY or not brackets:
-            parts.append(f".{key}")
-        else:
-            parts.append(f"[{key}]" if how == _POSITION else f"{{{key}}}")
-    path = prefix + "".join(reversed(parts))
-    return path if prefix else path.removeprefix(".")
+    return path_of(path_steps(node), prefix, brackets)
 
 
 def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool) -> Iterator[tuple[_Node, Any]]:

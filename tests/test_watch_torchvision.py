@@ -132,6 +132,9 @@ def test_detection_target_with_a_nan_box_is_a_dirty_input_and_skipped():
     assert len(w.events) == 1 and w.skipped_steps == 1
     event = w.events[0]
     assert event.step == 1 and event.dirty_input and event.nan == 1
+    # Named by FasterRCNN.forward(images, targets): the second image's target, its boxes.
+    assert [(e.name, e.nan) for e in event.first.entries] == [("targets[1].boxes", 1)]
+    assert "the input batch is dirty: targets[1].boxes (nan=1, +inf=0, -inf=0)" in event.summary()
 
 
 def test_healthy_detection_training_and_inference_never_raise():

@@ -32,7 +32,7 @@ class Actions:
         before_step = read.host is None
         bad, summary, rows = steps.verdict(read)
         if read.evaluation:  # see NOTE: [Evaluation forwards between optimizer steps]
-            places = steps.places(rows, read.slots(), False, self.nan_only) if bad else []
+            places = steps.places(rows, read, False, self.nan_only, self.model.forward) if bad else []
             if places:
                 self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=True)
                 self.events.append(event)
@@ -49,7 +49,7 @@ class Actions:
         event = spike = None
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-            event = agree.event(read.step, steps.places(rows, read.slots(), scaler_skipped, self.nan_only),
+            event = agree.event(read.step, steps.places(rows, read, scaler_skipped, self.nan_only, self.model.forward),
                                 self.process_group)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)

@@ -17,6 +17,16 @@ _MAX_NAMED_IN_SUMMARY = 8
 
 
 @dataclasses.dataclass(frozen=True)
+class InputEntry(NonfiniteCounts):
+    """An entry of a dirty input batch (a tensor among the forward's arguments) and its counts."""
+
+    name: str  # named by the forward's arguments: "x", "targets[1].boxes", "pixel_values"
+    nan: int
+    posinf: int
+    neginf: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Place(NonfiniteCounts):
     """Where, within a step, non-finite values were seen.
 
@@ -24,7 +34,8 @@ class Place(NonfiniteCounts):
     phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
     input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
     several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
-    within the step (gradient accumulation)."""
+    within the step (gradient accumulation). ``entries``, in phase input: the entries of the batch that
+    held the non-finite values (InputEntry), when the watch could name them; empty elsewhere."""
 
     phase: str
     name: str
@@ -34,6 +45,7 @@ class Place(NonfiniteCounts):
     neginf: int
     call: int = 1
     microbatch: int = 0
+    entries: tuple[InputEntry, ...] = ()
 
     def where(self) -> str:
         """Returns:
@@ -51,8 +63,20 @@ class Place(NonfiniteCounts):
 
     def describe(self) -> str:
         """Returns:
-            The place and its counts in words."""
+            The place and its counts in words (a dirty input's: each entry's)."""
+        if self.entries:
+            return f"{self.where()}: {self.entries_text()}"
         return f"{self.where()} ({self.counts_text()})"
+
+    def entries_text(self) -> str:
+        """Returns:
+            A dirty input's entries with their counts, in words ("targets[1].boxes (nan=1, +inf=0, -inf=0)")."""
+        return _entry_list([f"{e.name} ({e.counts_text()})" for e in self.entries])
+
+
+def _entry_list(texts: list[str]) -> str:
+    more = len(texts) - _MAX_NAMED_IN_SUMMARY
+    return ", ".join(texts[:_MAX_NAMED_IN_SUMMARY]) + (f" and {more} more" if more > 0 else "")
 
 
 def _of_first(field: str) -> property:
@@ -127,8 +151,8 @@ class Event:
                 together += 1
         read_with = self.later[:together]
         if self.dirty_input:
-            head = (f"{at}: the input batch{on} is dirty: {self.first.describe()}; the model did not "
-                    "produce it in this step")
+            what = self.first.entries_text() if self.first.entries else self.first.counts_text()
+            head = f"{at}: {self.first.where()}{on} is dirty: {what}; the model did not produce it in this step"
         elif self.first.phase == "param":
             # The watch's first step has no optimizer step of its own before it.
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
@@ -146,7 +170,11 @@ class Event:
         if self.located is not None:
             head += f"; located: {self.located.summary()}"
             head += f" ({self.located_differs})" if self.located_differs else ""
-        later = self.later[together:]
+        # A dirty input after the first place (non-finite parameters) is no place the values went to.
+        later = [p for p in self.later[together:] if p.phase != "input"]
+        for dirty in (p for p in self.later[together:] if p.phase == "input"):
+            what = dirty.entries_text() if dirty.entries else dirty.counts_text()
+            head += f"; {dirty.where()} was dirty too: {what}"
         if not later:
             return f"nanfast.watch: {head}"
         named = "; ".join(p.where() for p in later[:_MAX_NAMED_IN_SUMMARY])

@@ -16,6 +16,7 @@ from .. import _C, _tree
 from ..recompute import recomputation
 from . import scaler_hook
 from .forwards import Forward
+from .inputs import checked_tensor, input_tensors
 from .options import SKIPPING, ignored
 
 
@@ -29,8 +30,7 @@ def floating_tensors(obj: Any) -> list[torch.Tensor]:
 
 def walked_floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
-    return [t for t in _tree.leaves(obj) if isinstance(t, torch.Tensor)
-            and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
+    return [t for t in _tree.leaves(obj) if checked_tensor(t)]
 
 
 def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -230,9 +230,10 @@ class Hooks:
 
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
-            tensors = floating_tensors((args, kwargs) if kwargs else args)  # a tuple of tensors: the fast path
+            tensors, layout = input_tensors(args, kwargs)  # see NOTE: [Naming the input's entries]
             if tensors:
                 self._record("input", self._input, 1, tensors)
+                step.inputs[hooks.microbatch] = layout
         hooks.enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:

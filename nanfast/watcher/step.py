@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .. import _C
-from .events import Place
+from .events import InputEntry, Place
 from .fused_pass import Pass
 from .history import Tail
+from .inputs import Layout, entry_names
 from .host_copy import HostCopy
 from .options import ignored
 
@@ -46,6 +47,7 @@ class Read:
     # An evaluation forward's own read (see NOTE: [Evaluation forwards between optimizer steps]): not a
     # training step, so no timeline record, spike or headroom sample, and nothing to skip.
     evaluation: bool = False
+    inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
@@ -82,7 +84,7 @@ class Step:
     recorder]; `ModuleHooks.slot` appends to `slots`, NOTE: [Module hooks in C++]) and the forwards so
     far. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread")
+    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread", "inputs")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -91,6 +93,7 @@ class Step:
         self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
+        self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
@@ -118,7 +121,7 @@ class Step:
                     params=fused is not None and fused.n_params > 0)
         pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
         return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
-                    scaler_skipped, tail=tail)
+                    scaler_skipped, tail=tail, inputs=self.inputs)
 
 
 def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
@@ -233,12 +236,13 @@ def verdict(read: Read) -> tuple[bool, list[float], list]:
     return bad, summary, read.all_counts().tolist() if bad else []
 
 
-def places(rows: list, slots: list, scaler_skipped: bool, nan_only: bool) -> list[Place]:
+def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward: Callable) -> list[Place]:
     """The places of a bad step's rows, in execution order; with `scaler_skipped`, not the scaled
-    phases (see NOTE: [AMP and GradScaler])."""
+    phases (see NOTE: [AMP and GradScaler]); a dirty input's entries named from `forward`'s signature
+    (see NOTE: [Naming the input's entries])."""
     found = []
     i = 0
-    for phase, label, call, microbatch, n in slots:
+    for phase, label, call, microbatch, n in read.slots():
         if scaler_skipped and phase in _SCALED_PHASES:
             pass
         elif isinstance(label, tuple):  # one row per named parameter or gradient
@@ -248,6 +252,18 @@ def places(rows: list, slots: list, scaler_skipped: bool, nan_only: bool) -> lis
         else:
             nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
             if nan if nan_only else nan + posinf + neginf:
-                found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch))
+                entries = _dirty_entries(read.inputs.get(microbatch), rows[i:i + n], nan_only, forward) \
+                    if phase == "input" else ()
+                found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch,
+                                   entries))
         i += n
     return found
+
+
+def _dirty_entries(layout: Optional[Layout], rows: list, nan_only: bool, forward: Callable) -> tuple:
+    """The entries of a dirty input that hold non-finite values; () when they cannot be named."""
+    names = entry_names(layout, len(rows), forward)
+    if names is None:
+        return ()
+    return tuple(InputEntry(name, int(nan), int(posinf), int(neginf)) for name, (nan, posinf, neginf) in zip(names, rows)
+                 if (nan if nan_only else nan + posinf + neginf))

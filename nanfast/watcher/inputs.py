@@ -1,0 +1,104 @@
+"""The model's input as the watch checks it: its floating tensors, with a layout that names them later,
+and, on a step whose input was dirty, the names of the entries that held the non-finite values
+("targets[1].boxes", "pixel_values"), from the layout and the forward's signature."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from .. import _C, _tree
+
+# NOTE: [Naming the input's entries]
+# A dirty batch is bad data, and the question is which field: a detection target's box, the images, a
+# float mask. The input is checked in one record whose rows are its tensors, in walk order; naming them
+# needs the input's structure, but only on a bad step, after the forward (the batch may be gone: a
+# lagged read comes a step later). So each forward keeps a layout that holds no tensor: for a tuple of
+# tensors (the C++ fast path), None when every argument is a floating tensor, else the positions of
+# those that are; for anything else (keyword arguments, lists, dicts), each tensor's node from the one
+# container walker (its keys up to the root). A bad step turns a row into a name: positions and keyword
+# arguments are named by the forward's signature, and the rest of the path is written as check_batch
+# writes it. A layout whose rows no longer match (it cannot, short of a bug) names nothing.
+
+
+class Layout(NamedTuple):
+    """Where each floating tensor of one forward's input came from (see NOTE: [Naming the input's entries])."""
+
+    positions: Optional[tuple[int, ...]] = None  # the fast path: argument positions (None: all of them)
+    nodes: Optional[list] = None  # the walker's path: one node per tensor
+    keywords: bool = False  # the walked root was (args, kwargs)
+
+
+def checked_tensor(t: Any) -> bool:
+    """Whether the watch checks `t`: a floating or complex strided tensor (what the C++ fast path,
+    plain_floating_tensors, keeps; the container walker's path keeps the same)."""
+    return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+            and t.layout == torch.strided)
+
+
+def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout]:
+    """The floating strided tensors of a forward's input, and their layout.
+
+    Args:
+        args, kwargs: the forward's arguments, as its forward pre-hook receives them.
+
+    Returns:
+        (tensors, layout): the tensors in walk order (a tuple of tensors and None by a C++ fast path,
+        anything else by the one container walker, the same ones either way)."""
+    if not kwargs:
+        found = _C.plain_floating_tensors(args)
+        if found is not None:
+            positions = None if len(found) == len(args) else tuple(i for i, a in enumerate(args) if checked_tensor(a))
+            return found, Layout(positions=positions)
+    tensors, nodes = [], []
+    for node, leaf in _tree.leaves_with_nodes((args, kwargs) if kwargs else args):
+        if checked_tensor(leaf):
+            tensors.append(leaf)
+            nodes.append(node)
+    return tensors, Layout(nodes=nodes, keywords=bool(kwargs))
+
+
+def _argument_namer(forward: Callable) -> Callable[[int], str]:
+    """The name of positional argument i of `forward`: its parameter's, "*name[k]" past them, else "args[i]"."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C++ module)
+        parameters = []
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = next((p.name for p in parameters if p.kind == p.VAR_POSITIONAL), None)
+
+    def name(i: int) -> str:
+        if i < len(positional):
+            return positional[i]
+        return f"{rest}[{i - len(positional)}]" if rest is not None else f"args[{i}]"
+
+    return name
+
+
+def entry_names(layout: Optional[Layout], rows: int, forward: Callable) -> Optional[list[str]]:
+    """The names of a recorded input's `rows` tensors, or None when the layout cannot name them.
+
+    Args:
+        layout: what input_tensors gave for that forward.
+        rows: the number of rows of its record (one per tensor).
+        forward: the model's forward, whose signature names the arguments."""
+    if layout is None:
+        return None
+    argument = _argument_namer(forward)
+    if layout.nodes is None:
+        positions = range(rows) if layout.positions is None else layout.positions
+        return [argument(i) for i in positions] if len(positions) == rows else None
+    if len(layout.nodes) != rows:
+        return None
+    names = []
+    for node in layout.nodes:
+        steps = _tree.path_steps(node)
+        if layout.keywords:  # (args, kwargs): 0 or 1 first
+            which, steps = steps[0][0], steps[1:]
+            head = argument(steps[0][0]) if which == 0 else str(steps[0][0])
+        else:
+            head = argument(steps[0][0])
+        names.append(_tree.path_of(steps[1:], head, brackets=True))
+    return names

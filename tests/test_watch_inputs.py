@@ -1,0 +1,126 @@
+"""A dirty input batch is named by its entries, as the forward's arguments call them (NOTE: [Naming the
+input's entries]): positional and keyword arguments, *args, nested lists and dicts, several dirty
+entries, a later microbatch, a lagged read; and a layout that cannot name its rows names nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanfast
+from nanfast.watcher.events import InputEntry
+from nanfast.watcher.inputs import Layout, entry_names, input_tensors
+
+NAN = float("nan")
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, x, ids=None, weights=None, extra=None):
+        out = self.lin(x if ids is None else x + self.emb(ids))
+        if weights is not None:
+            out = out * weights
+        if extra is not None:
+            out = out + extra["bias"].sum() + sum(t.sum() for t in extra["more"])
+        return out
+
+
+class Star(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, *parts):
+        return self.lin(sum(parts))
+
+
+def _dirty_step(model, *args, sync="eager", **kwargs):
+    """One training step with a warn watch: its event."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="is dirty"), nanfast.watch(model, optimizer, action="warn", sync=sync) as w:
+        model(*args, **kwargs).sum().backward()
+        optimizer.step()
+        assert not w.events or sync == "eager"  # a lagged watch reads the step when it leaves the block
+    return w.events[0]
+
+
+def test_the_one_argument_is_named():
+    x = torch.randn(3, 4)
+    x[1, 2] = NAN
+    event = _dirty_step(Scaled(), x)
+    assert event.first.entries == (InputEntry("x", 1, 0, 0),)
+    assert "step 0: the input batch is dirty: x (nan=1, +inf=0, -inf=0); the model did not produce" in event.summary()
+
+
+def test_arguments_after_an_integer_tensor_and_none_are_named_by_position():
+    x, weights = torch.randn(3, 4), torch.ones(3, 2)
+    weights[0, 0] = float("inf")
+    ids = torch.tensor([1, 2, 3])
+    tensors, layout = input_tensors((x, ids, weights), {})
+    assert layout.positions == (0, 2) and len(tensors) == 2  # the fast path, which skips the ids
+    event = _dirty_step(Scaled(), x, ids, weights)
+    assert event.first.entries == (InputEntry("weights", 0, 1, 0),)
+    event = _dirty_step(Scaled(), x, None, weights)
+    assert [e.name for e in event.first.entries] == ["weights"]
+
+
+def test_keyword_arguments_and_nested_containers_are_named_by_their_path():
+    x = torch.randn(3, 4)
+    extra = {"bias": torch.zeros(2), "more": [torch.zeros(1), torch.tensor([NAN, NAN])]}
+    event = _dirty_step(Scaled(), x, extra=extra)
+    assert event.first.entries == (InputEntry("extra.more[1]", 2, 0, 0),)
+    x[0, 0] = -float("inf")
+    event = _dirty_step(Scaled(), x=x, extra=extra)  # every argument a keyword
+    assert [(e.name, e.neginf, e.nan) for e in event.first.entries] == [("x", 1, 0), ("extra.more[1]", 0, 2)]
+    assert "is dirty: x (nan=0, +inf=0, -inf=1), extra.more[1] (nan=2, +inf=0, -inf=0);" in event.summary()
+
+
+def test_star_arguments_are_named_by_index():
+    parts = [torch.randn(2, 4) for _ in range(3)]
+    parts[2][1, 1] = NAN
+    event = _dirty_step(Star(), *parts)
+    assert [e.name for e in event.first.entries] == ["parts[2]"]
+
+
+def test_a_later_microbatch_is_said_and_a_lagged_read_names_it_too():
+    model = Scaled()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clean, dirty = torch.randn(3, 4), torch.randn(3, 4)
+    dirty[2] = NAN
+    with nanfast.watch(model, optimizer, action="warn") as w, pytest.warns(RuntimeWarning, match="is dirty"):
+        for x in (clean, dirty):  # two microbatches, one optimizer step
+            model(x).sum().backward()
+        optimizer.step()
+    assert "step 0: the input batch [microbatch 1] is dirty: x (nan=4, +inf=0, -inf=0)" in w.events[0].summary()
+    event = _dirty_step(Scaled(), dirty, sync="lagged")
+    assert event.first.entries == (InputEntry("x", 4, 0, 0),)
+
+
+def test_a_dirty_input_after_non_finite_parameters_is_not_said_to_be_where_they_went():
+    model = Scaled()
+    with torch.no_grad():
+        model.lin.weight[0, 0] = NAN
+    x = torch.randn(3, 4)
+    x[0, 1] = float("inf")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning) as caught, nanfast.watch(model, optimizer, action="warn") as w:
+        model(x).sum().backward()
+        optimizer.step()
+    summary = w.events[0].summary()
+    assert w.events[0].phase == "param" and str(caught[0].message) == summary
+    assert summary.endswith("; the input batch was dirty too: x (nan=0, +inf=1, -inf=0); then propagated to 2 places: "
+                            "output of lin (Linear); gradient of parameter lin.weight")
+
+
+def test_a_layout_that_does_not_match_its_rows_names_nothing():
+    forward = Scaled().forward
+    assert entry_names(Layout(positions=(0, 2)), 2, forward) == ["x", "weights"]
+    assert entry_names(Layout(positions=(0, 2)), 3, forward) is None
+    assert entry_names(Layout(), 5, forward) == ["x", "ids", "weights", "extra", "args[4]"]
+    assert entry_names(None, 1, forward) is None
+    _, layout = input_tensors((torch.zeros(1),), {"extra": {"bias": torch.zeros(1)}})
+    assert entry_names(layout, 2, forward) == ["x", "extra.bias"] and entry_names(layout, 1, forward) is None
