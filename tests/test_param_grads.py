@@ -29,7 +29,7 @@ def model_and_optimizer():
 def test_gather_matches_the_python_lists_and_keeps_its_tuples_while_nothing_changes():
     model, opt, extra = model_and_optimizer()
     names = {id(p): name for name, p in model.named_parameters()}
-    pg = _C.ParamGrads(names)
+    pg = _C.ParamGrads(lambda: names)
     params = [p for g in opt.param_groups for p in g["params"]]
 
     first = pg.gather(opt.param_groups, groups=True)
@@ -84,7 +84,7 @@ def test_gather_of_a_long_mixed_list_matches_the_python_lists():
             p.grad = torch.randn(4, 3).t().contiguous().t()  # strided, not contiguous
         params.append(p)
     names = {id(p): f"p{i}" for i, p in enumerate(params) if i % 7}
-    pg = _C.ParamGrads(names)
+    pg = _C.ParamGrads(lambda: names)
     for source, groups in ((params, False), ([{"params": params[:25]}, {"params": params[25:]}], True)):
         got = pg.gather(source, groups=groups)
         want = python_gather(params, names)
@@ -104,3 +104,27 @@ def test_a_watch_names_a_gradient_outside_the_model_by_position():
         with pytest.warns(RuntimeWarning, match=r"param\[3\]"):
             opt.step()
     assert [(p.phase, p.name) for p in w.last.places] == [("grad", "param[3]")]
+
+
+def test_names_come_from_the_model_as_it_is_when_the_parameters_change():
+    """A head replaced after watch() is named by its place in the model, and a new parameter that takes
+    the address a dropped one left does not take its name (the map is the model's at that moment)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    calls = []
+    pg = _C.ParamGrads(lambda: calls.append(1) or {id(p): name for name, p in model.named_parameters()})
+    pg.gather(list(model.parameters()), groups=False)
+    pg.gather(list(model.parameters()), groups=False)
+    assert len(calls) == 1  # asked again only when the list changes
+    model[2] = torch.nn.Linear(4, 3)
+    assert pg.gather(list(model.parameters()), groups=False)[1] == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert len(calls) == 2
+
+    with nanfast.watch(model, action="warn") as w:
+        model[0] = torch.nn.Linear(4, 4)  # replaced after watch(): a new weight, unhooked module
+        with torch.no_grad():
+            model[0].bias[1] = float("inf")
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.warns(RuntimeWarning, match=r"parameter 0\.bias "):
+            w.step()
+    assert w.last.first.name == "0.bias"

@@ -18,7 +18,9 @@ namespace {
 // is one loop. The names do not change while the parameters and which of them have a gradient stay the
 // same, so the tuples of names are kept and handed out again (the same objects: what reads them may
 // key caches on them); the parameters are kept alive with them, so an address seen again is the same
-// parameter.
+// parameter. The names come from the model as it is when the list changes (`names()`), not as it was
+// when the watch began: a head replaced after watch() has its own names, and an address a dropped
+// parameter left, taken by a new one, cannot lend it the old one's name.
 //
 // NOTE: [Each parameter's gradient, prefetched]
 // Reaching a gradient is a chain of objects each found through the one before: the parameter's
@@ -31,8 +33,9 @@ namespace {
 // Python objects, the page tables) is most of the rest. Prefetches are hints: nothing read changes.
 class ParamGrads {
  public:
-  // names: id(parameter) -> its name in the model; others are named "param[i]" (i: position in the list).
-  explicit ParamGrads(py::dict names) : names_(std::move(names)) {}
+  // names(): id(parameter) -> its name in the model now; others are named "param[i]" (i: position in
+  // the list).
+  explicit ParamGrads(py::object names) : names_(std::move(names)) {}
 
   // The parameters of `source` (optimizer.param_groups, a list of dicts with "params", when `groups`;
   // else a list of parameters) as (parameters, their names, the stored values of the gradients that
@@ -96,11 +99,12 @@ class ParamGrads {
  private:
   void rename(const py::list& params) {
     kept_.clear();
+    const py::dict current = names_();
     py::list names;
     for (size_t i = 0; i < params.size(); ++i) {
       kept_.push_back(py::reinterpret_borrow<py::object>(params[i]));
       const py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(params[i].ptr()));
-      PyObject* name = PyDict_GetItemWithError(names_.ptr(), id.ptr());  // borrowed
+      PyObject* name = PyDict_GetItemWithError(current.ptr(), id.ptr());  // borrowed
       if (name == nullptr && PyErr_Occurred()) {
         throw py::error_already_set();
       }
@@ -145,7 +149,7 @@ class ParamGrads {
     return THPVariable_Check(p) ? THPVariable_Unpack(p).unsafeGetTensorImpl() : nullptr;
   }
 
-  const py::dict names_;
+  const py::object names_;
   std::vector<py::object> kept_;  // the parameters named by param_names_, kept alive (see the NOTE)
   py::tuple param_names_;
   std::vector<bool> with_grad_;  // which of them had a gradient when grad_names_ was made
@@ -158,7 +162,7 @@ void bind_param_grads(py::module_& m) {
   py::class_<ParamGrads>(m, "ParamGrads",
                          "The parameters a watch's step-end pass reads, with their gradients and names (see NOTE: [The "
                          "pass's parameters in C++]).")
-      .def(py::init<py::dict>(), py::arg("names"))
+      .def(py::init<py::object>(), py::arg("names"))
       .def("gather", &ParamGrads::gather, py::arg("source"), py::arg("groups"));
 }
 

@@ -17,7 +17,7 @@ from . import agree, scaler_hook, step as steps
 from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
-from .fused_pass import Pass, reads_params, run as run_fused_pass
+from .fused_pass import Pass, parameter_names, reads_params, run as run_fused_pass
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
@@ -113,7 +113,7 @@ class Watch(Hooks, Actions, Readings):
         self.step_count = 0  # steps ended so far (the number of the current step)
 
         # The pass's parameters with their names and gradients (see NOTE: [The pass's parameters in C++]).
-        self._params = _C.ParamGrads({id(p): name for name, p in model.named_parameters()})
+        self._params = _C.ParamGrads(parameter_names(model))
         # FSDP2 / tensor parallel: the fused pass reads the local shards (the op has no DTensor rule).
         self._sharded = distributed.has_dtensor(list(model.parameters()))
         self._device = results_device(model)

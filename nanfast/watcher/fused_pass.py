@@ -3,6 +3,7 @@ gradients in one pass]): their NaN/+inf/-inf counts and norms, from one call."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple, Optional
 
@@ -28,6 +29,18 @@ class Pass(NamedTuple):
     absmax: torch.Tensor
     n_params: int
     limits: list  # per row, the dtype's largest finite value for headroom (0: not watched); [] if not asked or none is
+
+
+def parameter_names(model: torch.nn.Module) -> Callable[[], dict]:
+    """What _C.ParamGrads asks for its parameters' names whenever its list of parameters changes: id ->
+    the model's name for it now. Holds the model weakly (the watch's hooks on it lead back here)."""
+    model_ref = weakref.ref(model)
+
+    def names() -> dict:
+        model = model_ref()
+        return {} if model is None else {id(p): name for name, p in model.named_parameters()}
+
+    return names
 
 
 def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[Profile] = None,
