@@ -145,6 +145,42 @@ def test_skip_restores_the_batchnorm_statistics_the_bad_forward_wrote():
     assert torch.isfinite(model.eval()(batch(2)[0])).all()
 
 
+@pytest.mark.parametrize("lagged", [False, True])
+def test_skip_restores_buffers_of_a_head_swapped_in_after_watch(lagged):
+    """Fine-tuning swaps the head for a new one (here with its own BatchNorm, and a buffer registered on
+    an old module) after the watch began: a skipped step leaves their statistics as they were too."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=lagged)  # lagged: skipped on the device
+    registrations = len(torch.nn.modules.module._global_module_registration_hooks)
+    with nanfast.watch(model, opt, action="skip", sync="lagged" if lagged else "eager") as w:
+        train_step(model, opt, *batch(0))
+        model.l2 = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+        model.l1.register_buffer("seen", torch.zeros(3))
+        opt.add_param_group({"params": list(model.l2.parameters())})
+        train_step(model, opt, *batch(1))
+        model.l1.seen.add_(1.0)  # changed in place between steps: the next step copies it
+        before = full_state(model, opt)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            train_step(model, opt, *dirty(2))
+            w.flush()
+        assert_same_state(full_state(model, opt), before)
+    assert w.skipped_steps == 1
+    assert len(torch.nn.modules.module._global_module_registration_hooks) == registrations  # removed with the watch
+
+
+def test_modules_built_elsewhere_and_re_assigned_buffers_do_not_make_the_buffers_listed_again():
+    model = EMANet()  # re-assigns its buffer `ema` at every forward
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action="skip") as w:
+        for seed in range(3):
+            torch.nn.CrossEntropyLoss(weight=torch.ones(4))  # a loss made at every step registers a buffer
+            train_step(model, opt, *batch(seed))
+            assert not w._undo._stale
+        model.bn.register_buffer("extra", torch.zeros(1))
+        assert w._undo._stale
+
+
 def test_caught_raise_leaves_the_model_as_the_step_found_it():
     torch.manual_seed(0)
     model = BNNet()

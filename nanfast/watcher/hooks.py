@@ -107,6 +107,10 @@ class Hooks:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
                 self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
+        if self._undo is not None:  # a skip puts back buffers a module added after watch() brought too
+            for register in (torch.nn.modules.module.register_module_module_registration_hook,
+                             torch.nn.modules.module.register_module_buffer_registration_hook):
+                self._handles.append(register(self._undo.registered))
         if self.scaler is not None:
             # NOTE: [AMP and GradScaler]
             # A GradScaler multiplies the loss by its scale, so gradients (phases loss, backward, grad)
