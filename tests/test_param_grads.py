@@ -108,7 +108,8 @@ def test_a_watch_names_a_gradient_outside_the_model_by_position():
 
 def test_names_come_from_the_model_as_it_is_when_the_parameters_change():
     """A head replaced after watch() is named by its place in the model, and a new parameter that takes
-    the address a dropped one left does not take its name (the map is the model's at that moment)."""
+    the address a dropped one left does not take its name (the map is the model's at that moment); the
+    new module is hooked (NOTE: [A model changed after watch()])."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     calls = []
@@ -128,3 +129,4 @@ def test_names_come_from_the_model_as_it_is_when_the_parameters_change():
         with pytest.warns(RuntimeWarning, match=r"parameter 0\.bias "):
             w.step()
     assert w.last.first.name == "0.bias"
+    assert w.last.later[0].where() == "output of 0 (Linear)"  # the new module is hooked at the next step's start

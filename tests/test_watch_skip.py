@@ -176,9 +176,9 @@ def test_modules_built_elsewhere_and_re_assigned_buffers_do_not_make_the_buffers
         for seed in range(3):
             torch.nn.CrossEntropyLoss(weight=torch.ones(4))  # a loss made at every step registers a buffer
             train_step(model, opt, *batch(seed))
-            assert not w._undo._stale
+            assert not w._model_changed
         model.bn.register_buffer("extra", torch.zeros(1))
-        assert w._undo._stale
+        assert w._model_changed
 
 
 def test_caught_raise_leaves_the_model_as_the_step_found_it():

@@ -4,6 +4,7 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
@@ -120,6 +121,7 @@ class Watch(Hooks, Actions, Readings):
         self._root = self._site("", type(model).__name__)
         self._input = self._site("input", "")
         self._handles: list = []
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules with hooks (NOTE: [A model changed after watch()])
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
         self.fuse = fused_records(fuse, self._device)

@@ -97,20 +97,14 @@ class Hooks:
         self._handles.append(model.register_forward_hook(hook(self._after_model)))
         # Registered after _after_model, and also called when the forward raises.
         self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
-        if self._hook_modules and (self._check_activations or self._check_grads):
-            for name, module in hooked_modules(model, self.pass_through):
-                before, after = self._hooks_of(self._site(name, type(module).__name__))
-                self._handles.append(module.register_forward_pre_hook(hook(before)))
-                if self._check_activations:
-                    self._handles.append(module.register_forward_hook(hook(after)))
+        self._follow_model()
+        for register in (torch.nn.modules.module.register_module_module_registration_hook,
+                         torch.nn.modules.module.register_module_buffer_registration_hook):
+            self._handles.append(register(self._registered))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
                 self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
-        if self._undo is not None:  # a skip puts back buffers a module added after watch() brought too
-            for register in (torch.nn.modules.module.register_module_module_registration_hook,
-                             torch.nn.modules.module.register_module_buffer_registration_hook):
-                self._handles.append(register(self._undo.registered))
         if self.scaler is not None:
             # NOTE: [AMP and GradScaler]
             # A GradScaler multiplies the loss by its scale, so gradients (phases loss, backward, grad)
@@ -119,6 +113,38 @@ class Hooks:
             # non-fused optimizer it skips by not calling optimizer.step(), so the step must end here;
             # a fused one gets `optimizer.found_inf`, which the read packs (see Step.pack).
             self._scaler_shared = scaler_hook.attach(self.scaler, self)
+
+    # NOTE: [A model changed after watch()]
+    # Fine-tuning swaps a head in (model.fc = ...) or unfreezes a block, sometimes after the watch began.
+    # torch's global registration hooks (installed with the watch's other hooks, removed by remove())
+    # tell when a module is set on one of the model's modules or a buffer of a new name is registered on
+    # one; modules built elsewhere (a loss made at every step) and a forward re-assigning a buffer it has
+    # (self.ema = ...) do not count. The next step's start then hooks the modules not hooked yet and lists
+    # the buffers again (a skip puts the new module's BatchNorm statistics back too); a step after no
+    # such change pays nothing. Parameters are named from the model whenever the optimizer's list
+    # changes (NOTE: [The pass's parameters in C++]).
+
+    def _registered(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        """torch's global module and buffer registration hooks (see the NOTE). Returns None: the
+        registration is left as it is."""
+        if id(module) in self._members and (isinstance(value, torch.nn.Module) or name not in module._buffers):
+            self._model_changed = True
+
+    def _follow_model(self) -> None:
+        """Hooks the modules not hooked yet and notes the model's modules (see the NOTE); at install, and
+        at a step's start after the model changed (the buffers listed again then too)."""
+        self._model_changed = False
+        self._members = {id(module) for module in self.model.modules()}  # alive: the model holds them
+        if not (self._hook_modules and (self._check_activations or self._check_grads)):
+            return
+        for name, module in hooked_modules(self.model, self.pass_through):
+            if module in self._hooked:
+                continue
+            self._hooked.add(module)
+            before, after = self._hooks_of(self._site(name, type(module).__name__))
+            self._handles.append(module.register_forward_pre_hook(self._hook(before)))
+            if self._check_activations:
+                self._handles.append(module.register_forward_hook(self._hook(after)))
 
     # NOTE: [Containers that compute nothing]
     # A plain nn.Sequential (the class itself: a subclass may override forward) only passes its input
@@ -227,6 +253,10 @@ class Hooks:
         hooks.forward_id += 1
         hooks.microbatch = step.forwards
         step.forwards += 1
+        if self._model_changed and hooks.microbatch == 0:  # see NOTE: [A model changed after watch()]
+            self._follow_model()
+            if self._undo is not None:
+                self._undo.relist()
         if self._undo is not None and hooks.microbatch == 0:
             self._undo.begin()
         if self.on_event == "locate" and hooks.microbatch == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -83,14 +83,12 @@ class BufferUndo:
     without bumping their version counters (pytorch/pytorch#13402), so only their values could tell.
     Other buffers (masks, position ids, counters) are copied once some step has changed them (version
     counter or re-assignment), all on the first step. Buffers are listed as (module, name) at
-    construction and again at the start of a step after a module or buffer was registered anywhere
-    (`registered`, a global registration hook of torch's: a head swapped after watch() brings its own
-    BatchNorm statistics); a buffer re-assigned later is followed by name."""
+    construction and by `relist()` (the watch calls it at a step's start once the model gained a module
+    or buffer: see NOTE: [A model changed after watch()]); a buffer re-assigned later is followed by name."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
-        self._stale = False
-        self._list()
+        self.relist()
         self._open = False
         self._closed_begun = False  # the step that closed last had begun (its slots' values are known)
         self._restorable = False
@@ -98,12 +96,12 @@ class BufferUndo:
         self.host_only = False  # the step re-assigned a buffer to a different kind of tensor (or None)
         self.bytes_per_step = 0  # what each step copies
 
-    def _list(self) -> None:
-        """Lists the model's buffers as its modules hold them now, none of them known to change yet."""
-        modules = list(self._model.named_modules())
-        self._members = {id(module) for _, module in modules}  # alive: the model holds them
+    def relist(self) -> None:
+        """Lists the model's buffers as its modules hold them now, none of them known to change yet (so
+        the next step copies them all). Between steps only."""
         self._slots: list[tuple[torch.nn.Module, str, str]] = [
-            (module, name, f"{prefix}.{name}" if prefix else name) for prefix, module in modules for name in module._buffers]
+            (module, name, f"{prefix}.{name}" if prefix else name)
+            for prefix, module in self._model.named_modules() for name in module._buffers]
         # The walks over them at each step's start and end, in C++ (see NOTE: [Buffers read in one loop]).
         self._buffers = _C.BufferSlots([module for module, _, _ in self._slots], [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
@@ -113,21 +111,9 @@ class BufferUndo:
         self._twins: Optional[Twins] = None
         self._replan = True  # the set of copied slots changed since the twins were made
 
-    def registered(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        """torch's global module and buffer registration hooks (the watch installs them, and removes
-        them with its other hooks): a module set on one of the model's modules, or a buffer of a new
-        name registered on one, makes the next step's start list the buffers again. Modules built
-        elsewhere (a loss made at every step) and a forward re-assigning a buffer it has (an average
-        kept as `self.ema = ...`) do not. Returns None: the registration is left as it is."""
-        if id(module) in self._members and (isinstance(value, torch.nn.Module) or name not in module._buffers):
-            self._stale = True
-
     def begin(self) -> None:
         """Step start (the step's first forward): notes every buffer with its version counter (free, no
         sync) and copies the floating-point ones and those seen changing."""
-        if self._stale:
-            self._stale = False
-            self._list()
         if not self._slots:
             return
         tensors, versions = self._buffers.state()
