@@ -362,3 +362,17 @@ def test_the_windows_name_bad_arguments():
         windows.observe([0], [1.0, 2.0])
     with pytest.raises(RuntimeError, match="observe: ids\\[1\\]=1 is not a series \\(1 added\\)"):
         windows.observe([0, 1], [1.0, 2.0])
+
+
+def test_module_groups_follow_a_head_swapped_in_after_the_watch_began():
+    """Each gradient's module is the model's as it is when the names change (NOTE: [A model changed after
+    watch()]): a swapped-in head's weight and bias are one module, of its class."""
+    from nanfast.watcher.spikes import ModuleGroups
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    groups = ModuleGroups(model)
+    names, index = groups.index(("0.weight", "0.bias", "1.weight"), torch.device("cpu"))
+    assert names == ("0", "1") and index.tolist() == [0, 0, 1]
+    model[1] = torch.nn.Sequential(torch.nn.LayerNorm(2))
+    names, index = groups.index(("0.weight", "1.0.weight", "1.0.bias"), torch.device("cpu"))
+    assert names == ("0", "1.0") and index.tolist() == [0, 1, 1] and groups.module_class("1.0") == "LayerNorm"

@@ -98,8 +98,8 @@ class ModuleGroups:
     summary sums the gradients' squared norms by (see NOTE: [The step's summary in one call])."""
 
     def __init__(self, model: torch.nn.Module):
-        self._classes = {name: type(module).__name__ for name, module in model.named_modules()}
-        self._params = {name for name, _ in model.named_parameters()}
+        self._model = model
+        self._classes: dict[str, str] = {}
         self._key: Optional[tuple[str, ...]] = None
         self._names: tuple[str, ...] = ()
         self._index: Optional[torch.Tensor] = None
@@ -120,7 +120,10 @@ class ModuleGroups:
             [len(grad_names)] on `device`)."""
         key = tuple(grad_names)  # the pass hands out the same tuple while its names stay the same
         if (key is not self._key and key != self._key) or self._index is None or self._index.device != device:
-            owners = [name.rpartition(".")[0] if name in self._params else name for name in key]
+            # The model as it is now (a head swapped in after watch(): NOTE: [A model changed after watch()]).
+            self._classes = {name: type(module).__name__ for name, module in self._model.named_modules()}
+            params = {name for name, _ in self._model.named_parameters()}
+            owners = [name.rpartition(".")[0] if name in params else name for name in key]
             order = {name: i for i, name in enumerate(dict.fromkeys(owners))}
             self._key, self._names = key, tuple(order)
             self._index = torch.tensor([order[o] for o in owners], dtype=torch.long, device=device)
