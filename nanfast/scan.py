@@ -47,10 +47,13 @@ class FileScan:
     report: Optional[Report] = None
     error: Optional[str] = None
     not_checked: tuple[tuple[str, str], ...] = ()  # (name, why) of the tensors whose values were not read
+    # Infinities a tool stores on purpose, left out of `report` (see NOTE: [Sentinel infinities]): entries.
+    sentinels: tuple[Entry, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "status": self.status, "error": self.error,
-                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked]}
+                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked],
+                             "sentinels": [e.to_dict() for e in self.sentinels]}
         if self.report is not None:
             d.update(num_tensors=self.report.num_tensors, num_elements=self.report.num_elements,
                      bad=[e.to_dict() for e in self.report.bad])
@@ -161,6 +164,23 @@ def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str
     return name, t
 
 
+# NOTE: [Sentinel infinities]
+# Some tools store an infinity on purpose. Lightning's ModelCheckpoint keeps `kth_value`, the score a
+# new checkpoint must beat, at +inf (mode "min") or -inf ("max") until it has saved top-k of them, and
+# EarlyStopping its `best_score` the same way until the first validation: every checkpoint a Lightning
+# Trainer saves with its default ModelCheckpoint holds one, and a scan that called it non-finite would
+# fail every healthy Lightning run in CI. In a Lightning checkpoint (a dict with a
+# "pytorch-lightning_version" key), a 0-dim tensor under "callbacks" that is +inf or -inf is such a
+# sentinel: listed apart, not counted. A NaN there, or an infinity anywhere else (the weights, the
+# optimizer's state), is reported as usual.
+_LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+
+
+def _is_sentinel(entry: Entry, lightning: bool) -> bool:
+    return (lightning and entry.name.startswith("callbacks.") and entry.shape == () and entry.nan == 0
+            and entry.nonfinite == 1)
+
+
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:
     try:
         entries += check_all(chunk, raise_on_nonfinite=False).entries
@@ -188,12 +208,15 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     not_checked: list[tuple[str, str]] = []
     chunk: list[tuple[str, torch.Tensor]] = []
     chunk_bytes = 0
+    lightning = False
     try:
         _require_regular_file(path)
         if path.endswith(".safetensors"):
             tensors = _safetensors_tensors(path)
         else:
-            loaded = named_leaves(_torch_load(path), brackets=True, shared_once=True, tensor_attributes=True)
+            obj = _torch_load(path)
+            lightning = isinstance(obj, dict) and _LIGHTNING_VERSION_KEY in obj
+            loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
             tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor))
         for name, t in tensors:
             readable = _readable(name, t)
@@ -216,10 +239,11 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{_first_sentence(e)})")
-    report = Report(tuple(entries))
+    sentinels = tuple(e for e in entries if _is_sentinel(e, lightning))
+    report = Report(tuple(e for e in entries if not _is_sentinel(e, lightning)))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")
-    return FileScan(path, status, report, not_checked=tuple(not_checked))
+    return FileScan(path, status, report, not_checked=tuple(not_checked), sentinels=sentinels)
 
 
 def exit_code(scans: list[FileScan]) -> int:
@@ -239,12 +263,17 @@ def format_scan(scan: FileScan) -> str:
         named = ", ".join(f"{name!r} ({why})" for name, why in scan.not_checked[:MAX_NAMED_IN_MESSAGE])
         more = len(scan.not_checked) - MAX_NAMED_IN_MESSAGE
         missed = f"; {len(scan.not_checked)} not checked: {named}{f' and {more} more' if more > 0 else ''}"
+    if scan.sentinels:
+        named = ", ".join(f"{e.name} ({e.counts_text()})" for e in scan.sentinels[:MAX_NAMED_IN_MESSAGE])
+        more = len(scan.sentinels) - MAX_NAMED_IN_MESSAGE
+        missed += (f"; left out, as infinities Lightning's callbacks store on purpose (an initial best or worst "
+                   f"score): {named}{f' and {more} more' if more > 0 else ''}")
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":
         return f"{scan.path}: no tensors in it: nothing checked"
     if report.ok:
-        return f"{head} checked: no NaN/inf{missed}" if scan.not_checked else f"{head}: clean"
+        return f"{head} checked: no NaN/inf{missed}" if scan.not_checked else f"{head}: clean{missed}"
     rows = [(e.name, str(tuple(e.shape)), e.dtype, str(e.nan), str(e.posinf), str(e.neginf)) for e in report.bad]
     header = ("name", "shape", "dtype", "nan", "+inf", "-inf")
     widths = [max(len(r[k]) for r in rows + [header]) for k in range(len(header))]

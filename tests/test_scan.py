@@ -396,3 +396,71 @@ def test_a_checkpoint_with_no_tensor_is_empty_not_clean(capsys, tmp_path):
     one = tmp_path / "one.pt"
     torch.save({"w": torch.ones(3)}, one)
     assert run_scan(capsys, one) == (0, f"{one}: 1 tensor, 3 elements: clean\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# files other tools made: Lightning's checkpoints (NOTE: [Sentinel infinities])
+# --------------------------------------------------------------------------------------------------
+
+def _lightning_checkpoint(tmp_path, monitor: bool):
+    """A checkpoint saved by the real Lightning Trainer after two steps of a tiny model, with its default
+    ModelCheckpoint (kth_value = +inf) and, with `monitor`, an EarlyStopping waiting for a metric logged at
+    validation (best_score = -inf in mode "max"; no validation runs, so it stays there)."""
+    import logging
+    import warnings
+
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    callbacks = [L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", check_on_train_epoch_end=False)] \
+        if monitor else []
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), data)
+    path = tmp_path / "lightning.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_a_healthy_lightning_checkpoint_is_clean_and_its_callbacks_sentinels_are_listed_apart(capsys, tmp_path):
+    path = _lightning_checkpoint(tmp_path, monitor=True)
+    raw = torch.load(path, weights_only=True)
+    assert "pytorch-lightning_version" in raw  # what the scan recognises
+    result = scan.scan_file(str(path))
+    assert result.status == "clean" and scan.exit_code([result]) == 0
+    found = sorted((e.name.rsplit(".", 1)[-1], e.posinf, e.neginf) for e in result.sentinels)
+    assert found == [("best_score", 0, 1), ("kth_value", 1, 0)]
+    code, out = run_scan(capsys, path)
+    assert code == 0 and ": clean; left out, as infinities Lightning's callbacks store on purpose" in out
+    assert "kth_value (nan=0, +inf=1, -inf=0)" in out
+
+
+def test_a_lightning_checkpoint_with_a_nan_weight_or_a_nan_callback_score_is_still_non_finite(tmp_path):
+    path = _lightning_checkpoint(tmp_path, monitor=False)
+    raw = torch.load(path, weights_only=True)
+    raw["state_dict"]["layer.weight"][0, 0] = NAN
+    (sentinel,) = [key for key in raw["callbacks"] if key.startswith("ModelCheckpoint")]
+    raw["callbacks"][sentinel]["kth_value"] = torch.tensor(NAN)  # a NaN is never a sentinel
+    torch.save(raw, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and result.sentinels == ()
+    assert sorted(e.name.rsplit(".", 1)[-1] for e in result.report.bad) == ["kth_value", "weight"]
+    # The same +inf outside a Lightning checkpoint is reported.
+    other = tmp_path / "other.pt"
+    torch.save({"callbacks": {"x": {"kth_value": torch.tensor(INF)}}}, other)
+    assert scan.scan_file(str(other)).status == "nonfinite"
