@@ -1,37 +1,34 @@
-"""Checking checkpoints (.pt/.pth/.bin, .safetensors) for NaN/inf without running pickled code:
-`scan_file`, and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean or empty
+"""Checking checkpoints (.pt/.pth/.bin/.ckpt, .safetensors, numpy's .npy/.npz) for NaN/inf without running
+pickled code: `scan_file`, the files a path stands for (`checkpoint_files`: a directory's, a sharded
+checkpoint's shards), and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean or empty
 (every tensor read), 1 non-finite values found, 2 an input could not be read whole (refused,
 unreadable, or some of its tensors not checked)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
+import json
 import os
-import pickle
-import pickletools
-import re
-import stat
-import sys
-import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
 
 from ._tree import named_leaves
 from .check import check_all
+from .checkpoint_readers import (Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
+                                 numpy_readable, require_regular_file, safetensors_tensors, torch_load)
 from .ops import reads_dtype
 from .report import Entry, Report
 
-__all__ = ["FileScan", "scan_file"]
+__all__ = ["FileScan", "checkpoint_files", "scan_file"]
 
+# What `checkpoint_files` takes from a directory: torch.save files (Lightning's .ckpt, the HF Trainer's
+# optimizer.pt and rng_state.pth, pytorch_model.bin), safetensors files, numpy's .npy and .npz.
+CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
 CHUNK_BYTES = 256 * 2**20  # tensors checked per fused pass: bounds memory for formats read tensor by tensor
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_UNREADABLE = 0, 1, 2
 MAX_NAMED_IN_MESSAGE = 8
-# A legacy (non-zip) torch.save file begins with a pickle of this number.
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C.to_bytes(10, "little")
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -60,90 +57,6 @@ class FileScan:
         return d
 
 
-class _Refused(Exception):
-    """nanfast will not read the file: its pickle asks to run code, or it is not a regular file."""
-
-
-class _Unreadable(Exception):
-    """The file cannot be read here; the message says what it is and why."""
-
-
-def _first_sentence(e: BaseException) -> str:
-    # torch's messages go on with generic advice after their first sentence.
-    text = str(e).strip()
-    return text.split(". ")[0].splitlines()[0] if text else ""
-
-
-def _require_regular_file(path: str) -> None:
-    kind = os.stat(path).st_mode
-    if not stat.S_ISREG(kind):
-        what = ("a directory" if stat.S_ISDIR(kind) else "a FIFO" if stat.S_ISFIFO(kind) else "a character device"
-                if stat.S_ISCHR(kind) else "a block device" if stat.S_ISBLK(kind) else "a socket")
-        raise _Refused(f"{what}, not a regular file: nanfast scans files only (reading it could block or never end)")
-
-
-def _compressed(path: str) -> bool:
-    """Whether a zip holds compressed records: torch.load(mmap=True) would take their compressed bytes
-    for values (torch.save never compresses, but a re-zipped file does)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist())
-    except zipfile.BadZipFile:
-        return True  # not mapped: torch's reader says what is wrong
-
-
-def _not_a_checkpoint(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            for _ in pickletools.genops(f):  # parses opcodes only: runs nothing
-                pass
-    except Exception:  # noqa: BLE001  (a malformed pickle fails in many ways)
-        return "not a checkpoint: neither a torch.save file (zip or legacy) nor a pickle (nothing was checked)"
-    return ("not a checkpoint: a plain pickle (as pickle.dump writes), not a torch.save file; nanfast loads only "
-            "torch.save and .safetensors files (nothing was checked)")
-
-
-def _torch_load(path: str) -> Any:
-    with open(path, "rb") as f:
-        head = f.read(32)
-    is_zip = head.startswith(b"PK\x03\x04")
-    if not head:
-        raise _Unreadable("an empty file: nothing to check")
-    if not is_zip and LEGACY_MAGIC not in head:
-        raise _Unreadable(_not_a_checkpoint(path))
-    # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
-    # (non-zip) format cannot be mapped and are read whole.
-    mmap = is_zip and not _compressed(path)
-    load = functools.partial(torch.load, path, map_location="cpu", weights_only=True, mmap=mmap)
-    try:
-        try:
-            return load()
-        except pickle.UnpicklingError as e:
-            if "torch._dynamo" not in str(e) or "torch._dynamo" in sys.modules:
-                raise
-            importlib.import_module("torch._dynamo")  # allows the names a nested jagged tensor's pickle holds
-            return load()
-    except pickle.UnpicklingError as e:
-        if found := re.search(r"GLOBAL (\S+)", str(e)):
-            raise _Refused(f"its pickle asks to run {found.group(1)}; weights-only loading never runs code from "
-                           "a file, and nanfast does not load it any other way") from None
-        if found := re.search(r"Unsupported operand \S+", str(e)):
-            raise _Unreadable(f"its pickle uses an instruction weights-only loading does not read ({found.group(0)}; "
-                              "torch.save with pickle_protocol above 2?), so nothing was checked") from None
-        raise
-
-
-def _safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise _Unreadable("reading .safetensors needs the safetensors package "
-                          "(pip install 'nanfast[safetensors]')") from None
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
-
-
 def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str]:
     """What of `t` is checked: (the expression that gives it, a tensor the kernels read), or why nothing is."""
     try:
@@ -160,7 +73,7 @@ def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str
         if not reads_dtype(t.dtype):
             return f"dtype {t.dtype}: nanfast cannot read it"
     except (RuntimeError, TypeError, NotImplementedError) as e:
-        return f"its {str(t.dtype).removeprefix('torch.')} values could not be read: {_first_sentence(e)}"
+        return f"its {str(t.dtype).removeprefix('torch.')} values could not be read: {first_sentence(e)}"
     return name, t
 
 
@@ -186,7 +99,7 @@ def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_chec
         entries += check_all(chunk, raise_on_nonfinite=False).entries
     except (RuntimeError, TypeError, ValueError) as e:
         if len(chunk) == 1:
-            not_checked.append((chunk[0][0], _first_sentence(e)))
+            not_checked.append((chunk[0][0], first_sentence(e)))
         else:
             for pair in chunk:  # name the tensors the kernels refuse, and check the others
                 _check([pair], entries, not_checked)
@@ -196,7 +109,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     """Checks the values of every tensor in a checkpoint, CHUNK_BYTES at a time, running no pickled code.
 
     Args:
-        path: a torch.save file (zip or legacy; read with weights-only loading), or a .safetensors file.
+        path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, or
+            a numpy .npy or .npz file.
         on_checked: called with the bytes of each chunk once checked (for a progress bar).
 
     Returns:
@@ -210,16 +124,18 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     chunk_bytes = 0
     lightning = False
     try:
-        _require_regular_file(path)
+        require_regular_file(path)
         if path.endswith(".safetensors"):
-            tensors = _safetensors_tensors(path)
+            tensors = safetensors_tensors(path)
+        elif path.endswith((".npy", ".npz")):
+            tensors = numpy_file_arrays(path)
         else:
-            obj = _torch_load(path)
+            obj = torch_load(path)
             lightning = isinstance(obj, dict) and _LIGHTNING_VERSION_KEY in obj
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
-            tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor))
+            tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
         for name, t in tensors:
-            readable = _readable(name, t)
+            readable = _readable(name, t) if isinstance(t, torch.Tensor) else numpy_readable(name, t)
             if isinstance(readable, str):
                 not_checked.append((name, readable))
                 continue
@@ -232,18 +148,49 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
                 chunk, chunk_bytes = [], 0
         if chunk:
             _check(chunk, entries, not_checked)
-    except _Refused as e:
+    except Refused as e:
         return FileScan(path, "refused", error=str(e))
-    except (_Unreadable, OSError) as e:
+    except (Unreadable, OSError) as e:
         return FileScan(path, "unreadable", error=str(e))
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
-                                                  f"{_first_sentence(e)})")
+                                                  f"{first_sentence(e)})")
     sentinels = tuple(e for e in entries if _is_sentinel(e, lightning))
     report = Report(tuple(e for e in entries if not _is_sentinel(e, lightning)))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")
     return FileScan(path, status, report, not_checked=tuple(not_checked), sentinels=sentinels)
+
+
+def checkpoint_files(path: str) -> Union[list[str], FileScan]:
+    """The files that `python -m nanfast scan PATH` reads for `path`.
+
+    Args:
+        path: a checkpoint file; a directory (a Trainer's checkpoint-500/, a save_pretrained output),
+            for its files ending in CHECKPOINT_SUFFIXES, not its subdirectories; or the index of a
+            sharded checkpoint (*.index.json, as transformers writes), for the shards its "weight_map"
+            names, next to it.
+
+    Returns:
+        The paths, sorted for a directory, in the index's order for an index; or the FileScan of `path`
+        when it names none: a directory with no checkpoint file ("refused"), an index that is not one
+        ("unreadable")."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, name) for name in os.listdir(path)
+                       if name.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(path, name)))
+        return files or FileScan(path, "refused", error="a directory with no checkpoint file directly in it (*"
+                                 f"{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
+    if path.endswith(".index.json") and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                shards = dict.fromkeys(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return FileScan(path, "unreadable", error=f"not a sharded checkpoint's index (a JSON object with a "
+                                                      f"\"weight_map\"): {type(e).__name__}: {first_sentence(e)}")
+        if not shards or not all(isinstance(shard, str) for shard in shards):
+            return FileScan(path, "unreadable", error="its \"weight_map\" names no shard files: nothing was checked")
+        return [os.path.join(os.path.dirname(path), shard) for shard in shards]
+    return [path]
 
 
 def exit_code(scans: list[FileScan]) -> int:

@@ -464,3 +464,78 @@ def test_a_lightning_checkpoint_with_a_nan_weight_or_a_nan_callback_score_is_sti
     other = tmp_path / "other.pt"
     torch.save({"callbacks": {"x": {"kth_value": torch.tensor(INF)}}}, other)
     assert scan.scan_file(str(other)).status == "nonfinite"
+
+
+# --------------------------------------------------------------------------------------------------
+# numpy arrays (NOTE: [numpy arrays in checkpoints]), directories and sharded checkpoints' indexes
+# --------------------------------------------------------------------------------------------------
+
+def test_numpy_arrays_in_a_checkpoint_are_checked_and_an_object_array_runs_nothing(capsys, tmp_path):
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "arrays.pt"
+    torch.save({"stats": np.array([1.0, NAN, -INF], dtype=np.float32), "counts": np.arange(5, dtype=np.uint32),
+                "weight": torch.ones(2), "names": np.array([None, 3], dtype=object)}, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and [(e.name, e.nan, e.neginf) for e in result.report.bad] == [("stats", 1, 1)]
+    assert result.report.num_tensors == 3 and [name for name, _ in result.not_checked] == ["names"]
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil_array.pt"
+    torch.save({"a": np.array([RunsCode(marker)], dtype=object)}, evil)  # the array's item asks to run code
+    code, out = run_scan(capsys, evil)
+    assert code == 2 and "refused: its pickle asks to run" in out and not marker.exists()
+
+
+def test_npy_and_npz_files_are_read_without_pickles(capsys, tmp_path):
+    np = pytest.importorskip("numpy")
+    np.save(tmp_path / "one.npy", np.array([[1.0, INF]], dtype=np.float16))
+    np.savez(tmp_path / "many.npz", w=np.array([NAN, 1.0]), ids=np.arange(4))
+    np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    one, many, pickled = (scan.scan_file(str(tmp_path / name)) for name in ("one.npy", "many.npz", "pickled.npy"))
+    assert [(e.name, e.posinf) for e in one.report.bad] == [("one.npy", 1)]
+    assert [(e.name, e.nan) for e in many.report.bad] == [("w", 1)] and many.report.num_tensors == 2
+    assert pickled.status == "unreadable" and "allow_pickle=False" in pickled.error
+
+
+def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp_path, clean_file, poisoned_file):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "sub").mkdir()
+    torch.save({"x": torch.tensor([NAN])}, tmp_path / "sub" / "deeper.pt")  # subdirectories are not entered
+    assert scan.checkpoint_files(str(tmp_path)) == [str(clean_file), str(poisoned_file)]
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 1 and out.startswith(f"{clean_file}: 2 tensors") and "deeper" not in out
+    code, out = run_scan(capsys, tmp_path / "sub" / "..")  # the same directory
+    assert code == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out = run_scan(capsys, empty)
+    assert code == 2 and "refused: a directory with no checkpoint file directly in it" in out
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": "clean.pt", "b": "poisoned.pth", "c": "clean.pt"}}))
+    assert scan.checkpoint_files(str(index)) == [str(clean_file), str(poisoned_file)]
+    assert run_scan(capsys, index)[0] == 1
+    index.write_text(json.dumps({"weights": []}))
+    code, out = run_scan(capsys, index)
+    assert code == 2 and "unreadable: not a sharded checkpoint's index" in out
+
+
+def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
+    """What `nanfast scan checkpoint-2/` says of the files the HF Trainer wrote: the weights (safetensors),
+    the optimizer's state and the RNG states (numpy's among them) read and clean; the scheduler's state
+    holds no tensor; the training arguments are a pickled object, refused unrun; the JSON files skipped."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                                                 n_positions=16))
+    data = [{"input_ids": torch.randint(0, 50, (8,)), "labels": torch.randint(0, 50, (8,))} for _ in range(4)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, save_steps=2,
+                                          per_device_train_batch_size=2, report_to="none", use_cpu=True,
+                                          disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    capsys.readouterr()  # the Trainer's own prints
+    code, out = run_scan(capsys, "--json", tmp_path / "checkpoint-2")
+    statuses = {os.path.basename(f["path"]): f["status"] for f in json.loads(out)["files"]}
+    assert statuses == {"model.safetensors": "clean", "optimizer.pt": "clean", "rng_state.pth": "clean",
+                        "scheduler.pt": "empty", "training_args.bin": "refused"}
+    assert code == 2  # a file not read whole

@@ -1,6 +1,6 @@
-"""`python -m nanfast scan FILE...`: checks checkpoint files for NaN/inf without running pickled code
-(nanfast.scan does the work); prints a table per file, or one JSON object, and exits 0 (clean, or empty), 1
-(NaN/inf) or 2 (a file not read whole)."""
+"""`python -m nanfast scan FILE...`: checks checkpoint files (or a directory's, or a sharded checkpoint's
+shards) for NaN/inf without running pickled code (nanfast.scan does the work); prints a table per file,
+or one JSON object, and exits 0 (clean, or empty), 1 (NaN/inf) or 2 (a file not read whole)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,43 @@ import json
 import os
 
 from ..progress import byte_progress
-from ..scan import FileScan, exit_code, format_scan, scan_file
+from ..scan import FileScan, checkpoint_files, exit_code, format_scan, scan_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE", help=".pt/.pth/.bin (torch.save) or .safetensors files")
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help=".pt/.pth/.bin/.ckpt (torch.save) or .safetensors files; a directory (its checkpoint "
+                             "files); a sharded checkpoint's *.index.json (its shards)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _scan_all(paths: list[str]) -> list[FileScan]:
-    sizes = [os.stat(p).st_size if os.path.isfile(p) else 0 for p in paths]
+def _scan_all(args: list[str]) -> list[FileScan]:
+    found = [checkpoint_files(arg) for arg in args]
+    paths = [p for files in found if isinstance(files, list) for p in files]
+    sizes = dict.fromkeys(paths, 0) | {p: os.stat(p).st_size for p in paths if os.path.isfile(p)}
     scans = []
-    with byte_progress(sum(sizes), desc="nanfast scan") as bar:
-        for path, size in zip(paths, sizes):
-            left = size
-
-            def advance(nbytes: int) -> None:  # tensor bytes stand for file bytes, up to the file's size
-                nonlocal left
-                step = min(nbytes, left)
-                left -= step
-                bar.update(step)
-
-            scans.append(scan_file(path, advance))
-            advance(left)
+    with byte_progress(sum(sizes.values()), desc="nanfast scan") as bar:
+        for files in found:
+            if isinstance(files, FileScan):  # names no file to read
+                scans.append(files)
+                continue
+            for path in files:
+                scans.append(_scan_one(path, sizes[path], bar))
     return scans
+
+
+def _scan_one(path: str, size: int, bar) -> FileScan:
+    left = size
+
+    def advance(nbytes: int) -> None:  # tensor bytes stand for file bytes, up to the file's size
+        nonlocal left
+        step = min(nbytes, left)
+        left -= step
+        bar.update(step)
+
+    result = scan_file(path, advance)
+    advance(left)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,164 @@
+"""Reading checkpoint files without running pickled code, one format each: torch.save files (zip or
+legacy, weights-only, numpy arrays allowed), safetensors files and numpy's .npy/.npz, as (name, tensor
+or array) pairs; and the errors that say why a file is not read (`Refused`, `Unreadable`). nanfast.scan
+checks what they give."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import pickletools
+import re
+import stat
+import sys
+import zipfile
+from collections.abc import Iterator
+from typing import Any, Union
+
+import torch
+
+# A legacy (non-zip) torch.save file begins with a pickle of this number.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C.to_bytes(10, "little")
+
+
+class Refused(Exception):
+    """nanfast will not read the file: its pickle asks to run code, or it is not a regular file."""
+
+
+class Unreadable(Exception):
+    """The file cannot be read here; the message says what it is and why."""
+
+
+def first_sentence(e: BaseException) -> str:
+    """The first sentence of an error's message (torch's go on with generic advice after it)."""
+    text = str(e).strip()
+    return text.split(". ")[0].splitlines()[0] if text else ""
+
+
+def require_regular_file(path: str) -> None:
+    """Raises Refused for anything but a regular file (a FIFO or a device could block a read forever)."""
+    kind = os.stat(path).st_mode
+    if not stat.S_ISREG(kind):
+        what = ("a directory" if stat.S_ISDIR(kind) else "a FIFO" if stat.S_ISFIFO(kind) else "a character device"
+                if stat.S_ISCHR(kind) else "a block device" if stat.S_ISBLK(kind) else "a socket")
+        raise Refused(f"{what}, not a regular file: nanfast scans files only (reading it could block or never end)")
+
+
+def _compressed(path: str) -> bool:
+    """Whether a zip holds compressed records: torch.load(mmap=True) would take their compressed bytes
+    for values (torch.save never compresses, but a re-zipped file does)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist())
+    except zipfile.BadZipFile:
+        return True  # not mapped: torch's reader says what is wrong
+
+
+def _not_a_checkpoint(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            for _ in pickletools.genops(f):  # parses opcodes only: runs nothing
+                pass
+    except Exception:  # noqa: BLE001  (a malformed pickle fails in many ways)
+        return "not a checkpoint: neither a torch.save file (zip or legacy) nor a pickle (nothing was checked)"
+    return ("not a checkpoint: a plain pickle (as pickle.dump writes), not a torch.save file; nanfast loads only "
+            "torch.save and .safetensors files (nothing was checked)")
+
+
+# NOTE: [numpy arrays in checkpoints]
+# A checkpoint may hold numpy arrays: the HF Trainer's rng_state.pth keeps numpy's RNG state, and a
+# hand-made checkpoint may keep weights or statistics as arrays. Weights-only loading refuses them
+# unless numpy's array reconstruction is allowed: `_reconstruct` makes an empty array of a class,
+# `numpy.dtype` a dtype from its code (its class's state set), and the array's state is set from
+# bytes; none runs code named by
+# the file (an object array's items are loaded by the same restricted unpickler), so they are allowed
+# here, under their numpy 2 and numpy 1 names. Numeric arrays are checked as tensors (torch.from_numpy,
+# no copy); others are listed as not checked. .npy and .npz files are read with allow_pickle=False.
+def _numpy_globals() -> list:
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    dtypes = [getattr(np.dtypes, name) for name in getattr(np.dtypes, "__all__", ())]  # a dtype's state is set too
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
+
+
+def numpy_readable(name: str, array: Any) -> Union[tuple[str, torch.Tensor], str]:
+    """A numpy array as a tensor the kernels read (see NOTE: [numpy arrays in checkpoints]), or why not."""
+    try:
+        return name, torch.from_numpy(array)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return f"a numpy array of dtype {array.dtype}: {first_sentence(e)}"
+
+
+def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
+    """A .npy file's array (named by the file) or a .npz file's (name, array) pairs, no pickle allowed."""
+    try:
+        import numpy as np
+    except ImportError:
+        raise Unreadable("reading .npy and .npz files needs numpy (pip install numpy)") from None
+    loaded = np.load(path, allow_pickle=False)
+    if isinstance(loaded, np.ndarray):
+        yield os.path.basename(path), loaded
+        return
+    with loaded:
+        for name in loaded.files:
+            yield name, loaded[name]
+
+
+def torch_load(path: str) -> Any:
+    """A torch.save file's object, loaded weights-only on the CPU (memory-mapped where it can be).
+
+    Raises:
+        Refused: its pickle asks to run code.
+        Unreadable: an empty file, or not a torch.save file, or a pickle weights-only loading cannot parse."""
+    with open(path, "rb") as f:
+        head = f.read(32)
+    is_zip = head.startswith(b"PK\x03\x04")
+    if not head:
+        raise Unreadable("an empty file: nothing to check")
+    if not is_zip and LEGACY_MAGIC not in head:
+        raise Unreadable(_not_a_checkpoint(path))
+    # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
+    # (non-zip) format cannot be mapped and are read whole.
+    mmap = is_zip and not _compressed(path)
+    def load() -> Any:
+        with torch.serialization.safe_globals(_numpy_globals()):  # NOTE: [numpy arrays in checkpoints]
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            return load()
+        except pickle.UnpicklingError as e:
+            if "torch._dynamo" not in str(e) or "torch._dynamo" in sys.modules:
+                raise
+            importlib.import_module("torch._dynamo")  # allows the names a nested jagged tensor's pickle holds
+            return load()
+    except pickle.UnpicklingError as e:
+        if found := re.search(r"GLOBAL (\S+)", str(e)):
+            raise Refused(f"its pickle asks to run {found.group(1)}; weights-only loading never runs code from "
+                          "a file, and nanfast does not load it any other way") from None
+        if found := re.search(r"Unsupported operand \S+", str(e)):
+            raise Unreadable(f"its pickle uses an instruction weights-only loading does not read ({found.group(0)}; "
+                             "torch.save with pickle_protocol above 2?), so nothing was checked") from None
+        raise
+
+
+def safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A .safetensors file's (name, tensor) pairs, read one at a time."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise Unreadable("reading .safetensors needs the safetensors package "
+                         "(pip install 'nanfast[safetensors]')") from None
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def is_numpy(obj: Any) -> bool:
+    """Whether `obj` is a numpy array (without importing numpy)."""
+    numpy = sys.modules.get("numpy")  # a loaded file holding arrays has imported it
+    return numpy is not None and isinstance(obj, numpy.ndarray)
