@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ._tree import group_by_device, named_leaves
+from .check import values_tensor
 from .ops import reads_dtype
 from .report import NonfiniteCounts, NonFiniteError
 
@@ -114,7 +115,8 @@ def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
 
 def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     """Checks every tensor in `batch` (a tensor, or mappings, dataclasses, named tuples, lists, tuples,
-    deques and sets of them; a container met twice is walked once) and names the fields and samples
+    deques and sets of them; a container met twice is walked once; numpy arrays and Python floats are
+    read as check_all reads them) and names the fields and samples
     (indices along the first dimension) that hold NaN or inf. A clean batch costs one fused check and
     one host sync per device; only a bad one is counted per field and per sample.
 
@@ -129,8 +131,9 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         NonFiniteError: (carrying the BatchReport) something is non-finite and raise_on_nonfinite.
         ValueError: naming the field, if one cannot be read by sample (sparse, nested, quantized, meta,
             or of a dtype the kernels do not read)."""
-    pairs = [(path, leaf) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
-             if isinstance(leaf, torch.Tensor)]
+    # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
+    pairs = [(path, t) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
+             if (t := values_tensor(leaf)) is not None]
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     for indices in group_by_device([t for _, t in pairs]).values():

@@ -48,7 +48,7 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
         leaves = named_leaves(obj.state_dict()["state"], "state")
     elif is_container(obj) and type(obj) not in (list, tuple):  # mappings, dataclasses, named tuples
         leaves = named_leaves(obj)
-    elif _value(obj) is not None:  # a number or a numpy array on its own
+    elif values_tensor(obj) is not None:  # a number or a numpy array on its own
         leaves = iter([("value", obj)])
     elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
         leaves = named_leaves(obj, name_pairs=True)
@@ -58,10 +58,10 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
                         "state_dict or a batch")
     pairs, unchecked = [], []
     for name, leaf in leaves:
-        t = _value(leaf)
+        t = values_tensor(leaf)
         if t is not None:
             pairs.append((name, t))
-        elif _may_hold_values(leaf):
+        elif may_hold_values(leaf):
             unchecked.append(name)
     return pairs, unchecked
 
@@ -71,9 +71,9 @@ _NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, tor
                enum.Enum)
 
 
-def _may_hold_values(leaf: Any) -> bool:
-    """Whether a leaf that `_value` cannot read may hold floating-point values (then it is reported
-    as not checked): not for numbers without NaN, strings, dates, None and the like."""
+def may_hold_values(leaf: Any) -> bool:
+    """Whether a leaf that `values_tensor` cannot read may hold floating-point values (then it is
+    reported as not checked): not for numbers without NaN, strings, dates, None and the like."""
     if isinstance(leaf, _NOT_VALUES):
         return False
     np = sys.modules.get("numpy")
@@ -82,10 +82,11 @@ def _may_hold_values(leaf: Any) -> bool:
     return True
 
 
-def _value(leaf: Any) -> Optional[torch.Tensor]:
-    """The tensor holding a leaf's values: the leaf itself, or a CPU tensor for a Python float or
-    complex number and for a numpy array or scalar (sharing its memory); None for other leaves and
-    for numpy arrays torch cannot read (object or longdouble dtypes)."""
+def values_tensor(leaf: Any) -> Optional[torch.Tensor]:
+    """The tensor holding a leaf's values, for check_all, check_batch and scan alike: the leaf itself,
+    or a CPU tensor for a Python float or complex number and for a numpy array or scalar (sharing its
+    memory; one of another byte order is copied); None for other leaves and for numpy arrays torch
+    cannot read (object or longdouble dtypes)."""
     if isinstance(leaf, torch.Tensor):
         return leaf
     if isinstance(leaf, (float, complex)):  # a loss or a hyper-parameter; numpy's float64 is a float

@@ -14,7 +14,7 @@ import stat
 import sys
 import zipfile
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -73,8 +73,9 @@ def _not_a_checkpoint(path: str) -> str:
 # `numpy.dtype` a dtype from its code (its class's state set), and the array's state is set from
 # bytes; none runs code named by
 # the file (an object array's items are loaded by the same restricted unpickler), so they are allowed
-# here, under their numpy 2 and numpy 1 names. Numeric arrays are checked as tensors (torch.from_numpy,
-# no copy); others are listed as not checked. .npy and .npz files are read with allow_pickle=False.
+# here, under their numpy 2 and numpy 1 names. Numeric arrays are checked as tensors, as check_all reads
+# them (check.values_tensor: no copy); others are listed as not checked. .npy and .npz files are read
+# with allow_pickle=False.
 def _numpy_globals() -> list:
     try:
         import numpy as np
@@ -83,14 +84,6 @@ def _numpy_globals() -> list:
     reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
     dtypes = [getattr(np.dtypes, name) for name in getattr(np.dtypes, "__all__", ())]  # a dtype's state is set too
     return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
-
-
-def numpy_readable(name: str, array: Any) -> Union[tuple[str, torch.Tensor], str]:
-    """A numpy array as a tensor the kernels read (see NOTE: [numpy arrays in checkpoints]), or why not."""
-    try:
-        return name, torch.from_numpy(array)
-    except (TypeError, ValueError, RuntimeError) as e:
-        return f"a numpy array of dtype {array.dtype}: {first_sentence(e)}"
 
 
 def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:

@@ -15,9 +15,9 @@ from typing import Any, Optional, Union
 import torch
 
 from ._tree import named_leaves
-from .check import check_all
+from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
-                                 numpy_readable, require_regular_file, safetensors_tensors, torch_load)
+                                 require_regular_file, safetensors_tensors, torch_load)
 from .ops import reads_dtype
 from .report import Entry, Report
 
@@ -57,8 +57,11 @@ class FileScan:
         return d
 
 
-def _readable(name: str, t: torch.Tensor) -> Union[tuple[str, torch.Tensor], str]:
-    """What of `t` is checked: (the expression that gives it, a tensor the kernels read), or why nothing is."""
+def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[str, torch.Tensor], str]:
+    """What of a leaf is checked: (the expression that gives it, a tensor the kernels read), or why nothing
+    is; `t` the tensor holding the leaf's values (None: a numpy array torch cannot read)."""
+    if t is None:
+        return f"a numpy array of dtype {leaf.dtype}: torch cannot read it"
     try:
         if t.is_quantized:  # the integers are finite; a NaN or inf scale makes the values non-finite
             name, t = f"{name}.dequantize()", t.dequantize()
@@ -126,16 +129,19 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     try:
         require_regular_file(path)
         if path.endswith(".safetensors"):
-            tensors = safetensors_tensors(path)
+            found = safetensors_tensors(path)
         elif path.endswith((".npy", ".npz")):
-            tensors = numpy_file_arrays(path)
+            found = numpy_file_arrays(path)
         else:
             obj = torch_load(path)
             lightning = isinstance(obj, dict) and _LIGHTNING_VERSION_KEY in obj
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
-            tensors = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
-        for name, t in tensors:
-            readable = _readable(name, t) if isinstance(t, torch.Tensor) else numpy_readable(name, t)
+            found = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
+        for name, leaf in found:
+            t = leaf if isinstance(leaf, torch.Tensor) else values_tensor(leaf)
+            if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it
+                continue
+            readable = _readable(name, t, leaf)
             if isinstance(readable, str):
                 not_checked.append((name, readable))
                 continue

@@ -63,6 +63,25 @@ def test_names_field_paths_and_sample_indices():
     assert report.bad[0].shape == (5, 2, 3) and report.bad[0].dtype == "float32"
 
 
+def test_numpy_fields_and_python_floats_are_checked_as_check_all_reads_them():
+    """A collator with return_tensors="np" (HF), or a dataset of numpy arrays with a pass-through collate:
+    such a batch was called finite while its NaN went unread."""
+    np = pytest.importorskip("numpy")
+    pixels = np.ones((3, 2), dtype=np.float32)
+    pixels[2, 1] = np.nan
+    batch = {"input_ids": np.arange(6).reshape(3, 2), "pixel_values": pixels, "scale": float("inf"),
+             "text": np.array(["a", "b", "c"]), "mask": torch.ones(3, 2)}
+    report = nanfast.check_batch(batch, raise_on_nonfinite=False)
+    assert [(f.path, f.samples, f.nan, f.posinf) for f in report.bad] == [("pixel_values", (2,), 1, 0),
+                                                                           ("scale", (), 0, 1)]
+    assert report.num_tensors == 4  # the ids, the pixels, the scale and the mask; the strings hold no values
+    assert check_all_names(batch) == ["input_ids", "pixel_values", "scale", "mask"]
+
+
+def check_all_names(batch) -> list[str]:
+    return [e.name for e in nanfast.check_all(batch, raise_on_nonfinite=False).entries]
+
+
 def test_raises_naming_sample_and_field():
     x = torch.zeros(3, 4)
     x[2, 0] = NAN

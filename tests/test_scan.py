@@ -488,11 +488,13 @@ def test_numpy_arrays_in_a_checkpoint_are_checked_and_an_object_array_runs_nothi
 def test_npy_and_npz_files_are_read_without_pickles(capsys, tmp_path):
     np = pytest.importorskip("numpy")
     np.save(tmp_path / "one.npy", np.array([[1.0, INF]], dtype=np.float16))
-    np.savez(tmp_path / "many.npz", w=np.array([NAN, 1.0]), ids=np.arange(4))
+    np.savez(tmp_path / "many.npz", w=np.array([NAN, 1.0]), ids=np.arange(4), tags=np.array(["a", "b"]),
+             big=np.array([INF], dtype=">f4"))  # strings hold no values (as check_all); big-endian is read
     np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     one, many, pickled = (scan.scan_file(str(tmp_path / name)) for name in ("one.npy", "many.npz", "pickled.npy"))
     assert [(e.name, e.posinf) for e in one.report.bad] == [("one.npy", 1)]
-    assert [(e.name, e.nan) for e in many.report.bad] == [("w", 1)] and many.report.num_tensors == 2
+    assert [(e.name, e.nan, e.posinf) for e in many.report.bad] == [("w", 1, 0), ("big", 0, 1)]
+    assert many.report.num_tensors == 3 and many.not_checked == ()
     assert pickled.status == "unreadable" and "allow_pickle=False" in pickled.error
 
 
