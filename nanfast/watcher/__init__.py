@@ -12,13 +12,12 @@ import torch
 
 from .. import _C, distributed
 from ..check import uncompiled
-from ..clip import check_norm_type, scale_grads_, total_norm
 from ..recompute import recomputation
-from . import agree, scaler_hook, step as steps
+from . import scaler_hook
 from .actions import Actions
 from .events import KINDS, PHASES, Event, Place
 from .forwards import StepState
-from .fused_pass import Pass, parameter_names, reads_params, run as run_fused_pass
+from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
@@ -29,16 +28,17 @@ from .readings import Readings
 from .restore import BufferUndo
 from .rollback import Rollback
 from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
-from .step import Read, Step
+from .step import Read
+from .step_end import StepEnd
 
 __all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "SpikeError",
            "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
-class Watch(Hooks, Actions, Readings):
+class Watch(Hooks, StepEnd, Actions, Readings):
     """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`. The facade:
-    the hooks (hooks.py), the step's read (step.py), the actions (actions.py), what it tells a logger
-    (readings.py) are its parts.
+    the hooks (hooks.py), the step boundary (step_end.py) with the step's read (step.py), the actions
+    (actions.py), what it tells a logger (readings.py) are its parts.
 
     Args:
         model, optimizer, and the options by keyword: as `nanfast.watch`, which documents them.
@@ -185,132 +185,6 @@ class Watch(Hooks, Actions, Readings):
                 self.flush()
         finally:
             self.remove()
-
-    def _reset_step(self) -> None:
-        """A new step: its records cleared, a new Step."""
-        if self._undo is not None:
-            self._undo.close()
-        self._step = Step()
-        # The records dropped, the forward forgotten (see NOTE: [Checking each tensor once]), the new
-        # slot list and whether this step is checked, in one call.
-        self._hooks.new_step(self._step.slots, self._installed and self.step_count % self.every == 0)
-        self._steps.reset()
-
-    def step(self) -> None:
-        """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
-        step's results. (With an optimizer, optimizer.step() does this.)"""
-        self._steps.ended_by_user = True
-        self._end_step()
-
-    def _scaler_step_begins(self) -> None:
-        self._stepped = False
-
-    def _scaler_step_ended(self, optimizer: torch.optim.Optimizer) -> None:
-        # The GradScaler skipped the step without calling optimizer.step() (see NOTE: [AMP and GradScaler]).
-        if optimizer is self.optimizer and not self._stepped:
-            self._end_step(scaler_skipped=True)
-
-    def flush(self) -> None:
-        """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._evaluate(pending)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips the watched parameters' gradients to total norm `max_norm` (as
-        torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
-        the step's check makes anyway: call it right before optimizer.step(). No host sync; norms are of
-        the finite elements (finite gradients never become NaN); non-finite gradients are reported by
-        the watch (phase grad).
-
-        Args:
-            max_norm: the largest total norm kept.
-            norm_type: 2 or inf.
-
-        Returns:
-            The total norm before clipping (0-dim, the gradients' dtype and device; zero without gradients).
-
-        Raises:
-            ValueError: norm_type is not 2 or inf.
-            NotImplementedError: the watched parameters are sharded DTensors (use torch's own clip)."""
-        norm_type = check_norm_type(norm_type, "Watch.clip_grad_norm_")
-        if self._sharded:
-            raise NotImplementedError("Watch.clip_grad_norm_: the watch reads sharded (DTensor) parameters' local shards, "
-                                      "so its norms are this rank's; use torch.nn.utils.clip_grad_norm_, which reduces "
-                                      "DTensor norms over their mesh")
-        with torch.no_grad():
-            fused = self._fused_pass()
-            if fused is None or not fused.grads:
-                return torch.zeros(())
-            n = fused.n_params
-            total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
-            scale_grads_(fused.grads, total, max_norm)
-        self._step.clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
-        return total.to(fused.grads[0].dtype)
-
-    def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
-                  scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False) -> Optional[Read]:
-        """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
-        unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
-        (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
-        checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
-        forwards between optimizer steps])."""
-        self._skip_now = False
-        self._drop_failed_backward()
-        read = None
-        if self._active:
-            fused = None
-            if fused_pass and (self._check_params or self._check_grads):
-                fused = self._step.clipped or self._fused_pass()
-            # The scale this step's loss was multiplied by, a tensor on the device (get_scale() would sync).
-            scale = getattr(self.scaler, "_scale", None)
-            groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
-            recorded, recorded_slots, absmax, limited = self._recorder.take()
-            read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
-                                   ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
-                                   grad_scale=grad_scale, device=self._device, step=self.step_count,
-                                   scaler_skipped=scaler_skipped, scale=scale, groups=groups)
-            read.params_unread = self._step.params_unread
-            read.evaluation = evaluation
-            if self._headroom is not None and not evaluation:
-                read.headroom = self._headroom.start(
-                    self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
-                    ignore=self.ignore, scale=scale,  # None until an enabled scaler scales
-                    grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
-            if not evaluation:
-                agree.start(read, self.process_group)
-        if not evaluation:  # an evaluation keeps the number of the step it comes before
-            self.step_count += 1
-        self._reset_step()
-        if self.sync == "lagged" and not evaluation and not (read is not None and self._needs_host_verdict()):
-            if read is not None:
-                agree.wait(read)
-                steps.start_copy(read)
-            pending, self._pending = self._pending, read
-            if pending is not None:
-                self._evaluate(pending)
-        elif read is not None:
-            self.flush()  # lagged: the previous step's read comes first
-            self._evaluate(read)
-        if read is not None and self._rollback is not None and not evaluation:
-            self._rollback.step_ended(read.step, proven=self._pending is not read)
-        return read
-
-    def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
-        """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
-        they add information] decides for this step."""
-        if self.optimizer is not None:
-            gathered = self._params.gather(self.optimizer.param_groups, groups=True)
-        else:
-            gathered = self._params.gather(list(self.model.parameters()), groups=False)
-        if read_params is None:
-            read_params = reads_params(
-                self.step_count // self.every, self._params_every, eager=self.sync == "eager",
-                forward_checked=self._step.output_checked,
-                snapshot_due=self._rollback is not None and self._rollback.due(self.step_count))
-            self._step.params_unread = self._check_params and not read_params
-        return run_fused_pass(gathered, self._sharded, self._device, self._profile,
-                              headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
 
     def __repr__(self) -> str:
         state = "installed" if self._installed else "removed"
