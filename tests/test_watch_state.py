@@ -529,3 +529,28 @@ def test_a_validation_loss_given_to_watch_loss_is_an_evaluations():
     [event] = w.events
     assert (event.step, event.phase, event.evaluation, w.skipped_steps) == (2, "loss_value", True, 0)
     assert [r.step for r in w.history] == [0, 1, 2] and all(r.loss < 1e3 for r in w.history)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_validation_loss_with_nothing_to_check_makes_no_read_of_its_own(checked):
+    """With loss=False (or the loss ignored) w.loss(val_loss) records nothing: the evaluation has had its
+    read when its forward returned, and gets no second, empty one; its value stays out of the next step."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    with nanfast.watch(model, opt, loss=checked) as w:
+        opt.zero_grad()
+        w.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            with OpRecorder() as forward:
+                out = model(x)
+            with OpRecorder() as loss:
+                w.loss(F.mse_loss(out, y) * 1e6)
+        model.train()
+        opt.zero_grad()
+        w.loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+    assert forward.host_syncs == 1 and loss.host_syncs == (1 if checked else 0)
+    assert [r.step for r in w.history] == [0, 1] and all(r.loss < 1e3 for r in w.history)

@@ -207,7 +207,8 @@ class Hooks:
             raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
         if not self._active or torch.compiler.is_compiling():
             return value
-        if self._keeps_losses and value.is_floating_point():
+        evaluating = self._evaluating()  # a validation loss: its own read, not the next step's (see the NOTE)
+        if self._keeps_losses and value.is_floating_point() and not evaluating:
             # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops])
             self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
         if self._check_loss:
@@ -217,7 +218,7 @@ class Hooks:
             tensors = floating_tensors(value)
             if tensors and not site.ignored:
                 self._record("loss_value", site, 1, tensors)
-        if self._evaluating():  # a validation loss: its own read, not the next step's (see the NOTE)
+        if evaluating and self._step.slots:  # nothing recorded (loss=False, ignored): nothing to read
             self._end_step(fused_pass=False, evaluation=True)
         return value
 
