@@ -418,6 +418,20 @@ def test_remove_restores_model_optimizer_and_scaler_exactly():
     w.remove()  # idempotent
 
 
+def test_a_watch_never_removed_does_not_keep_its_model_alive():
+    """A sweep that makes a model and a watch per trial and drops both without remove(): the watch's
+    global hooks (NOTE: [A model changed after watch()]) hold it weakly, so the model goes with it."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="skip")
+    train_step(model, opt, *batch())
+    gone = weakref.ref(model)
+    del model, opt, w
+    gc.collect()
+    assert gone() is None
+    torch.nn.Sequential(torch.nn.Linear(2, 2))  # the hooks left behind are inert
+
+
 def test_a_second_watch_on_a_watched_model_warns():
     """Two watches on one model (a Trainer callback and one's own) both check every step, at twice the
     cost, and only the first to act reports a bad step: the second says so when made. None once the other

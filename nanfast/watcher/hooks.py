@@ -42,6 +42,19 @@ def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> It
             yield name, module
 
 
+def _weakly(obj: Any, method: str) -> Any:
+    """obj.method, called through a weak reference to obj: a no-op once obj is gone (the function stays
+    behind, a few bytes, as removing a global hook from inside one could break torch's loop over them)."""
+    ref = weakref.ref(obj)
+
+    def call(*args: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            getattr(alive, method)(*args)
+
+    return call
+
+
 # The watches ever installed on each model (weakly: a dropped model or watch leaves), to tell a second
 # watch on the same model (see Hooks._install).
 _WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,9 +111,11 @@ class Hooks:
         # Registered after _after_model, and also called when the forward raises.
         self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
         self._follow_model()
+        # Global hooks: they hold the watch weakly, or a watch never removed would keep its model alive.
+        registered = _weakly(self, "_registered")
         for register in (torch.nn.modules.module.register_module_module_registration_hook,
                          torch.nn.modules.module.register_module_buffer_registration_hook):
-            self._handles.append(register(self._registered))
+            self._handles.append(register(registered))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
