@@ -129,8 +129,12 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
 
     Raises:
         NonFiniteError: (carrying the BatchReport) something is non-finite and raise_on_nonfinite.
+        TypeError: batch is an nn.Module or an optimizer (check_all checks those).
         ValueError: naming the field, if one cannot be read by sample (sparse, nested, quantized, meta,
             or of a dtype the kernels do not read)."""
+    if isinstance(batch, (torch.nn.Module, torch.optim.Optimizer)):  # its tensors are not a batch's fields
+        raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
+                        "optimizer with nanfast.check_all")
     # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
     pairs = [(path, t) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
              if (t := values_tensor(leaf)) is not None]

@@ -78,6 +78,13 @@ def test_numpy_fields_and_python_floats_are_checked_as_check_all_reads_them():
     assert check_all_names(batch) == ["input_ids", "pixel_values", "scale", "mask"]
 
 
+def test_a_model_or_an_optimizer_is_not_a_batch():
+    model = torch.nn.Linear(2, 2)
+    for wrong in (model, torch.optim.SGD(model.parameters(), lr=0.1)):
+        with pytest.raises(TypeError, match=r"check_batch: got a (Linear|SGD), not a batch; .* with nanfast.check_all"):
+            nanfast.check_batch(wrong)
+
+
 def check_all_names(batch) -> list[str]:
     return [e.name for e in nanfast.check_all(batch, raise_on_nonfinite=False).entries]
 

@@ -368,6 +368,14 @@ def test_invalid_options_are_refused():
         nanfast.watch(model, every=0)
     with pytest.raises(TypeError, match="nn.Module"):
         nanfast.watch(torch.ones(3))
+    # A typo names the option and the closest one (it named Watch.__init__), and a bad ignore says what it
+    # takes (it was "'int' object is not iterable").
+    with pytest.raises(TypeError, match=r"nanfast.watch: unknown option 'actoin' \(did you mean 'action'\?\)"):
+        nanfast.watch(model, actoin="skip")
+    for bad in (3, ["l1", 3]):
+        with pytest.raises(TypeError, match="nanfast.watch: ignore must be a string or strings"):
+            nanfast.watch(model, ignore=bad)
+    assert nanfast.watch(model, ignore=(p for p in ["l1"])).ignore == ("l1",)
 
 
 def test_a_watch_that_would_check_nothing_is_refused():

@@ -4,6 +4,7 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
@@ -22,7 +23,8 @@ from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
-                      checks, fused_records, patterns, results_device, rollback_options, steps_option, validate)
+                      checks, fused_records, patterns, results_device, rollback_options, steps_option, unknown_options,
+                      validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -254,5 +256,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
             off (inputs, activations, grads, params and loss all False), or a combination the watch cannot honour
             (action="skip" or "rollback" without an optimizer, with LBFGS, or lagged with a non-fused
             optimizer; "rollback" with params=False or sharded parameters, rollback options with another
-            action; on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer)."""
+            action; on_event="locate" without rerun or with sync="lagged"; scaler without an optimizer).
+        TypeError: an option watch() does not have (naming the closest one)."""
+    unknown_options(options, inspect.signature(Watch.__init__).parameters)
     return Watch(model, optimizer, **options)

@@ -3,6 +3,7 @@ reject a combination the watch could not honour."""
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
@@ -46,8 +47,26 @@ PASS_THROUGH = (
 
 
 def patterns(ignore: Union[str, Iterable[str]]) -> tuple[str, ...]:
-    """The `ignore` option as a tuple of fnmatch patterns (one string is one pattern)."""
-    return (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    """The `ignore` option as a tuple of fnmatch patterns (one string is one pattern).
+
+    Raises:
+        TypeError: ignore is not a string or an iterable of strings."""
+    found = (ignore,) if isinstance(ignore, str) else tuple(ignore) if isinstance(ignore, Iterable) else None
+    if found is None or not all(isinstance(p, str) for p in found):
+        raise TypeError(f"nanfast.watch: ignore must be a string or strings (fnmatch patterns of module, parameter "
+                        f"or loss names, or 'input'), got {ignore!r}")
+    return found
+
+
+def unknown_options(given: Iterable[str], known: Iterable[str]) -> None:
+    """Raises TypeError naming the first option of `given` that is not in `known`, with the closest known
+    one (a typo such as actoin="skip" would otherwise name Watch.__init__)."""
+    known = list(known)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"nanfast.watch: unknown option {name!r}{hint}; see help(nanfast.watch)")
 
 
 def ignored(ignore: tuple[str, ...], name: str) -> bool:
