@@ -4,6 +4,7 @@ any collection of tensors."""
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
@@ -53,8 +54,10 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
     elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
         leaves = named_leaves(obj, name_pairs=True)
     else:
-        raise TypeError(f"nanfast.check_all: cannot check a {type(obj).__name__}; pass an nn.Module, an optimizer, "
-                        "a Tensor, or a container of tensors (mapping, list, tuple, dataclass) such as a "
+        path = (" (for a checkpoint file: nanfast.scan.scan_file(path), or python -m nanfast scan PATH)"
+                if isinstance(obj, (str, os.PathLike)) else "")
+        raise TypeError(f"nanfast.check_all: cannot check a {type(obj).__name__}{path}; pass an nn.Module, an "
+                        "optimizer, a Tensor, or a container of tensors (mapping, list, tuple, dataclass) such as a "
                         "state_dict or a batch")
     pairs, unchecked = [], []
     for name, leaf in leaves:

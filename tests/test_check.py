@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import json
 import math
+import pathlib
 import warnings
 
 import pytest
@@ -380,6 +381,9 @@ def test_non_tensor_entry():
         check_all(3)
     with pytest.raises(TypeError, match="cannot check a object"):
         check_all(object())
+    for path in ("model.pt", pathlib.Path("model.pt")):  # a checkpoint's path: scan reads files
+        with pytest.raises(TypeError, match=r"cannot check a (str|\w*Path) \(for a checkpoint file: nanfast.scan.scan_file"):
+            check_all(path)
 
 
 def test_grads_of_a_container_is_an_error():
