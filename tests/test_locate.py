@@ -642,6 +642,25 @@ def test_dump_of_an_in_place_op_holds_the_values_before_it(tmp_path):
     assert nanfast.replay(path).isnan().tolist() == [False, True]
 
 
+def test_replay_refuses_what_is_not_a_dump_and_calls_only_operators(tmp_path):
+    """A dump shared in a bug report is input from someone else: replay runs no pickled code (weights-only
+    loading), calls only an operator of torch.ops by its name, takes only memory formats by name, and
+    says what is wrong instead of a KeyError or an unpacking error."""
+    cases = {
+        "checkpoint.pt": ({"model": torch.ones(2)}, "is not a dump written by locate"),
+        "named.pt": ({"op": "os.system", "arguments": {}}, "'os.system', which is not an operator of torch.ops"),
+        "deeper.pt": ({"op": "os.path.join", "arguments": {}}, "'os.path.join', which is not an operator"),
+        "packet.pt": ({"op": "aten.div", "arguments": {}}, "'aten.div', which is not an operator"),
+        "format.pt": ({"op": "aten.contiguous.default",
+                       "arguments": {"self": torch.ones(2), "memory_format": {"memory_format": "load"}}},
+                      "'load' is not a torch memory format"),
+    }
+    for name, (content, message) in cases.items():
+        torch.save(content, tmp_path / name)
+        with pytest.raises(ValueError, match=message):
+            nanfast.replay(tmp_path / name)
+
+
 @nanfast.locate()
 def decorated(x):
     return torch.log(x)  # <decorated>

@@ -19,7 +19,10 @@ def _dump_value(value: Any, before: dict[int, torch.Tensor]) -> Any:
 
 def _load_value(value: Any) -> Any:
     if isinstance(value, dict) and set(value) == {"memory_format"}:
-        return getattr(torch, value["memory_format"])
+        found = getattr(torch, str(value["memory_format"]), None)
+        if not isinstance(found, torch.memory_format):  # a dump names only memory formats here
+            raise ValueError(f"nanfast.replay: {value['memory_format']!r} is not a torch memory format")
+        return found
     if isinstance(value, (list, tuple)):
         return type(value)(_load_value(v) for v in value)
     return value
@@ -34,8 +37,18 @@ def _repro(op: str, named: list[tuple[str, Any]], before: dict[int, torch.Tensor
 
 
 def _resolve_op(name: str):
-    namespace, packet, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    """The operator a dump names ("aten.div.Tensor"): only torch.ops' operators, nothing else by name."""
+    parts = name.split(".") if isinstance(name, str) else []
+    try:
+        if len(parts) != 3:
+            raise AttributeError
+        op = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"nanfast.replay: the dump names {name!r}, which is not an operator of torch.ops "
+                         "(namespace.name.overload, as 'aten.div.Tensor')") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ValueError(f"nanfast.replay: the dump names {name!r}, which is not an operator of torch.ops")
+    return op
 
 
 def replay(path: Union[str, os.PathLike]) -> Any:
@@ -47,9 +60,14 @@ def replay(path: Union[str, os.PathLike]) -> Any:
     Returns:
         The op's outputs.
     Raises:
-        OSError: the file cannot be read; pickle.UnpicklingError: it is not a locate dump.
+        OSError: the file cannot be read; pickle.UnpicklingError: it is no torch.save file, or one that asks
+        to run code; ValueError: it is not a locate dump (naming what is missing), or names something
+        that is not an operator of torch.ops.
     """
     saved = torch.load(path, weights_only=True)
+    if not (isinstance(saved, dict) and isinstance(saved.get("op"), str) and isinstance(saved.get("arguments"), dict)):
+        raise ValueError(f"nanfast.replay: {os.fspath(path)!r} is not a dump written by locate(dump=path): it holds no "
+                         "'op' name and 'arguments' dict")
     func = _resolve_op(saved["op"])
     arguments = {name: _load_value(v) for name, v in saved["arguments"].items()}
     return func(**arguments)
