@@ -87,18 +87,24 @@ def _numpy_globals() -> list:
 
 
 def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
-    """A .npy file's array (named by the file) or a .npz file's (name, array) pairs, no pickle allowed."""
+    """A .npy file's array (named by the file, memory-mapped) or a .npz file's (name, array) pairs; an
+    array of Python objects (a pickle) is refused, not loaded."""
     try:
         import numpy as np
     except ImportError:
         raise Unreadable("reading .npy and .npz files needs numpy (pip install numpy)") from None
-    loaded = np.load(path, allow_pickle=False)
-    if isinstance(loaded, np.ndarray):
-        yield os.path.basename(path), loaded
-        return
-    with loaded:
-        for name in loaded.files:
-            yield name, loaded[name]
+    try:
+        loaded = np.load(path, mmap_mode="r", allow_pickle=False)  # an .npz is not mapped: read array by array
+        if isinstance(loaded, np.ndarray):
+            yield os.path.basename(path), loaded
+            return
+        with loaded:
+            for name in loaded.files:
+                yield name, loaded[name]
+    except ValueError as e:
+        if "allow_pickle" in str(e) or "Python objects" in str(e):
+            raise Refused("it holds an array of Python objects (a pickle), which nanfast does not load") from None
+        raise
 
 
 def torch_load(path: str) -> Any:

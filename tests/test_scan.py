@@ -495,7 +495,9 @@ def test_npy_and_npz_files_are_read_without_pickles(capsys, tmp_path):
     assert [(e.name, e.posinf) for e in one.report.bad] == [("one.npy", 1)]
     assert [(e.name, e.nan, e.posinf) for e in many.report.bad] == [("w", 1, 0), ("big", 0, 1)]
     assert many.report.num_tensors == 3 and many.not_checked == ()
-    assert pickled.status == "unreadable" and "allow_pickle=False" in pickled.error
+    assert pickled.status == "refused" and "an array of Python objects (a pickle)" in pickled.error
+    np.savez(tmp_path / "objects.npz", ok=np.ones(2), bad=np.array([None], dtype=object))
+    assert scan.scan_file(str(tmp_path / "objects.npz")).status == "refused"
 
 
 def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp_path, clean_file, poisoned_file):
