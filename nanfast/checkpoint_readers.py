@@ -23,7 +23,8 @@ LEGACY_MAGIC = 0x1950A86A20F9469CFC6C.to_bytes(10, "little")
 
 
 class Refused(Exception):
-    """nanfast will not read the file: its pickle asks to run code, or it is not a regular file."""
+    """nanfast will not read the file: its pickle asks to run code, it holds a numpy array of Python objects,
+    or it is not a regular file."""
 
 
 class Unreadable(Exception):

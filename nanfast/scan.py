@@ -37,7 +37,7 @@ class FileScan:
     """The result of scanning one file. status: "clean", "nonfinite", "incomplete" (read, no NaN/inf
     found, but some tensors could not be checked), "empty" (read whole, and it holds no tensor: nothing
     was checked, so it is not called clean), "unreadable", or "refused" (a pickle that asks to run code,
-    or not a regular file)."""
+    a numpy array of Python objects, or not a regular file)."""
 
     path: str
     status: str
