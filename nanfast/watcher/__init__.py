@@ -16,7 +16,7 @@ from ..check import uncompiled
 from ..recompute import recomputation
 from . import scaler_hook
 from .actions import Actions
-from .events import KINDS, PHASES, Event, Place
+from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
 from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
@@ -33,8 +33,8 @@ from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_option
 from .step import Read
 from .step_end import StepEnd
 
-__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "Place", "SpikeError",
-           "SpikeOptions", "StepRecord", "Watch", "watch"]
+__all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES", "Event", "InputEntry", "Place",
+           "SpikeError", "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
 class Watch(Hooks, StepEnd, Actions, Readings):
