@@ -130,3 +130,28 @@ def test_names_come_from_the_model_as_it_is_when_the_parameters_change():
             w.step()
     assert w.last.first.name == "0.bias"
     assert w.last.later[0].where() == "output of 0 (Linear)"  # the new module is hooked at the next step's start
+
+
+def test_a_parametrization_added_after_watch_renames_its_parameter():
+    """torch.nn.utils.parametrize moves a weight to `parametrizations.weight.original` (the same Parameter,
+    so the optimizer's list does not change): the watch names it as the model now does."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action="warn") as w:
+        opt.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        parametrize.register_parametrization(model[0], "weight", Symmetric())
+        with torch.no_grad():
+            model[0].parametrizations.weight.original[0, 0] = float("nan")
+        opt.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        with pytest.warns(RuntimeWarning, match=r"parameter 0\.parametrizations\.weight\.original "):
+            opt.step()
+    assert w.last.first.name == "0.parametrizations.weight.original"

@@ -42,6 +42,12 @@ class ParamGrads {
   // are set, those gradients' parameter names). A sparse gradient gives its stored values, which
   // scaling in place scales (Watch.clip_grad_norm_); a COO one stays uncoalesced (coalescing syncs the
   // host on CUDA), so every non-finite entry is counted.
+  // The next gather asks for the names again, even if the parameters are the same (a parametrization
+  // moved one to `parametrizations.weight.original`).
+  void forget() {
+    kept_.clear();
+  }
+
   py::tuple gather(py::handle source, bool groups) {
     py::list params;
     if (groups) {
@@ -163,7 +169,9 @@ void bind_param_grads(py::module_& m) {
                          "The parameters a watch's step-end pass reads, with their gradients and names (see NOTE: [The "
                          "pass's parameters in C++]).")
       .def(py::init<py::object>(), py::arg("names"))
-      .def("gather", &ParamGrads::gather, py::arg("source"), py::arg("groups"));
+      .def("gather", &ParamGrads::gather, py::arg("source"), py::arg("groups"))
+      .def("forget", &ParamGrads::forget,
+           "Asks for the names again at the next gather (the model changed: NOTE: [A model changed after watch()]).");
 }
 
 }  // namespace nanfast::python

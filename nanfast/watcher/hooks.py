@@ -137,7 +137,7 @@ class Hooks:
     # (self.ema = ...) do not count. The next step's start then hooks the modules not hooked yet and lists
     # the buffers again (a skip puts the new module's BatchNorm statistics back too); a step after no
     # such change pays nothing. Parameters are named from the model whenever the optimizer's list
-    # changes (NOTE: [The pass's parameters in C++]).
+    # changes (NOTE: [The pass's parameters in C++]) and after such a change.
 
     def _registered(self, module: torch.nn.Module, name: str, value: Any) -> None:
         """torch's global module and buffer registration hooks (see the NOTE). Returns None: the
@@ -150,6 +150,7 @@ class Hooks:
         at a step's start after the model changed (the buffers listed again then too)."""
         self._model_changed = False
         self._members = {id(module) for module in self.model.modules()}  # alive: the model holds them
+        self._params.forget()  # names as the model has them now (a parametrization renames a parameter)
         if not (self._hook_modules and (self._check_activations or self._check_grads)):
             return
         for name, module in hooked_modules(self.model, self.pass_through):
