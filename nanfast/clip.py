@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -67,7 +67,7 @@ def check_norm_type(norm_type: float, api: str) -> float:
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = True) -> torch.Tensor:
+                    error_if_nonfinite: bool = True, foreach: Optional[bool] = None) -> torch.Tensor:
     """Clips the gradients of `parameters` to total norm `max_norm`, as torch.nn.utils.clip_grad_norm_,
     from one fused pass over the gradients. The norm is that of the finite elements, so finite gradients
     never become NaN.
@@ -80,6 +80,8 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
         error_if_nonfinite: (the default here, unlike torch) one host read checks the counts and a
             non-finite gradient raises NonFiniteError naming it; False: no host sync, and non-finite
             elements are left as they are (a `nanfast.watch` reports them).
+        foreach: taken for torch's signature (a drop-in replacement passes it) and left unused: the
+            fused pass is one call per device either way.
 
     Returns:
         The total norm before clipping (0-dim, in the first gradient's dtype and device).

@@ -848,8 +848,9 @@ def test_clip_grad_norm_matches_torch():
         ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
         for a, b, g in zip(ours, theirs, grads):
             a.grad, b.grad = g.clone(), g.clone()
-        total = nanfast.clip_grad_norm_(ours, max_norm, norm_type)
-        expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
+        # torch's keywords too (a drop-in replacement passes them; foreach changes nothing here)
+        total = nanfast.clip_grad_norm_(ours, max_norm, norm_type, error_if_nonfinite=True, foreach=True)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type, error_if_nonfinite=True, foreach=True)
         assert total.dtype == expected.dtype and torch.allclose(total, expected, rtol=1e-6)
         for a, b in zip(ours, theirs):
             assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0)
