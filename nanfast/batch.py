@@ -13,7 +13,7 @@ import torch
 from ._tree import group_by_device, named_leaves
 from .check import values_tensor
 from .ops import reads_dtype
-from .report import NonfiniteCounts, NonFiniteError
+from .report import NonfiniteCounts, NonFiniteError, first_few
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
 
@@ -36,10 +36,9 @@ class BadField(NonfiniteCounts):
     def describe(self) -> str:
         if not self.samples:
             return f"field {self.path!r} ({self.counts_text()})"
-        shown = ", ".join(map(str, self.samples[:MAX_SAMPLES_IN_MESSAGE]))
-        more = f" and {len(self.samples) - MAX_SAMPLES_IN_MESSAGE} more" if len(self.samples) > MAX_SAMPLES_IN_MESSAGE else ""
+        shown = first_few([str(s) for s in self.samples], MAX_SAMPLES_IN_MESSAGE)
         noun = "sample" if len(self.samples) == 1 else "samples"
-        return f"{noun} {shown}{more} of field {self.path!r} ({self.counts_text()})"
+        return f"{noun} {shown} of field {self.path!r} ({self.counts_text()})"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, Optional
 
 MAX_NAMED_IN_MESSAGE = 20
+
+
+def first_few(texts: Sequence[str], limit: int, sep: str = ", ") -> str:
+    """The first `limit` of `texts` joined by `sep`, and how many more there are: "a, b and 3 more", or
+    with sep "; ", "a; b; and 3 more" (every message that names a few of many says it this way)."""
+    more = len(texts) - limit
+    tail = f"{';' if sep == '; ' else ''} and {more} more" if more > 0 else ""
+    return sep.join(texts[:limit]) + tail
 
 
 class NonfiniteCounts:
@@ -99,17 +108,13 @@ class Report:
         if not bad:
             finite = "the 1 tensor is finite" if self.num_tensors == 1 else f"all {self.num_tensors} tensors are finite"
             return f"{finite} ({self.num_elements:,} elements){self._unchecked_text()}"
-        named = "; ".join(f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad[:MAX_NAMED_IN_MESSAGE])
-        more = f"; and {len(bad) - MAX_NAMED_IN_MESSAGE} more" if len(bad) > MAX_NAMED_IN_MESSAGE else ""
-        return f"non-finite values in {len(bad)} of {self.num_tensors} {tensors}: {named}{more}{self._unchecked_text()}"
+        named = first_few([f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad], MAX_NAMED_IN_MESSAGE, "; ")
+        return f"non-finite values in {len(bad)} of {self.num_tensors} {tensors}: {named}{self._unchecked_text()}"
 
     def _unchecked_text(self) -> str:
         if not self.unchecked:
             return ""
-        extra = len(self.unchecked) - MAX_NAMED_IN_MESSAGE
-        named = ", ".join(self.unchecked[:MAX_NAMED_IN_MESSAGE])
-        more = f" and {extra} more" if extra > 0 else ""
-        return f"; not checked (objects nanfast cannot read): {named}{more}"
+        return f"; not checked (objects nanfast cannot read): {first_few(self.unchecked, MAX_NAMED_IN_MESSAGE)}"
 
     def __str__(self) -> str:
         bad = self.bad

@@ -19,7 +19,7 @@ from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
                                  require_regular_file, safetensors_tensors, torch_load)
 from .ops import reads_dtype
-from .report import Entry, Report
+from .report import Entry, Report, first_few
 
 __all__ = ["FileScan", "checkpoint_files", "scan_file"]
 
@@ -213,14 +213,12 @@ def format_scan(scan: FileScan) -> str:
     report = scan.report
     missed = ""
     if scan.not_checked:
-        named = ", ".join(f"{name!r} ({why})" for name, why in scan.not_checked[:MAX_NAMED_IN_MESSAGE])
-        more = len(scan.not_checked) - MAX_NAMED_IN_MESSAGE
-        missed = f"; {len(scan.not_checked)} not checked: {named}{f' and {more} more' if more > 0 else ''}"
+        named = first_few([f"{name!r} ({why})" for name, why in scan.not_checked], MAX_NAMED_IN_MESSAGE)
+        missed = f"; {len(scan.not_checked)} not checked: {named}"
     if scan.sentinels:
-        named = ", ".join(f"{e.name} ({e.counts_text()})" for e in scan.sentinels[:MAX_NAMED_IN_MESSAGE])
-        more = len(scan.sentinels) - MAX_NAMED_IN_MESSAGE
+        named = first_few([f"{e.name} ({e.counts_text()})" for e in scan.sentinels], MAX_NAMED_IN_MESSAGE)
         missed += (f"; left out, as infinities Lightning's callbacks store on purpose (an initial best or worst "
-                   f"score): {named}{f' and {more} more' if more > 0 else ''}")
+                   f"score): {named}")
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":

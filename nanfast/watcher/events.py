@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from ..report import NonfiniteCounts
+from ..report import NonfiniteCounts, first_few
 
 # Phases in the order their values arise within a step.
 PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
@@ -71,12 +71,13 @@ class Place(NonfiniteCounts):
     def entries_text(self) -> str:
         """Returns:
             A dirty input's entries with their counts, in words ("targets[1].boxes (nan=1, +inf=0, -inf=0)")."""
-        return _entry_list([f"{e.name} ({e.counts_text()})" for e in self.entries])
+        return first_few([f"{e.name} ({e.counts_text()})" for e in self.entries], _MAX_NAMED_IN_SUMMARY)
 
-
-def _entry_list(texts: list[str]) -> str:
-    more = len(texts) - _MAX_NAMED_IN_SUMMARY
-    return ", ".join(texts[:_MAX_NAMED_IN_SUMMARY]) + (f" and {more} more" if more > 0 else "")
+    def dirty_text(self) -> str:
+        """Returns:
+            What a dirty input held, in words: its entries with their counts, or the counts alone when the
+            entries could not be named."""
+        return self.entries_text() if self.entries else self.counts_text()
 
 
 def _of_first(field: str) -> property:
@@ -151,8 +152,8 @@ class Event:
                 together += 1
         read_with = self.later[:together]
         if self.dirty_input:
-            what = self.first.entries_text() if self.first.entries else self.first.counts_text()
-            head = f"{at}: {self.first.where()}{on} is dirty: {what}; the model did not produce it in this step"
+            head = (f"{at}: {self.first.where()}{on} is dirty: {self.first.dirty_text()}; the model did not produce "
+                    "it in this step")
         elif self.first.phase == "param":
             # The watch's first step has no optimizer step of its own before it.
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
@@ -173,14 +174,12 @@ class Event:
         # A dirty input after the first place (non-finite parameters) is no place the values went to.
         later = [p for p in self.later[together:] if p.phase != "input"]
         for dirty in (p for p in self.later[together:] if p.phase == "input"):
-            what = dirty.entries_text() if dirty.entries else dirty.counts_text()
-            head += f"; {dirty.where()} was dirty too: {what}"
+            head += f"; {dirty.where()} was dirty too: {dirty.dirty_text()}"
         if not later:
             return f"nanfast.watch: {head}"
-        named = "; ".join(p.where() for p in later[:_MAX_NAMED_IN_SUMMARY])
-        more = f"; and {len(later) - _MAX_NAMED_IN_SUMMARY} more" if len(later) > _MAX_NAMED_IN_SUMMARY else ""
+        named = first_few([p.where() for p in later], _MAX_NAMED_IN_SUMMARY, "; ")
         places = "1 place" if len(later) == 1 else f"{len(later)} places"
-        return f"nanfast.watch: {head}; then propagated to {places}: {named}{more}"
+        return f"nanfast.watch: {head}; then propagated to {places}: {named}"
 
     __str__ = summary
 
@@ -189,9 +188,7 @@ def _listed(first: Place, read_with: tuple[Place, ...]) -> str:
     """`first` and the places read together with it, in words, the first few named."""
     if not read_with:
         return first.describe()
-    named = ", ".join(p.describe() for p in (first, *read_with)[:_MAX_NAMED_IN_SUMMARY])
-    rest = 1 + len(read_with) - _MAX_NAMED_IN_SUMMARY
-    return f"{named}" + (f" and {rest} more" if rest > 0 else "")
+    return first_few([p.describe() for p in (first, *read_with)], _MAX_NAMED_IN_SUMMARY)
 
 
 def phase_order(place: Place) -> tuple[int, int]:
