@@ -71,12 +71,11 @@ def _not_a_checkpoint(path: str) -> str:
 # A checkpoint may hold numpy arrays: the HF Trainer's rng_state.pth keeps numpy's RNG state, and a
 # hand-made checkpoint may keep weights or statistics as arrays. Weights-only loading refuses them
 # unless numpy's array reconstruction is allowed: `_reconstruct` makes an empty array of a class,
-# `numpy.dtype` a dtype from its code (its class's state set), and the array's state is set from
-# bytes; none runs code named by
-# the file (an object array's items are loaded by the same restricted unpickler), so they are allowed
-# here, under their numpy 2 and numpy 1 names. Numeric arrays are checked as tensors, as check_all reads
-# them (check.values_tensor: no copy); others are listed as not checked. .npy and .npz files are read
-# with allow_pickle=False.
+# `numpy.dtype` a dtype from its code (its class's state set), and the array's state is set from bytes;
+# none runs code named by the file (an object array's items are loaded by the same restricted
+# unpickler), so they are allowed here, under their numpy 2 and numpy 1 names. Numeric arrays are
+# checked as tensors, as check_all reads them (check.values_tensor: no copy); others are listed as not
+# checked. .npy and .npz files are read with allow_pickle=False.
 def _numpy_globals() -> list:
     try:
         import numpy as np
@@ -124,6 +123,7 @@ def torch_load(path: str) -> Any:
     # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
     # (non-zip) format cannot be mapped and are read whole.
     mmap = is_zip and not _compressed(path)
+
     def load() -> Any:
         with torch.serialization.safe_globals(_numpy_globals()):  # NOTE: [numpy arrays in checkpoints]
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -92,9 +92,9 @@ def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[st
 _LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 
 
-def _is_sentinel(entry: Entry, lightning: bool) -> bool:
-    return (lightning and entry.name.startswith("callbacks.") and entry.shape == () and entry.nan == 0
-            and entry.nonfinite == 1)
+def _is_sentinel(entry: Entry) -> bool:
+    """An entry of a Lightning checkpoint that is one of its callbacks' sentinels (see the NOTE)."""
+    return entry.name.startswith("callbacks.") and entry.shape == () and entry.nan == 0 and entry.nonfinite == 1
 
 
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:
@@ -138,7 +138,7 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
             found = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
         for name, leaf in found:
-            t = leaf if isinstance(leaf, torch.Tensor) else values_tensor(leaf)
+            t = values_tensor(leaf)
             if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it
                 continue
             readable = _readable(name, t, leaf)
@@ -161,11 +161,13 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{first_sentence(e)})")
-    sentinels = tuple(e for e in entries if _is_sentinel(e, lightning))
-    report = Report(tuple(e for e in entries if not _is_sentinel(e, lightning)))
+    sentinels, counted = [], []
+    for e in entries:
+        (sentinels if lightning and _is_sentinel(e) else counted).append(e)
+    report = Report(tuple(counted))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")
-    return FileScan(path, status, report, not_checked=tuple(not_checked), sentinels=sentinels)
+    return FileScan(path, status, report, not_checked=tuple(not_checked), sentinels=tuple(sentinels))
 
 
 def checkpoint_files(path: str) -> Union[list[str], FileScan]:

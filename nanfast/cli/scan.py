@@ -19,23 +19,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _size(path: str) -> int:
+    return os.stat(path).st_size if os.path.isfile(path) else 0
+
+
 def _scan_all(args: list[str]) -> list[FileScan]:
     found = [checkpoint_files(arg) for arg in args]
-    paths = [p for files in found if isinstance(files, list) for p in files]
-    sizes = dict.fromkeys(paths, 0) | {p: os.stat(p).st_size for p in paths if os.path.isfile(p)}
     scans = []
-    with byte_progress(sum(sizes.values()), desc="nanfast scan") as bar:
+    with byte_progress(sum(_size(p) for files in found if isinstance(files, list) for p in files),
+                       desc="nanfast scan") as bar:
         for files in found:
             if isinstance(files, FileScan):  # names no file to read
                 scans.append(files)
-                continue
-            for path in files:
-                scans.append(_scan_one(path, sizes[path], bar))
+            else:
+                scans += [_scan_one(path, bar) for path in files]
     return scans
 
 
-def _scan_one(path: str, size: int, bar) -> FileScan:
-    left = size
+def _scan_one(path: str, bar) -> FileScan:
+    left = _size(path)
 
     def advance(nbytes: int) -> None:  # tensor bytes stand for file bytes, up to the file's size
         nonlocal left

@@ -247,11 +247,11 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
             pass
         elif isinstance(label, tuple):  # one row per named parameter or gradient
             for name, (nan, posinf, neginf) in zip(label, rows[i:i + n]):
-                if nan if nan_only else nan + posinf + neginf:
+                if _reported(nan, posinf, neginf, nan_only):
                     found.append(Place(phase, name, "", int(nan), int(posinf), int(neginf)))
         else:
             nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
-            if nan if nan_only else nan + posinf + neginf:
+            if _reported(nan, posinf, neginf, nan_only):
                 entries = _dirty_entries(read.inputs.get(microbatch), rows[i:i + n], nan_only, forward) \
                     if phase == "input" else ()
                 found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch,
@@ -266,4 +266,9 @@ def _dirty_entries(layout: Optional[Layout], rows: list, nan_only: bool, forward
     if names is None:
         return ()
     return tuple(InputEntry(name, int(nan), int(posinf), int(neginf)) for name, (nan, posinf, neginf) in zip(names, rows)
-                 if (nan if nan_only else nan + posinf + neginf))
+                 if _reported(nan, posinf, neginf, nan_only))
+
+
+def _reported(nan: int, posinf: int, neginf: int, nan_only: bool) -> bool:
+    """Whether counts are reported: any non-finite value, or with nan_only (infinities are not errors) a NaN."""
+    return bool(nan if nan_only else nan + posinf + neginf)
