@@ -13,7 +13,7 @@ import torch
 from ._tree import group_by_device, named_leaves
 from .check import values_tensor
 from .ops import reads_dtype
-from .report import NonfiniteCounts, NonFiniteError, first_few
+from .report import NonfiniteCounts, NonFiniteError, first_few, is_additive_mask, masks_clause, masks_left_out
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
 
@@ -48,11 +48,14 @@ class BadField(NonfiniteCounts):
 
 @dataclasses.dataclass(frozen=True)
 class BatchReport:
-    """What check_batch found: the fields holding non-finite values (empty when the batch is clean)."""
+    """What check_batch found: the fields holding non-finite values (empty when the batch is clean), and
+    the fields that are additive masks, whose -inf mask (see NOTE: [Additive masks]; their `samples`
+    are not looked for)."""
 
     bad: tuple[BadField, ...]
     num_tensors: int
     batch_index: Optional[int] = None  # set by `checked`
+    masks: tuple[BadField, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -69,14 +72,22 @@ class BatchReport:
             return f"nanfast: {where}no tensors in the batch: nothing was checked"
         if self.ok:
             finite = "its 1 tensor is" if self.num_tensors == 1 else f"all {self.num_tensors} tensors of the batch are"
+            if self.masks:
+                return f"nanfast: {where}" + masks_clause(self._mask_names(), self.num_tensors - len(self.masks),
+                                                          f"the batch's {self.num_tensors} tensors")
             return f"nanfast: {where}{finite} finite"
-        return f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
+        return (f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
+                + masks_left_out(self._mask_names()))
+
+    def _mask_names(self) -> list[str]:
+        return [f"field {f.path!r} (-inf={f.neginf})" for f in self.masks]
 
     __str__ = summary
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "batch_index": self.batch_index, "num_tensors": self.num_tensors,
-                "samples": self.samples, "bad": [f.to_dict() for f in self.bad]}
+                "samples": self.samples, "bad": [f.to_dict() for f in self.bad],
+                "masks": [f.to_dict() for f in self.masks]}
 
 
 def _unreadable(t: torch.Tensor) -> Optional[str]:
@@ -117,7 +128,9 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     deques and sets of them; a container met twice is walked once; numpy arrays and Python floats are
     read as check_all reads them) and names the fields and samples
     (indices along the first dimension) that hold NaN or inf. A clean batch costs one fused check and
-    one host sync per device; only a bad one is counted per field and per sample.
+    one host sync per device; only a bad one is counted per field and per sample. A field named as a
+    mask whose only non-finite values are -inf (an additive attention mask, "tgt_mask") is not bad: it
+    is listed in `BatchReport.masks` (a batch holding one costs a second read).
 
     Args:
         batch: the batch, as a DataLoader yields it.
@@ -139,6 +152,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
              if (t := values_tensor(leaf)) is not None]
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
+    masks: list[tuple[int, BadField]] = []
     for indices in group_by_device([t for _, t in pairs]).values():
         tensors = [pairs[i][1] for i in indices]
         if not bool(torch.ops.nanfast.any_nonfinite(tensors)):
@@ -146,9 +160,11 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         for i, (nan, posinf, neginf) in zip(indices, torch.ops.nanfast.stats(tensors)[0].tolist()):
             if nan or posinf or neginf:
                 path, t = pairs[i]
-                bad.append((i, BadField(path, tuple(t.shape), str(t.dtype).removeprefix("torch."), nan, posinf,
-                                        neginf, _bad_samples(t))))
-    report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs))
+                mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
+                (masks if mask else bad).append((i, BadField(path, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                                             nan, posinf, neginf, () if mask else _bad_samples(t))))
+    report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),
+                         masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])))
     if raise_on_nonfinite and not report.ok:
         raise NonFiniteError(report)
     return report

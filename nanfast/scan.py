@@ -53,7 +53,7 @@ class FileScan:
                              "sentinels": [e.to_dict() for e in self.sentinels]}
         if self.report is not None:
             d.update(num_tensors=self.report.num_tensors, num_elements=self.report.num_elements,
-                     bad=[e.to_dict() for e in self.report.bad])
+                     bad=[e.to_dict() for e in self.report.bad], masks=[e.to_dict() for e in self.report.masks])
         return d
 
 
@@ -221,6 +221,7 @@ def format_scan(scan: FileScan) -> str:
         named = first_few([f"{e.name} ({e.counts_text()})" for e in scan.sentinels], MAX_NAMED_IN_MESSAGE)
         missed += (f"; left out, as infinities Lightning's callbacks store on purpose (an initial best or worst "
                    f"score): {named}")
+    missed += report.masks_text()  # see NOTE: [Additive masks]
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":

@@ -98,13 +98,13 @@ at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
 
 }  // namespace
 
-void WatchRecorder::record(py::handle tensors, int64_t slot) {
+void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t> masks) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
   if (inputs.list().empty()) {
     return;
   }
   py::gil_scoped_release no_gil;
-  records_->add(inputs.list(), slot, /*grad_check=*/false);
+  records_->add(inputs.list(), slot, /*grad_check=*/false, std::move(masks));
 }
 
 void WatchRecorder::hook_grads(py::handle tensors, int64_t slot) {
@@ -246,7 +246,8 @@ void bind_watch_recorder(py::module_& m) {
                             "Where nanfast.watch's hooks leave a step's counts (see NOTE: [The watch's recorder]).")
       .def(py::init<at::Device, bool, int64_t>(), py::arg("device"), py::arg("profiled") = false,
            py::arg("fuse_bytes") = 0)
-      .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"))
+      .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"),
+           py::arg("masks") = std::vector<int64_t>{})
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)

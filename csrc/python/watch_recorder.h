@@ -22,8 +22,9 @@ class NANFAST_HIDDEN WatchRecorder {
   WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes)
       : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
 
-  // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`.
-  void record(py::handle tensors, int64_t slot);
+  // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`; the -inf of rows
+  // `masks` (additive masks of the model's input) are not counted.
+  void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {});
 
   // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
   // node, output) until forget(); a tensor hooked before is retargeted to `slot`. Leaves (no node) are

@@ -77,6 +77,9 @@ struct Entry {
   int64_t slot = 0;
   at::Tensor absmax;  // undefined unless `limits` is non-empty
   std::vector<double> limits;
+  // Rows (of this record) named as additive masks: their -inf are not counted (see NOTE: [Additive
+  // masks] in nanfast/report.py). Only the model's input has any.
+  std::vector<int64_t> masks;
 };
 
 // The limits of `tensors` (see max_finite), or an empty vector when none of them needs one.
@@ -118,10 +121,11 @@ struct Records {
   Records(at::Device device, bool profiled, int64_t fuse_bytes)
       : device(device), fuse_bytes(fuse_bytes), profiled(profiled) {}
 
-  // Appends the counts of `tensors` as slot `slot`; `grad_check`: called by a gradient check.
-  void add(at::TensorList tensors, int64_t slot, bool grad_check) {
+  // Appends the counts of `tensors` as slot `slot`, the -inf of rows `masks` not counted; `grad_check`:
+  // called by a gradient check.
+  void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {}) {
     if (fuse_bytes > 0) {
-      defer(tensors, slot);
+      defer(tensors, slot, std::move(masks));
       return;
     }
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
@@ -129,6 +133,7 @@ struct Records {
     const std::vector<double> limits = limits_of(tensors);
     Entry entry;
     entry.slot = slot;
+    entry.masks = std::move(masks);
     fill(entry, counts, absmax, limits, 0, static_cast<int64_t>(tensors.size()));
     const std::lock_guard<std::mutex> lock(mutex);
     entries.push_back(std::move(entry));
@@ -139,11 +144,16 @@ struct Records {
 
   // Fills `entry` with rows [row, row + rows) of one fused call whose inputs' limits are `limits`
   // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
-  // [Overflow headroom in the recorder]).
+  // [Overflow headroom in the recorder]). The -inf of its mask rows are zeroed first, in the call's
+  // counts (one small write per mask row, on any device: only an input that has a mask pays it).
   static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
                    int64_t row, int64_t rows) {
     entry.row = row;
     entry.rows = rows;
+    for (const int64_t mask : entry.masks) {
+      TORCH_INTERNAL_ASSERT(mask >= 0 && mask < rows, "nanfast.watch: a mask row outside its record");
+      counts.select(0, row + mask).select(0, 2).zero_();
+    }
     if (counts.is_cpu()) {  // see NOTE: [CPU counts kept as numbers]
       TORCH_INTERNAL_ASSERT(counts.is_contiguous() && counts.scalar_type() == at::kLong,
                             "nanfast.watch: the fused op's counts are not contiguous int64");
@@ -182,12 +192,14 @@ struct Records {
   }
 
   // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
-  void defer(at::TensorList tensors, int64_t slot) {
+  void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks) {
     const int64_t nbytes = bytes_of(tensors);
     bool full = false;
     {
       const std::lock_guard<std::mutex> lock(mutex);
-      entries.emplace_back().slot = slot;
+      Entry& entry = entries.emplace_back();
+      entry.slot = slot;
+      entry.masks = std::move(masks);
       deferred.push_back(Deferred{entries.size() - 1, tensors.vec()});
       deferred_bytes += nbytes;
       full = deferred_bytes >= fuse_bytes;

@@ -16,7 +16,7 @@ from .. import _C, _tree
 from ..recompute import recomputation
 from . import scaler_hook
 from .forwards import Forward
-from .inputs import checked_tensor, input_tensors
+from .inputs import checked_tensor, input_tensors, mask_rows
 from .options import SKIPPING, ignored
 
 
@@ -185,8 +185,8 @@ class Hooks:
         # [Fused records]).
         self._hooks.forget()
 
-    def _record(self, phase: str, site: Any, call: int, tensors: list) -> None:
-        self._recorder.record(tensors, self._hooks.slot(phase, site, call))
+    def _record(self, phase: str, site: Any, call: int, tensors: list, masks: tuple[int, ...] = ()) -> None:
+        self._recorder.record(tensors, self._hooks.slot(phase, site, call), masks)
 
     def _hook_grads(self, obj: Any, phase: str, site: Any, call: int) -> None:
         # NOTE: [Where a gradient is checked]
@@ -282,8 +282,8 @@ class Hooks:
             self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
         if self._check_inputs and not self._input.ignored:
             tensors, layout = input_tensors(args, kwargs)  # see NOTE: [Naming the input's entries]
-            if tensors:
-                self._record("input", self._input, 1, tensors)
+            if tensors:  # an additive mask's -inf are not counted (see NOTE: [Additive masks])
+                self._record("input", self._input, 1, tensors, mask_rows(layout, len(tensors), self.model.forward))
                 step.inputs[hooks.microbatch] = layout
         hooks.enter(self._root, args)
 

@@ -4,12 +4,14 @@ and, on a step whose input was dirty, the names of the entries that held the non
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
 from .. import _C, _tree
+from ..report import is_mask_name
 
 # NOTE: [Naming the input's entries]
 # A dirty batch is bad data, and the question is which field: a detection target's box, the images, a
@@ -62,12 +64,7 @@ def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout
 
 def _argument_namer(forward: Callable) -> Callable[[int], str]:
     """The name of positional argument i of `forward`: its parameter's, "*name[k]" past them, else "args[i]"."""
-    try:
-        parameters = list(inspect.signature(forward).parameters.values())
-    except (TypeError, ValueError):  # no signature to read (a builtin, a C++ module)
-        parameters = []
-    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    rest = next((p.name for p in parameters if p.kind == p.VAR_POSITIONAL), None)
+    positional, rest, _ = _signature_of(forward)
 
     def name(i: int) -> str:
         if i < len(positional):
@@ -75,6 +72,32 @@ def _argument_namer(forward: Callable) -> Callable[[int], str]:
         return f"{rest}[{i - len(positional)}]" if rest is not None else f"args[{i}]"
 
     return name
+
+
+def _signature_of(forward: Callable) -> tuple[tuple[str, ...], Optional[str], bool]:
+    """_signature of `forward`; of a bound method's function (read once per function), less `self`."""
+    func = getattr(forward, "__func__", None)
+    if func is not None:
+        positional, rest, masks = _signature(func)
+        return positional[1:], rest, masks
+    try:
+        return _signature(forward)
+    except TypeError:  # an unhashable callable: read each time
+        return _signature.__wrapped__(forward)
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(forward: Callable) -> tuple[tuple[str, ...], Optional[str], bool]:
+    """The positional parameters' names of `forward`, its *args parameter's (None without one), and
+    whether any positional argument's name is a mask's (see NOTE: [Additive masks])."""
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C++ module)
+        parameters = []
+    positional = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    rest = next((p.name for p in parameters if p.kind == p.VAR_POSITIONAL), None)
+    masks = any(is_mask_name(name) for name in positional) or (rest is not None and is_mask_name(f"{rest}[0]"))
+    return positional, rest, masks
 
 
 def entry_names(layout: Optional[Layout], rows: int, forward: Callable) -> Optional[list[str]]:
@@ -102,3 +125,18 @@ def entry_names(layout: Optional[Layout], rows: int, forward: Callable) -> Optio
             head = argument(steps[0][0])
         names.append(_tree.path_of(steps[1:], head, brackets=True))
     return names
+
+
+def mask_rows(layout: Layout, rows: int, forward: Callable) -> tuple[int, ...]:
+    """The rows of a forward's input record named as masks, whose -inf are not counted (see NOTE:
+    [Additive masks]).
+
+    Args:
+        layout, rows, forward: as entry_names takes them.
+
+    Returns:
+        Their indices, in row order (none when the layout cannot name the rows)."""
+    if layout.nodes is None and not _signature_of(forward)[2]:  # the fast path: tensors given by position
+        return ()
+    names = entry_names(layout, rows, forward)
+    return () if names is None else tuple(i for i, name in enumerate(names) if is_mask_name(name))

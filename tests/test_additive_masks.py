@@ -1,0 +1,205 @@
+"""Additive attention masks (0 where attended, -inf where masked) are masks, not faults (NOTE: [Additive
+masks]): in the watch's input (PyTorch's own translation tutorial passes one to the model's forward:
+pytorch/tutorials, beginner_source/translation_transformer.py), in check_all (a GPT-style causal-mask
+buffer), in check_batch and checked(), and in the scans; a NaN or +inf in a mask, an -inf anywhere else,
+and a mask's gradient are still reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanfast
+from nanfast import scan
+from nanfast.cli import main
+from nanfast.report import is_additive_mask, is_mask_name
+
+NAN, INF = float("nan"), float("inf")
+
+# The tutorial passes a bool key padding mask with a float attention mask, which torch warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+VOCAB, D, SEQ = 20, 16, 6
+
+
+class Seq2Seq(torch.nn.Module):
+    """The translation tutorial's model, small: its forward takes the masks the training loop makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.src_embed = torch.nn.Embedding(VOCAB, D)
+        self.tgt_embed = torch.nn.Embedding(VOCAB, D)
+        self.transformer = torch.nn.Transformer(D, 2, 1, 1, 32, dropout=0.0)
+        self.generator = torch.nn.Linear(D, VOCAB)
+
+    def forward(self, src, tgt, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask, memory_key_padding_mask):
+        out = self.transformer(self.src_embed(src), self.tgt_embed(tgt), src_mask, tgt_mask, None,
+                               src_padding_mask, tgt_padding_mask, memory_key_padding_mask)
+        return self.generator(out)
+
+
+def _masks(src, tgt_input):
+    """What the tutorial's create_mask gives: a float causal mask for the target, the others bool."""
+    tgt_mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt_input.shape[0])
+    src_mask = torch.zeros(src.shape[0], src.shape[0], dtype=torch.bool)
+    return src_mask, tgt_mask, (src == 0).T, (tgt_input == 0).T
+
+
+def _train(model, steps, change=None, **options):
+    """The tutorial's training loop (sequence-first batches) under a watch; `change(step, tgt_mask)` may
+    return another mask for that step. Returns the watch."""
+    g = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanfast.watch(model, optimizer, **options) as w:
+        for step in range(steps):
+            src = torch.randint(1, VOCAB, (SEQ, 4), generator=g)
+            tgt = torch.randint(1, VOCAB, (SEQ + 1, 4), generator=g)
+            tgt_input = tgt[:-1]
+            src_mask, tgt_mask, src_pad, tgt_pad = _masks(src, tgt_input)
+            if change is not None:
+                tgt_mask = change(step, tgt_mask)
+            logits = model(src, tgt_input, src_mask, tgt_mask, src_pad, tgt_pad, src_pad)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tgt[1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def test_mask_names():
+    for name in ("mask", "tgt_mask", "attention_mask", "model.mask", "batch.src_key_padding_mask", "masks.tgt_mask[0]",
+                 "Attn_Mask"):
+        assert is_mask_name(name), name
+    for name in ("masks", "mask_weight", "x", "masked_scores", "mask.bias"):
+        assert not is_mask_name(name), name
+    assert is_additive_mask("tgt_mask", 0, 0, 3)
+    assert not is_additive_mask("tgt_mask", 1, 0, 3) and not is_additive_mask("tgt_mask", 0, 1, 3)
+    assert not is_additive_mask("features", 0, 0, 3)
+
+
+@pytest.mark.parametrize("options", [{}, {"fuse": True}, {"sync": "lagged"}], ids=["eager", "fused", "lagged"])
+def test_the_translation_tutorials_loop_trains_without_an_event(options):
+    w = _train(Seq2Seq(), 3, **options)
+    assert w.step_count == 3 and not w.events
+
+
+@pytest.mark.parametrize("value,counts", [(NAN, (1, 0, 0)), (INF, (0, 1, 0))], ids=["nan", "posinf"])
+def test_a_nan_or_posinf_in_the_mask_is_still_the_dirty_input(value, counts):
+    def spoil(step, mask):
+        if step == 1:
+            mask = mask.clone()
+            mask[0, 0] = value
+        return mask
+
+    with pytest.warns(RuntimeWarning, match="is dirty"):
+        w = _train(Seq2Seq(), 2, spoil, action="warn")  # the last step: the NaN it spreads is not read
+    (event,) = w.events
+    assert event.step == 1 and event.first.phase == "input"
+    (entry,) = event.first.entries
+    assert entry.name == "tgt_mask" and (entry.nan, entry.posinf, entry.neginf) == counts  # its -inf not counted
+
+
+def test_an_neginf_in_an_input_not_named_as_a_mask_is_reported():
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, features, bias):
+            return self.lin(features) + bias
+
+    model = Scores()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    bias = torch.nn.Transformer.generate_square_subsequent_mask(2)[:1].expand(3, 2)  # -inf, but not named a mask
+    with pytest.raises(nanfast.NonFiniteError, match=r"the input batch is dirty: bias \(nan=0, \+inf=0, -inf=3\)"):
+        with nanfast.watch(model, optimizer):
+            model(torch.randn(3, 4), bias).sum().backward()
+            optimizer.step()
+
+
+def test_a_mask_given_by_keyword_is_a_mask_too():
+    class Keyword(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, **kwargs):
+            return self.attn(x, x, x, attn_mask=kwargs["attn_mask"], need_weights=False)[0]
+
+    model = Keyword()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    with nanfast.watch(model, optimizer) as w:
+        for _ in range(2):
+            model(torch.randn(2, 5, 8), attn_mask=mask).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert w.step_count == 2 and not w.events
+
+
+class CausalLM(torch.nn.Module):
+    """A GPT-style model that keeps its causal mask as a buffer, as many do."""
+
+    def __init__(self, T=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, D)
+        layer = torch.nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True)
+        self.body = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(D, VOCAB)
+        self.register_buffer("mask", torch.triu(torch.full((T, T), -INF), 1))
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        return self.head(self.body(self.embed(ids), mask=self.mask[:n, :n], is_causal=True))
+
+
+def test_check_all_lists_a_causal_mask_buffer_apart():
+    model = CausalLM()
+    report = nanfast.check_all(model)  # raises on anything bad
+    assert report.ok and [e.name for e in report.masks] == ["mask"] and report.bad == []
+    assert "1 is an additive mask (-inf where it masks): mask (-inf=28)" in report.summary()
+    assert report.to_dict()["masks"][0]["neginf"] == 28
+    model.mask[0, 0] = NAN
+    with pytest.raises(nanfast.NonFiniteError, match=r"mask \[8, 8\] \(nan=1, \+inf=0, -inf=28\)"):
+        nanfast.check_all(model)
+
+
+def test_a_gradient_is_never_a_mask():
+    holder = torch.nn.Module()
+    holder.mask = torch.nn.Parameter(torch.zeros(3))
+    holder.mask.grad = torch.tensor([0.0, -INF, 0.0])
+    report = nanfast.check_all(holder, grads=True, raise_on_nonfinite=False)
+    assert not report.ok and [e.name for e in report.bad] == ["mask"] and report.masks == []
+
+
+def test_check_batch_and_checked_keep_a_batch_with_a_mask():
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    batches = [{"x": torch.randn(2, 4), "tgt_mask": mask} for _ in range(3)]
+    report = nanfast.check_batch(batches[0])
+    assert report.ok and [f.path for f in report.masks] == ["tgt_mask"]
+    assert "1 of the batch's 2 tensors are finite and 1 is an additive mask" in report.summary()
+    assert len(list(nanfast.checked(batches, action="skip"))) == 3
+    dirty = {"x": torch.tensor([[0.0, -INF]]), "tgt_mask": mask}
+    report = nanfast.check_batch(dirty, raise_on_nonfinite=False)
+    assert [f.path for f in report.bad] == ["x"] and report.samples == [0]
+    assert "; left out, as additive masks (-inf where they mask): field 'tgt_mask' (-inf=6)" in report.summary()
+
+
+def test_scans_of_checkpoints_holding_a_mask_buffer_are_clean(capsys, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    model = CausalLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+    optimizer.step()
+    pt, st = tmp_path / "model.pt", tmp_path / "model.safetensors"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, pt)
+    safetensors.save_file(model.state_dict(), str(st))
+    for path, name in ((pt, "model.mask"), (st, "mask")):
+        result = scan.scan_file(str(path))
+        assert result.status == "clean" and [e.name for e in result.report.masks] == [name]
+        assert main(["scan", str(path)]) == 0
+        assert f": clean; left out, as additive masks (-inf where they mask): {name} (-inf=28)" in capsys.readouterr().out
+    state = model.state_dict()
+    state["mask"][1, 0] = INF
+    torch.save(state, pt)
+    result = scan.scan_file(str(pt))
+    assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["mask"]
