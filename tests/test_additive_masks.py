@@ -203,3 +203,39 @@ def test_scans_of_checkpoints_holding_a_mask_buffer_are_clean(capsys, tmp_path):
     torch.save(state, pt)
     result = scan.scan_file(str(pt))
     assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["mask"]
+
+
+class MaskedPolicy(torch.nn.Module):
+    """Invalid-action masking: the logits of actions not allowed are -inf, which Categorical handles."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, obs, legal):
+        return self.head(self.body(obs)).masked_fill(~legal, -INF)
+
+
+def _policy_steps(**options):
+    policy = MaskedPolicy()
+    optimizer = torch.optim.Adam(policy.parameters())
+    g = torch.Generator().manual_seed(0)
+    with nanfast.watch(policy, optimizer, **options) as w:
+        for _ in range(3):
+            legal = torch.rand(8, 5, generator=g) > 0.3
+            legal[:, 0] = True
+            dist = torch.distributions.Categorical(logits=policy(torch.randn(8, 4, generator=g), legal))
+            loss = -dist.log_prob(dist.sample()).mean() - 0.01 * dist.entropy().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return w
+
+
+def test_masked_logits_are_named_as_the_models_output_and_ignored_under_that_name():
+    with pytest.raises(nanfast.NonFiniteError, match=r"in the output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0"):
+        _policy_steps()
+    for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
+        w = _policy_steps(ignore=ignore)
+        assert w.step_count == 3 and not w.events

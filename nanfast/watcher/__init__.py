@@ -215,7 +215,8 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Options: ``action`` ("raise", "warn", "skip", "rollback" or a callable taking the Event), ``every`` (check one
     step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
     late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
-    non-finite values are intended; "input" for the input), ``nan_only`` (infinities are not errors),
+    non-finite values are intended; "input" for the input, "<model>" for the model's own output;
+    an input entry named as a mask needs none: NOTE: [Additive masks]), ``nan_only`` (infinities are not errors),
     ``scaler`` (a torch.amp.GradScaler: overflowing scaled gradients that it skips are not errors),
     ``pass_through`` (module types left unhooked because they cannot create non-finite values;
     default PASS_THROUGH), ``process_group`` (the ranks that must agree; by default the world when

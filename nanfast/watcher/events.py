@@ -14,6 +14,8 @@ PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
 # (overflow headroom running out, a spike in the loss or a gradient norm).
 KINDS = ("nonfinite", "headroom", "spike")
 _MAX_NAMED_IN_SUMMARY = 8
+# How events name the model itself (its qualified name is ""); `ignore` matches it under both names.
+MODEL = "<model>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Place(NonfiniteCounts):
     def where(self) -> str:
         """Returns:
             The place in words ("output of layer1 (Linear)", "gradient of parameter fc.weight", ...)."""
-        module = f"{self.name or '<model>'} ({self.module_class})" + (f" call {self.call}" if self.call > 1 else "")
+        module = f"{self.name or MODEL} ({self.module_class})" + (f" call {self.call}" if self.call > 1 else "")
         return {
             "param": f"parameter {self.name}",
             "input": "the input batch",

@@ -15,6 +15,7 @@ import torch
 from .. import _C, _tree
 from ..recompute import recomputation
 from . import scaler_hook
+from .events import MODEL
 from .forwards import Forward
 from .inputs import checked_tensor, input_tensors, mask_rows
 from .options import SKIPPING, ignored
@@ -73,8 +74,10 @@ class Hooks:
         self._hooks.active = value
 
     def _site(self, name: str, module_class: str) -> Any:
-        """A place that records slots (a module, the input, the model, a loss), with its call count."""
-        return _C.WatchSite(name, module_class, ignored(self.ignore, name))
+        """A place that records slots (a module, the input, the model, a loss), with its call count. The
+        model itself ("") is ignored under the name events give it too ("<model>")."""
+        model = name == "" and bool(module_class)
+        return _C.WatchSite(name, module_class, ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL)))
 
     def _hooks_of(self, site: Any) -> tuple:
         """A module's pre-hook and forward hook: each one call into C++ (see NOTE: [The watch and

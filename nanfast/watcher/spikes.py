@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .. import _C
-from .events import Event, Place
+from .events import MODEL, Event, Place
 
 SPIKE_ACTIONS = ("warn", "raise", "record", "skip")
 
@@ -194,7 +194,7 @@ class Spikes:
         else:
             cls = self.groups.module_class(name)
             place = Place("grad", name, cls, 0, 0, 0)
-            what = f"the gradient norm of {name or '<model>'}" + (f" ({cls})" if cls else "")
+            what = f"the gradient norm of {name or MODEL}" + (f" ({cls})" if cls else "")
         if direction == "down":
             ratio = f"1/{median / value:.3g} of" if value > 0 else "against"
             return place, f"{what} vanished to {value:.4g} ({ratio} its running median {median:.4g})"
