@@ -13,7 +13,8 @@ import torch
 from ._tree import group_by_device, named_leaves
 from .check import values_tensor
 from .ops import reads_dtype
-from .report import NonfiniteCounts, NonFiniteError, first_few, is_additive_mask, masks_clause, masks_left_out
+from .intended import MASKS, is_additive_mask
+from .report import NonfiniteCounts, NonFiniteError, first_few, left_out
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
 
@@ -73,14 +74,12 @@ class BatchReport:
         if self.ok:
             finite = "its 1 tensor is" if self.num_tensors == 1 else f"all {self.num_tensors} tensors of the batch are"
             if self.masks:
-                return f"nanfast: {where}" + masks_clause(self._mask_names(), self.num_tensors - len(self.masks),
-                                                          f"the batch's {self.num_tensors} tensors")
-            return f"nanfast: {where}{finite} finite"
-        return (f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
-                + masks_left_out(self._mask_names()))
+                finite = f"{self.num_tensors - len(self.masks)} of the batch's {self.num_tensors} tensors are"
+            return f"nanfast: {where}{finite} finite{self._masks_text()}"
+        return f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad) + self._masks_text()
 
-    def _mask_names(self) -> list[str]:
-        return [f"field {f.path!r} (-inf={f.neginf})" for f in self.masks]
+    def _masks_text(self) -> str:
+        return left_out(MASKS, [f"field {f.path!r} (-inf={f.neginf})" for f in self.masks])
 
     __str__ = summary
 

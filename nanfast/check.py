@@ -148,9 +148,11 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
         raise_on_nonfinite: raise NonFiniteError if anything is non-finite.
 
     Returns:
-        A Report, its entries in the order of `obj`; an entry named as a mask whose only non-finite
-        values are -inf (an additive attention mask, as a GPT's causal-mask buffer) is in `Report.masks`,
-        not `Report.bad` (not with grads=True).
+        A Report, its entries in the order of `obj`. Infinities stored on purpose are not `bad` (not
+        with grads=True): an entry named as a mask whose only non-finite values are -inf (an additive
+        attention mask, a GPT's causal-mask buffer) is in `Report.masks`; a one-element +-inf named as a
+        best or worst score (`best_loss = float("inf")`, ReduceLROnPlateau's `best` and `mode_worse`)
+        in `Report.sentinels`.
 
     Raises:
         NonFiniteError: something is non-finite (and raise_on_nonfinite); `.report` is the Report.
@@ -180,7 +182,7 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
             name, t = pairs[i]
             entries[i] = Entry(name, _nested.shape(t), str(t.dtype).removeprefix("torch."), str(device),
                                t.numel(), int(nan), int(posinf), int(neginf), norm, absmax)
-    report = Report(tuple(entries), tuple(unchecked), masks_allowed=not grads)  # see NOTE: [Additive masks]
+    report = Report(tuple(entries), tuple(unchecked), intended=not grads)  # gradients hold no intended infinity
     if raise_on_nonfinite and not report.ok:
         raise NonFiniteError(report)
     return report

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Sequence
 from typing import Any, Optional
+
+from .intended import MASKS, SENTINELS, is_additive_mask, is_sentinel
 
 MAX_NAMED_IN_MESSAGE = 20
 
@@ -19,45 +20,14 @@ def first_few(texts: Sequence[str], limit: int, sep: str = ", ") -> str:
     return sep.join(texts[:limit]) + tail
 
 
-# NOTE: [Additive masks]
-# An additive attention mask holds 0 where a position is attended and -inf where it is masked:
-# torch.nn.Transformer.generate_square_subsequent_mask makes one, PyTorch's translation tutorial passes
-# it to the model's forward (pytorch/tutorials, beginner_source/translation_transformer.py), and many
-# GPT-style models keep one as a buffer (register_buffer("mask", torch.triu(torch.full((T, T),
-# float("-inf")), 1))). Its -inf are the mask, not a fault: a check that called them non-finite stopped
-# a healthy model at its first step, failed every checkpoint holding one, and dropped every batch with
-# one. So an entry named as a mask (its name ends in "mask", then any [i] indices: attention_mask,
-# src_mask, tgt_mask, key_padding_mask, model.mask, masks[0] does not) whose only non-finite values are
-# -inf is listed apart as a mask, not as bad. A NaN or +inf in it is reported as anywhere else; a mask
-# that masks a whole row makes NaN in the softmax after it, which is found there. Gradients are never
-# masks. Where: the watch's input, check_all (not with grads=True), check_batch and the scans.
-_MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
+def left_out(kind: str, named: Sequence[str]) -> str:
+    """"; left out, as KIND: NAME (-inf=6), ..." naming entries listed apart as intended infinities
+    (nanfast/intended.py), or "" for none.
 
-
-def is_additive_mask(name: str, nan: int, posinf: int, neginf: int) -> bool:
-    """Whether counts of the entry `name` are those of an additive mask (see NOTE: [Additive masks]):
-    the name ends in "mask" (then any [i] indices) and its only non-finite values are -inf."""
-    return neginf > 0 and nan == 0 and posinf == 0 and is_mask_name(name)
-
-
-def is_mask_name(name: str) -> bool:
-    """Whether `name` names a mask (see NOTE: [Additive masks]), whatever it holds."""
-    return _MASK_NAME.fullmatch(name) is not None
-
-
-def masks_clause(named: Sequence[str], finite: int, total: str) -> str:
-    """How a clean check with additive masks in it says so: "3 of 4 tensors are finite and 1 is an
-    additive mask (-inf where it masks): NAME (-inf=6)"; `named`: each mask with its count, `total`: "4
-    tensors" as the check words it."""
-    one = len(named) == 1
-    what = "1 is an additive mask" if one else f"{len(named)} are additive masks"
-    return (f"{finite} of {total} are finite and {what} (-inf where {'it masks' if one else 'they mask'}): "
-            f"{first_few(named, MAX_NAMED_IN_MESSAGE)}")
-
-
-def masks_left_out(named: Sequence[str]) -> str:
-    """"; left out, as additive masks (-inf where they mask): NAME (-inf=6), ...", or "" for no mask."""
-    return f"; left out, as additive masks (-inf where they mask): {first_few(named, MAX_NAMED_IN_MESSAGE)}" if named else ""
+    Args:
+        kind: intended.MASKS or intended.SENTINELS.
+        named: each entry's name with its counts."""
+    return f"; left out, as {kind}: {first_few(named, MAX_NAMED_IN_MESSAGE)}" if named else ""
 
 
 class NonfiniteCounts:
@@ -109,25 +79,30 @@ class Report:
     """The result of `nanfast.check_all`: every checked tensor as an `Entry`, in input order, and the
     names of the objects found that may hold values but could not be read (`unchecked`: objects of
     types nanfast does not know, numpy arrays torch cannot take): `ok` speaks only for the entries.
-    With `masks_allowed`, entries that are additive masks (-inf where they mask: see NOTE: [Additive
-    masks]) are listed in `masks`, not in `bad`."""
+    Infinities stored on purpose are listed apart, not in `bad`: additive masks in `masks`, a score's
+    initial infinity in `sentinels` (nanfast/intended.py)."""
 
     entries: tuple[Entry, ...]
     unchecked: tuple[str, ...] = ()
-    masks_allowed: bool = True
-
-    def _is_mask(self, e: Entry) -> bool:
-        return self.masks_allowed and is_additive_mask(e.name, e.nan, e.posinf, e.neginf)
+    # Whether intended infinities (additive masks, score sentinels: nanfast/intended.py) are listed apart
+    # in `masks` and `sentinels` rather than in `bad`; False for gradients.
+    intended: bool = True
 
     @property
     def masks(self) -> list[Entry]:
-        """The additive masks among the entries: their -inf are masking, so they are not `bad`."""
-        return [e for e in self.entries if self._is_mask(e)]
+        """The additive masks among the entries (see NOTE: [Additive masks]): not `bad`."""
+        return [e for e in self.entries if self.intended and is_additive_mask(e.name, e.nan, e.posinf, e.neginf)]
+
+    @property
+    def sentinels(self) -> list[Entry]:
+        """The entries that are a score's initial infinity (see NOTE: [Sentinel infinities]): not `bad`."""
+        return [e for e in self.entries if self.intended and is_sentinel(e.name, e.numel, e.nan, e.posinf, e.neginf)]
 
     @property
     def bad(self) -> list[Entry]:
-        """The entries that hold at least one NaN or infinity (additive masks left out)."""
-        return [e for e in self.entries if e.nonfinite and not self._is_mask(e)]
+        """The entries that hold at least one NaN or infinity (intended infinities left out)."""
+        apart = {id(e) for e in (*self.masks, *self.sentinels)}
+        return [e for e in self.entries if e.nonfinite and id(e) not in apart]
 
     @property
     def ok(self) -> bool:
@@ -160,20 +135,20 @@ class Report:
         tensors = "tensor" if self.num_tensors == 1 else "tensors"
         if not bad:
             finite = "the 1 tensor is finite" if self.num_tensors == 1 else f"all {self.num_tensors} tensors are finite"
-            if self.masks:
-                finite = masks_clause(self._mask_names(), self.num_tensors - len(self.masks), f"{self.num_tensors} tensors")
-            return f"{finite} ({self.num_elements:,} elements){self._unchecked_text()}"
+            apart = len(self.masks) + len(self.sentinels)
+            if apart:
+                finite = f"{self.num_tensors - apart} of {self.num_tensors} {tensors} are finite"
+            return f"{finite} ({self.num_elements:,} elements){self.intended_text()}{self._unchecked_text()}"
         named = first_few([f"{e.name} {list(e.shape)} ({e.counts_text()})" for e in bad], MAX_NAMED_IN_MESSAGE, "; ")
-        return (f"non-finite values in {len(bad)} of {self.num_tensors} {tensors}: {named}{self.masks_text()}"
+        return (f"non-finite values in {len(bad)} of {self.num_tensors} {tensors}: {named}{self.intended_text()}"
                 f"{self._unchecked_text()}")
 
-    def masks_text(self) -> str:
+    def intended_text(self) -> str:
         """Returns:
-            "; left out, as additive masks ...: NAME (-inf=N), ..." naming the masks, or "" without any."""
-        return masks_left_out(self._mask_names())
-
-    def _mask_names(self) -> list[str]:
-        return [f"{e.name} (-inf={e.neginf})" for e in self.masks]
+            "; left out, as additive masks ...: NAME (-inf=N), ..." and the same for score sentinels,
+            naming the intended infinities listed apart; "" without any."""
+        return (left_out(MASKS, [f"{e.name} (-inf={e.neginf})" for e in self.masks])
+                + left_out(SENTINELS, [f"{e.name} ({'+inf' if e.posinf else '-inf'})" for e in self.sentinels]))
 
     def _unchecked_text(self) -> str:
         if not self.unchecked:
@@ -183,7 +158,7 @@ class Report:
     def __str__(self) -> str:
         bad = self.bad
         head = (self.summary() if not bad else
-                f"{len(bad)} of {self.num_tensors} tensors hold non-finite values{self.masks_text()}"
+                f"{len(bad)} of {self.num_tensors} tensors hold non-finite values{self.intended_text()}"
                 f"{self._unchecked_text()}")
         lines = [f"nanfast: {head} | total norm {self.total_norm:.6g}"]
         if bad:
@@ -205,6 +180,7 @@ class Report:
             "total_norm": self.total_norm,
             "bad": [e.to_dict() for e in self.bad],
             "masks": [e.to_dict() for e in self.masks],
+            "sentinels": [e.to_dict() for e in self.sentinels],
             "norms": self.norms,
             "unchecked": list(self.unchecked),
         }

@@ -44,16 +44,14 @@ class FileScan:
     report: Optional[Report] = None
     error: Optional[str] = None
     not_checked: tuple[tuple[str, str], ...] = ()  # (name, why) of the tensors whose values were not read
-    # Infinities a tool stores on purpose, left out of `report` (see NOTE: [Sentinel infinities]): entries.
-    sentinels: tuple[Entry, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "status": self.status, "error": self.error,
-                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked],
-                             "sentinels": [e.to_dict() for e in self.sentinels]}
-        if self.report is not None:
+                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked]}
+        if self.report is not None:  # intended infinities (masks, sentinels) listed apart: nanfast/intended.py
             d.update(num_tensors=self.report.num_tensors, num_elements=self.report.num_elements,
-                     bad=[e.to_dict() for e in self.report.bad], masks=[e.to_dict() for e in self.report.masks])
+                     bad=[e.to_dict() for e in self.report.bad], masks=[e.to_dict() for e in self.report.masks],
+                     sentinels=[e.to_dict() for e in self.report.sentinels])
         return d
 
 
@@ -78,23 +76,6 @@ def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[st
     except (RuntimeError, TypeError, NotImplementedError) as e:
         return f"its {str(t.dtype).removeprefix('torch.')} values could not be read: {first_sentence(e)}"
     return name, t
-
-
-# NOTE: [Sentinel infinities]
-# Some tools store an infinity on purpose. Lightning's ModelCheckpoint keeps `kth_value`, the score a
-# new checkpoint must beat, at +inf (mode "min") or -inf ("max") until it has saved top-k of them, and
-# EarlyStopping its `best_score` the same way until the first validation: every checkpoint a Lightning
-# Trainer saves with its default ModelCheckpoint holds one, and a scan that called it non-finite would
-# fail every healthy Lightning run in CI. In a Lightning checkpoint (a dict with a
-# "pytorch-lightning_version" key), a 0-dim tensor under "callbacks" that is +inf or -inf is such a
-# sentinel: listed apart, not counted. A NaN there, or an infinity anywhere else (the weights, the
-# optimizer's state), is reported as usual.
-_LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
-
-
-def _is_sentinel(entry: Entry) -> bool:
-    """An entry of a Lightning checkpoint that is one of its callbacks' sentinels (see the NOTE)."""
-    return entry.name.startswith("callbacks.") and entry.shape == () and entry.nan == 0 and entry.nonfinite == 1
 
 
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:
@@ -125,7 +106,6 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     not_checked: list[tuple[str, str]] = []
     chunk: list[tuple[str, torch.Tensor]] = []
     chunk_bytes = 0
-    lightning = False
     try:
         require_regular_file(path)
         if path.endswith(".safetensors"):
@@ -134,7 +114,6 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             found = numpy_file_arrays(path)
         else:
             obj = torch_load(path)
-            lightning = isinstance(obj, dict) and _LIGHTNING_VERSION_KEY in obj
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
             found = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
         for name, leaf in found:
@@ -161,13 +140,10 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{first_sentence(e)})")
-    sentinels, counted = [], []
-    for e in entries:
-        (sentinels if lightning and _is_sentinel(e) else counted).append(e)
-    report = Report(tuple(counted))
+    report = Report(tuple(entries))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")
-    return FileScan(path, status, report, not_checked=tuple(not_checked), sentinels=tuple(sentinels))
+    return FileScan(path, status, report, not_checked=tuple(not_checked))
 
 
 def checkpoint_files(path: str) -> Union[list[str], FileScan]:
@@ -217,11 +193,7 @@ def format_scan(scan: FileScan) -> str:
     if scan.not_checked:
         named = first_few([f"{name!r} ({why})" for name, why in scan.not_checked], MAX_NAMED_IN_MESSAGE)
         missed = f"; {len(scan.not_checked)} not checked: {named}"
-    if scan.sentinels:
-        named = first_few([f"{e.name} ({e.counts_text()})" for e in scan.sentinels], MAX_NAMED_IN_MESSAGE)
-        missed += (f"; left out, as infinities Lightning's callbacks store on purpose (an initial best or worst "
-                   f"score): {named}")
-    missed += report.masks_text()  # see NOTE: [Additive masks]
+    missed += report.intended_text()
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":

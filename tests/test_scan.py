@@ -443,11 +443,11 @@ def test_a_healthy_lightning_checkpoint_is_clean_and_its_callbacks_sentinels_are
     assert "pytorch-lightning_version" in raw  # what the scan recognises
     result = scan.scan_file(str(path))
     assert result.status == "clean" and scan.exit_code([result]) == 0
-    found = sorted((e.name.rsplit(".", 1)[-1], e.posinf, e.neginf) for e in result.sentinels)
+    found = sorted((e.name.rsplit(".", 1)[-1], e.posinf, e.neginf) for e in result.report.sentinels)
     assert found == [("best_score", 0, 1), ("kth_value", 1, 0)]
     code, out = run_scan(capsys, path)
-    assert code == 0 and ": clean; left out, as infinities Lightning's callbacks store on purpose" in out
-    assert "kth_value (nan=0, +inf=1, -inf=0)" in out
+    assert code == 0 and ": clean; left out, as infinities a best or worst score starts from" in out
+    assert "kth_value (+inf)" in out
 
 
 def test_a_lightning_checkpoint_with_a_nan_weight_or_a_nan_callback_score_is_still_non_finite(tmp_path):
@@ -458,12 +458,12 @@ def test_a_lightning_checkpoint_with_a_nan_weight_or_a_nan_callback_score_is_sti
     raw["callbacks"][sentinel]["kth_value"] = torch.tensor(NAN)  # a NaN is never a sentinel
     torch.save(raw, path)
     result = scan.scan_file(str(path))
-    assert result.status == "nonfinite" and result.sentinels == ()
+    assert result.status == "nonfinite" and result.report.sentinels == []
     assert sorted(e.name.rsplit(".", 1)[-1] for e in result.report.bad) == ["kth_value", "weight"]
-    # The same +inf outside a Lightning checkpoint is reported.
+    # An infinity in a one-element tensor not named as a score, or in a larger one named so, is reported.
     other = tmp_path / "other.pt"
-    torch.save({"callbacks": {"x": {"kth_value": torch.tensor(INF)}}}, other)
-    assert scan.scan_file(str(other)).status == "nonfinite"
+    torch.save({"callbacks": {"x": {"value": torch.tensor(INF), "best_scores": torch.tensor([INF, 1.0])}}}, other)
+    assert [e.name for e in scan.scan_file(str(other)).report.bad] == ["callbacks.x.value", "callbacks.x.best_scores"]
 
 
 # --------------------------------------------------------------------------------------------------

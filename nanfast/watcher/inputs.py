@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .. import _C, _tree
-from ..report import is_mask_name
+from ..intended import is_mask_name
 
 # NOTE: [Naming the input's entries]
 # A dirty batch is bad data, and the question is which field: a detection target's box, the images, a

@@ -1,8 +1,12 @@
-"""Additive attention masks (0 where attended, -inf where masked) are masks, not faults (NOTE: [Additive
-masks]): in the watch's input (PyTorch's own translation tutorial passes one to the model's forward:
-pytorch/tutorials, beginner_source/translation_transformer.py), in check_all (a GPT-style causal-mask
-buffer), in check_batch and checked(), and in the scans; a NaN or +inf in a mask, an -inf anywhere else,
-and a mask's gradient are still reported."""
+"""Infinities stored on purpose are listed apart, not called faults (nanfast/intended.py). Additive
+attention masks (0 where attended, -inf where masked; NOTE: [Additive masks]): in the watch's input
+(PyTorch's own translation tutorial passes one to the model's forward: pytorch/tutorials,
+beginner_source/translation_transformer.py), in check_all (a GPT-style causal-mask buffer), in
+check_batch and checked(), and in the scans; a NaN or +inf in a mask, an -inf anywhere else, and a
+mask's gradient are still reported. Score sentinels (NOTE: [Sentinel infinities]): torch's
+ReduceLROnPlateau keeps `best` and `mode_worse` at +-inf in its state_dict, training scripts start
+`best_loss = float("inf")`; an infinite learning rate or loss scale is still a fault. And a model whose
+own output is -inf on purpose (masked logits) is ignored under the name events give it."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 import nanfast
 from nanfast import scan
 from nanfast.cli import main
-from nanfast.report import is_additive_mask, is_mask_name
+from nanfast.intended import is_additive_mask, is_mask_name, is_sentinel
 
 NAN, INF = float("nan"), float("inf")
 
@@ -74,6 +78,12 @@ def test_mask_names():
     assert is_additive_mask("tgt_mask", 0, 0, 3)
     assert not is_additive_mask("tgt_mask", 1, 0, 3) and not is_additive_mask("tgt_mask", 0, 1, 3)
     assert not is_additive_mask("features", 0, 0, 3)
+    for name in ("best", "best_loss", "scheduler.best", "callbacks.EarlyStopping{'monitor': 'val'}.best_score",
+                 "current_best", "mode_worse", "kth_value", "worst_score", "state.best_val[0]"):
+        assert is_sentinel(name, 1, 0, 1, 0) and is_sentinel(name, 1, 0, 0, 1), name
+    assert not is_sentinel("best", 1, 1, 0, 0) and not is_sentinel("best", 2, 0, 2, 0)
+    for name in ("lr", "scale", "weight", "bestow.weight", "is_best_epoch"):
+        assert not is_sentinel(name, 1, 0, 1, 0), name
 
 
 @pytest.mark.parametrize("options", [{}, {"fuse": True}, {"sync": "lagged"}], ids=["eager", "fused", "lagged"])
@@ -156,7 +166,8 @@ def test_check_all_lists_a_causal_mask_buffer_apart():
     model = CausalLM()
     report = nanfast.check_all(model)  # raises on anything bad
     assert report.ok and [e.name for e in report.masks] == ["mask"] and report.bad == []
-    assert "1 is an additive mask (-inf where it masks): mask (-inf=28)" in report.summary()
+    assert "15 of 16 tensors are finite (2,948 elements); left out, as additive masks (-inf where they mask): " \
+           "mask (-inf=28)" == report.summary()
     assert report.to_dict()["masks"][0]["neginf"] == 28
     model.mask[0, 0] = NAN
     with pytest.raises(nanfast.NonFiniteError, match=r"mask \[8, 8\] \(nan=1, \+inf=0, -inf=28\)"):
@@ -176,7 +187,8 @@ def test_check_batch_and_checked_keep_a_batch_with_a_mask():
     batches = [{"x": torch.randn(2, 4), "tgt_mask": mask} for _ in range(3)]
     report = nanfast.check_batch(batches[0])
     assert report.ok and [f.path for f in report.masks] == ["tgt_mask"]
-    assert "1 of the batch's 2 tensors are finite and 1 is an additive mask" in report.summary()
+    assert report.summary() == "nanfast: 1 of the batch's 2 tensors are finite; left out, as additive masks (-inf " \
+                               "where they mask): field 'tgt_mask' (-inf=6)"
     assert len(list(nanfast.checked(batches, action="skip"))) == 3
     dirty = {"x": torch.tensor([[0.0, -INF]]), "tgt_mask": mask}
     report = nanfast.check_batch(dirty, raise_on_nonfinite=False)
@@ -239,3 +251,40 @@ def test_masked_logits_are_named_as_the_models_output_and_ignored_under_that_nam
     for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
         w = _policy_steps(ignore=ignore)
         assert w.step_count == 3 and not w.events
+
+
+def _checkpoint(mode="min", metric=None, **extra):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=mode)
+    if metric is not None:
+        scheduler.step(metric)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            **extra}
+
+
+@pytest.mark.parametrize("mode,metric,apart", [("min", None, ["mode_worse", "best"]), ("max", None, ["mode_worse", "best"]),
+                                                ("min", 0.5, ["mode_worse"])])
+def test_a_checkpoint_with_reduce_lr_on_plateau_and_a_best_loss_is_clean(mode, metric, apart):
+    report = nanfast.check_all(_checkpoint(mode, metric, best_loss=INF, epoch=3))  # raises on anything bad
+    assert report.ok and [e.name for e in report.sentinels] == [f"scheduler.{name}" for name in apart] + ["best_loss"]
+    assert "left out, as infinities a best or worst score starts from (best_loss, ReduceLROnPlateau's mode_worse, " \
+           "kth_value): scheduler." in report.summary()
+    assert [e["name"] for e in report.to_dict()["sentinels"]] == [e.name for e in report.sentinels]
+
+
+def test_an_infinite_learning_rate_loss_scale_or_nan_best_is_still_a_fault(tmp_path):
+    checkpoint = _checkpoint(best_loss=NAN, scaler={"scale": INF})
+    checkpoint["optimizer"]["param_groups"][0]["lr"] = INF
+    report = nanfast.check_all(checkpoint, raise_on_nonfinite=False)
+    assert [e.name for e in report.bad] == ["optimizer.param_groups.0.lr", "best_loss", "scaler.scale"]
+    assert [e.name for e in report.sentinels] == ["scheduler.mode_worse", "scheduler.best"]
+
+
+def test_a_scan_lists_a_saved_best_score_apart(capsys, tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "best_val_loss": torch.tensor(INF)}, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "clean" and [e.name for e in result.report.sentinels] == ["best_val_loss"]
+    assert main(["scan", str(path)]) == 0
+    assert ": clean; left out, as infinities a best or worst score starts from" in capsys.readouterr().out

@@ -1,0 +1,55 @@
+"""Infinities stored on purpose, which the checks list apart instead of calling them faults: additive
+attention masks (-inf where they mask) and score sentinels (a best-so-far score's initial +-inf)."""
+
+from __future__ import annotations
+
+import re
+
+# NOTE: [Additive masks]
+# An additive attention mask holds 0 where a position is attended and -inf where it is masked:
+# torch.nn.Transformer.generate_square_subsequent_mask makes one, PyTorch's translation tutorial passes
+# it to the model's forward (pytorch/tutorials, beginner_source/translation_transformer.py), and many
+# GPT-style models keep one as a buffer (register_buffer("mask", torch.triu(torch.full((T, T),
+# float("-inf")), 1))). Its -inf are the mask, not a fault: a check that called them non-finite stopped
+# a healthy model at its first step, failed every checkpoint holding one, and dropped every batch with
+# one. So an entry named as a mask (its name ends in "mask", then any [i] indices: attention_mask,
+# src_mask, tgt_mask, key_padding_mask, model.mask; not masks[0]) whose only non-finite values are -inf
+# is listed apart as a mask, not as bad. A NaN or +inf in it is reported as anywhere else; a mask that
+# masks a whole row makes NaN in the softmax after it, which is found there. Gradients are never
+# masks. Where: the watch's input, check_all (not with grads=True), check_batch and the scans.
+_MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
+
+# NOTE: [Sentinel infinities]
+# A score that tracks the best (or worst) value so far starts at an infinity, on purpose: `best_loss =
+# float("inf")` in countless training scripts, torch's ReduceLROnPlateau (`best` until its first step,
+# `mode_worse` always: both in its state_dict), Lightning's ModelCheckpoint `kth_value` and
+# EarlyStopping `best_score` (in every checkpoint a default Lightning Trainer saves). A check that
+# called them non-finite failed every healthy checkpoint holding one. So a one-element entry that is +inf
+# or -inf and whose name's last part names such a score (best..., ..._best, worst..., ..._worst,
+# kth_value, mode_worse) is listed apart as a sentinel, not as bad. A NaN there, an infinity in a larger
+# tensor of that name or in one of any other name (a weight, an optimizer's state, a learning rate, a
+# loss scale) is reported as usual. Where: check_all (not with grads=True) and the scans.
+_SENTINEL_NAME = re.compile(r"(?:.*[.\]}])?(?:best\w*|\w*_best|worst\w*|\w*_worst|kth_value|mode_worse)(?:\[\d+\])*",
+                            re.IGNORECASE)
+
+# How the messages call each kind, after "left out, as".
+MASKS = "additive masks (-inf where they mask)"
+SENTINELS = "infinities a best or worst score starts from (best_loss, ReduceLROnPlateau's mode_worse, kth_value)"
+
+
+def is_mask_name(name: str) -> bool:
+    """Whether `name` names a mask (see NOTE: [Additive masks]), whatever it holds."""
+    return _MASK_NAME.fullmatch(name) is not None
+
+
+def is_additive_mask(name: str, nan: int, posinf: int, neginf: int) -> bool:
+    """Whether the entry `name` with these counts is an additive mask (see NOTE: [Additive masks]): the
+    name ends in "mask" (then any [i] indices) and its only non-finite values are -inf."""
+    return neginf > 0 and nan == 0 and posinf == 0 and is_mask_name(name)
+
+
+def is_sentinel(name: str, numel: int, nan: int, posinf: int, neginf: int) -> bool:
+    """Whether the entry `name` is a score's sentinel infinity (see NOTE: [Sentinel infinities]): one
+    element, +inf or -inf, named as a best or worst score."""
+    return numel == 1 and nan == 0 and posinf + neginf == 1 and _SENTINEL_NAME.fullmatch(name) is not None
+
