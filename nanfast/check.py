@@ -151,8 +151,9 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
         A Report, its entries in the order of `obj`. Infinities stored on purpose are not `bad` (not
         with grads=True): an entry named as a mask whose only non-finite values are -inf (an additive
         attention mask, a GPT's causal-mask buffer) is in `Report.masks`; a one-element +-inf named as a
-        best or worst score (`best_loss = float("inf")`, ReduceLROnPlateau's `best` and `mode_worse`)
-        in `Report.sentinels`.
+        best or worst score (`best_loss = float("inf")`, ReduceLROnPlateau's `best` and `mode_worse`),
+        or a min_val at +inf / max_val at -inf (a quantization observer before its first forward), in
+        `Report.sentinels`.
 
     Raises:
         NonFiniteError: something is non-finite (and raise_on_nonfinite); `.report` is the Report.

@@ -23,18 +23,28 @@ _MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
 # A score that tracks the best (or worst) value so far starts at an infinity, on purpose: `best_loss =
 # float("inf")` in countless training scripts, torch's ReduceLROnPlateau (`best` until its first step,
 # `mode_worse` always: both in its state_dict), Lightning's ModelCheckpoint `kth_value` and
-# EarlyStopping `best_score` (in every checkpoint a default Lightning Trainer saves). A check that
-# called them non-finite failed every healthy checkpoint holding one. So a one-element entry that is +inf
-# or -inf and whose name's last part names such a score (best..., ..._best, worst..., ..._worst,
-# kth_value, mode_worse) is listed apart as a sentinel, not as bad. A NaN there, an infinity in a larger
-# tensor of that name or in one of any other name (a weight, an optimizer's state, a learning rate, a
-# loss scale) is reported as usual. Where: check_all (not with grads=True) and the scans.
-_SENTINEL_NAME = re.compile(r"(?:.*[.\]}])?(?:best\w*|\w*_best|worst\w*|\w*_worst|kth_value|mode_worse)(?:\[\d+\])*",
-                            re.IGNORECASE)
+# EarlyStopping `best_score` (in every checkpoint a default Lightning Trainer saves); a running minimum
+# and maximum the same way: torch.ao.quantization's observers keep `min_val` at +inf and `max_val` at
+# -inf until their first forward (in every model prepare_qat returns). A check that called them
+# non-finite failed every healthy checkpoint holding one. So a one-element entry that is +inf or -inf
+# and whose name's last part names such a score (best..., ..._best, worst..., ..._worst, kth_value,
+# mode_worse), or a min_val that is +inf, a max_val that is -inf, is listed apart as a sentinel, not as
+# bad. A NaN there, an infinity in a larger tensor of that name, of the other sign in a min_val or
+# max_val, or in an entry of any other name (a weight, an optimizer's state, a learning rate, a loss
+# scale) is reported as usual. Where: check_all (not with grads=True) and the scans.
+def _last_part(pattern: str, flags: int = 0) -> re.Pattern:
+    """A name whose last part (after the last ".", "]" or "}", before any [i]) is `pattern`."""
+    return re.compile(r"(?:.*[.\]}])?(?:" + pattern + r")(?:\[\d+\])*", flags)
+
+
+_SCORE_NAME = _last_part(r"best\w*|\w*_best|worst\w*|\w*_worst|kth_value|mode_worse", re.IGNORECASE)
+_MIN_NAME = _last_part("min_val")
+_MAX_NAME = _last_part("max_val")
 
 # How the messages call each kind, after "left out, as".
 MASKS = "additive masks (-inf where they mask)"
-SENTINELS = "infinities a best or worst score starts from (best_loss, ReduceLROnPlateau's mode_worse, kth_value)"
+SENTINELS = ("infinities a best or worst score or a running min or max starts from (best_loss, "
+             "ReduceLROnPlateau's mode_worse, kth_value, an observer's min_val)")
 
 
 def is_mask_name(name: str) -> bool:
@@ -49,7 +59,11 @@ def is_additive_mask(name: str, nan: int, posinf: int, neginf: int) -> bool:
 
 
 def is_sentinel(name: str, numel: int, nan: int, posinf: int, neginf: int) -> bool:
-    """Whether the entry `name` is a score's sentinel infinity (see NOTE: [Sentinel infinities]): one
-    element, +inf or -inf, named as a best or worst score."""
-    return numel == 1 and nan == 0 and posinf + neginf == 1 and _SENTINEL_NAME.fullmatch(name) is not None
+    """Whether the entry `name` is a sentinel infinity (see NOTE: [Sentinel infinities]): one element,
+    +inf or -inf, named as a best or worst score; or a min_val at +inf, a max_val at -inf."""
+    if numel != 1 or nan != 0 or posinf + neginf != 1:
+        return False
+    if _SCORE_NAME.fullmatch(name) is not None:
+        return True
+    return _MIN_NAME.fullmatch(name) is not None if posinf else _MAX_NAME.fullmatch(name) is not None
 

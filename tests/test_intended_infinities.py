@@ -84,6 +84,10 @@ def test_mask_names():
     assert not is_sentinel("best", 1, 1, 0, 0) and not is_sentinel("best", 2, 0, 2, 0)
     for name in ("lr", "scale", "weight", "bestow.weight", "is_best_epoch"):
         assert not is_sentinel(name, 1, 0, 1, 0), name
+    assert is_sentinel("fc.activation_post_process.min_val", 1, 0, 1, 0)  # an empty running minimum
+    assert is_sentinel("fc.activation_post_process.max_val", 1, 0, 0, 1)
+    assert not is_sentinel("fc.activation_post_process.min_val", 1, 0, 0, 1)  # a minimum that saw -inf
+    assert not is_sentinel("fc.activation_post_process.max_val", 1, 0, 1, 0)
 
 
 @pytest.mark.parametrize("options", [{}, {"fuse": True}, {"sync": "lagged"}], ids=["eager", "fused", "lagged"])
@@ -268,8 +272,8 @@ def _checkpoint(mode="min", metric=None, **extra):
 def test_a_checkpoint_with_reduce_lr_on_plateau_and_a_best_loss_is_clean(mode, metric, apart):
     report = nanfast.check_all(_checkpoint(mode, metric, best_loss=INF, epoch=3))  # raises on anything bad
     assert report.ok and [e.name for e in report.sentinels] == [f"scheduler.{name}" for name in apart] + ["best_loss"]
-    assert "left out, as infinities a best or worst score starts from (best_loss, ReduceLROnPlateau's mode_worse, " \
-           "kth_value): scheduler." in report.summary()
+    assert "left out, as infinities a best or worst score or a running min or max starts from (best_loss, " \
+           "ReduceLROnPlateau's mode_worse, kth_value, an observer's min_val): scheduler." in report.summary()
     assert [e["name"] for e in report.to_dict()["sentinels"]] == [e.name for e in report.sentinels]
 
 
@@ -287,4 +291,30 @@ def test_a_scan_lists_a_saved_best_score_apart(capsys, tmp_path):
     result = scan.scan_file(str(path))
     assert result.status == "clean" and [e.name for e in result.report.sentinels] == ["best_val_loss"]
     assert main(["scan", str(path)]) == 0
-    assert ": clean; left out, as infinities a best or worst score starts from" in capsys.readouterr().out
+    assert ": clean; left out, as infinities a best or worst score or a running min or max starts from" \
+           in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_model_prepared_for_quantization_aware_training_is_clean_before_its_first_forward():
+    quantization = pytest.importorskip("torch.ao.quantization")
+
+    class Small(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.fc, self.dequant = quantization.QuantStub(), torch.nn.Linear(4, 4), quantization.DeQuantStub()
+
+        def forward(self, x):
+            return self.dequant(self.fc(self.quant(x)))
+
+    model = Small().train()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    quantization.prepare_qat(model, inplace=True)
+    report = nanfast.check_all(model)  # its observers' min_val (+inf) and max_val (-inf): raises on anything bad
+    assert sorted(e.name.rsplit(".", 1)[-1] for e in report.sentinels) == ["max_val", "max_val", "min_val", "min_val"]
+    model(torch.randn(2, 4))
+    assert nanfast.check_all(model).sentinels == []  # seen data: finite
+    observer = model.fc.activation_post_process.activation_post_process
+    observer.min_val.fill_(-INF)  # a minimum that saw -inf is a fault
+    assert [e.name for e in nanfast.check_all(model, raise_on_nonfinite=False).bad] == [
+        "fc.activation_post_process.activation_post_process.min_val"]
