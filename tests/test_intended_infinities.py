@@ -10,6 +10,8 @@ own output is -inf on purpose (masked logits) is ignored under the name events g
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -318,3 +320,32 @@ def test_a_model_prepared_for_quantization_aware_training_is_clean_before_its_fi
     observer.min_val.fill_(-INF)  # a minimum that saw -inf is a fault
     assert [e.name for e in nanfast.check_all(model, raise_on_nonfinite=False).bad] == [
         "fc.activation_post_process.activation_post_process.min_val"]
+
+
+class MaskedAttention(torch.nn.Module):
+    def __init__(self, need_weights):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+        self.need_weights = need_weights
+
+    def forward(self, x, attn_mask):
+        return self.head(self.attn(x, x, x, attn_mask=attn_mask, need_weights=self.need_weights)[0])
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_a_mask_that_masks_a_whole_head_is_found_where_it_makes_nan(need_weights):
+    # pytorch/pytorch#160064 (and #41508): a head whose every key is masked gets NaN from
+    # MultiheadAttention's plain softmax (need_weights=True); the fast path's safe softmax gives 0. The
+    # mask's -inf are not counted, so what is named is where the NaN is made, whichever torch does.
+    model = MaskedAttention(need_weights)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, attn_mask = torch.randn(2, 5, 8), torch.zeros(2 * 2, 5, 5)
+    attn_mask[1] = -INF  # sample 0, head 1
+    with torch.no_grad():
+        makes_nan = bool(model.attn(x, x, x, attn_mask=attn_mask, need_weights=need_weights)[0].isnan().any())
+    with nanfast.watch(model, optimizer, action="warn") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model(x, attn_mask).sum().backward()
+        optimizer.step()
+    assert [(e.first.phase, e.first.name) for e in w.events] == ([("forward", "attn")] if makes_nan else [])
