@@ -75,15 +75,13 @@ def _argument_namer(forward: Callable) -> Callable[[int], str]:
 
 
 def _signature_of(forward: Callable) -> tuple[tuple[str, ...], Optional[str], bool]:
-    """_signature of `forward`; of a bound method's function (read once per function), less `self`."""
+    """_signature of `forward`: of a bound method's function, read once per function (a class's, which
+    keeps no model alive), less `self`; of any other callable (a closure may hold the model), each time."""
     func = getattr(forward, "__func__", None)
-    if func is not None:
-        positional, rest, masks = _signature(func)
-        return positional[1:], rest, masks
-    try:
-        return _signature(forward)
-    except TypeError:  # an unhashable callable: read each time
+    if func is None:
         return _signature.__wrapped__(forward)
+    positional, rest, masks = _signature(func)
+    return positional[1:], rest, masks
 
 
 @functools.lru_cache(maxsize=64)
