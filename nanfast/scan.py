@@ -90,7 +90,8 @@ def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_chec
 
 
 def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> FileScan:
-    """Checks the values of every tensor in a checkpoint, CHUNK_BYTES at a time, running no pickled code.
+    """Checks the values of every tensor (and Python float) in a checkpoint, CHUNK_BYTES at a time,
+    running no pickled code.
 
     Args:
         path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, or
@@ -115,7 +116,10 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         else:
             obj = torch_load(path)
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
-            found = ((name, leaf) for name, leaf in loaded if isinstance(leaf, torch.Tensor) or is_numpy(leaf))
+            # Python floats too, as check_all reads them: an optimizer's lr, a stored loss (a NaN lr resumes
+            # into NaN training); a score's initial inf is a sentinel (NOTE: [Sentinel infinities]).
+            found = ((name, leaf) for name, leaf in loaded
+                     if isinstance(leaf, (torch.Tensor, float, complex)) or is_numpy(leaf))
         for name, leaf in found:
             t = values_tensor(leaf)
             if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it

@@ -375,13 +375,32 @@ def test_scan_finds_tensors_in_sets_and_tensor_attributes(capsys, tmp_path):
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["w.scale", "s{0}"]
 
 
+def test_python_floats_are_read_as_check_all_reads_them(capsys, tmp_path):
+    """A checkpoint's Python floats are values too: a NaN learning rate in the optimizer's state resumes
+    into NaN training; a scheduler's initial best score is a sentinel (ReduceLROnPlateau's `best` and
+    `mode_worse` are inf in its state_dict)."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    path = tmp_path / "checkpoint.pt"
+    torch.save(state, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "clean" and [e.name for e in result.report.sentinels] == ["scheduler.mode_worse",
+                                                                                      "scheduler.best"]
+    state["optimizer"]["param_groups"][0]["lr"] = NAN
+    torch.save(state, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and "optimizer.param_groups[0].lr  ()" in out
+
+
 def test_a_checkpoint_with_no_tensor_is_empty_not_clean(capsys, tmp_path):
-    """A file read whole that holds no tensor (a torch.save of hyperparameters, numbers and strings; a
-    .safetensors file with no tensor; the wrong file of a checkpoint folder) is named empty: nothing was
-    checked, so it is not called clean; nothing in it is unreadable or non-finite, so the exit code is 0
-    (2 if another file is unreadable, 1 if another holds NaN/inf, as before)."""
+    """A file read whole that holds no values (a torch.save of integers and strings; a .safetensors file
+    with no tensor; the wrong file of a checkpoint folder) is named empty: nothing was checked, so it is
+    not called clean; nothing in it is unreadable or non-finite, so the exit code is 0 (2 if another file
+    is unreadable, 1 if another holds NaN/inf, as before). Its floats would be read (see the next test)."""
     args = tmp_path / "training_args.bin"
-    torch.save({"learning_rate": 5e-5, "output_dir": "out", "seed": 42, "fp16": False}, args)
+    torch.save({"output_dir": "out", "seed": 42, "fp16": False, "warmup_steps": 0}, args)
     paths = [args]
     safetensors_torch = pytest.importorskip("safetensors.torch")
     empty_safetensors = tmp_path / "empty.safetensors"
@@ -525,8 +544,8 @@ def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp
 
 def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     """What `nanfast scan checkpoint-2/` says of the files the HF Trainer wrote: the weights (safetensors),
-    the optimizer's state and the RNG states (numpy's among them) read and clean; the scheduler's state
-    holds no tensor; the training arguments are a pickled object, refused unrun; the JSON files skipped."""
+    the optimizer's state, the RNG states (numpy's among them) and the scheduler's (its learning rates)
+    read and clean; the training arguments are a pickled object, refused unrun; the JSON files skipped."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -541,5 +560,5 @@ def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     code, out = run_scan(capsys, "--json", tmp_path / "checkpoint-2")
     statuses = {os.path.basename(f["path"]): f["status"] for f in json.loads(out)["files"]}
     assert statuses == {"model.safetensors": "clean", "optimizer.pt": "clean", "rng_state.pth": "clean",
-                        "scheduler.pt": "empty", "training_args.bin": "refused"}
+                        "scheduler.pt": "clean", "training_args.bin": "refused"}
     assert code == 2  # a file not read whole
