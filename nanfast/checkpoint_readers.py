@@ -1,5 +1,5 @@
 """Reading checkpoint files without running pickled code, one format each: torch.save files (zip or
-legacy, weights-only, numpy arrays allowed), safetensors files and numpy's .npy/.npz, as (name, tensor
+legacy, weights-only, numpy arrays allowed, other libraries' objects read as data), safetensors files and numpy's .npy/.npz, as (name, tensor
 or array) pairs; and the errors that say why a file is not read (`Refused`, `Unreadable`). nanfast.scan
 checks what they give."""
 
@@ -107,8 +107,66 @@ def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
         raise
 
 
-def torch_load(path: str) -> Any:
-    """A torch.save file's object, loaded weights-only on the CPU (memory-mapped where it can be).
+# NOTE: [Other libraries' objects in checkpoints]
+# A checkpoint may pickle objects of other libraries: the HF Trainer's training_args.bin is a
+# TrainingArguments holding transformers' and accelerate's enums and configs. Weights-only loading
+# refuses every class it does not know, and loading the file for real would import those libraries and
+# run their code on the file's say-so; refusing it made a scan of every healthy Trainer checkpoint
+# directory exit 2. So the classes and functions a file names are given inert stand-ins (a StandIn: a
+# dict of the arguments and the state the file gives the object), registered under the names the file
+# uses: nothing is imported, nothing the file names runs, and the values in them (a learning rate, a
+# stored loss) are checked as anywhere else; the names are listed with the scan's result. A file that
+# names anything of a module whose objects run code (os, subprocess, builtins, ...) is refused as
+# before: no checkpoint needs them, and a hostile pickle does. Legacy (non-zip) files are not listed
+# this way (torch cannot list their globals) and stay refused.
+_CODE_MODULES = frozenset({
+    "os", "posix", "nt", "sys", "subprocess", "builtins", "__builtin__", "shutil", "socket", "importlib", "runpy",
+    "pty", "code", "codeop", "ctypes", "pickle", "_pickle", "marshal", "types", "webbrowser", "pdb", "timeit",
+    "platform", "io", "_io", "operator", "tempfile", "glob", "signal", "multiprocessing", "threading", "asyncio",
+    "urllib", "http", "ftplib", "smtplib", "telnetlib", "requests"})
+
+
+class StandIn(dict):
+    """An object of a class (or the result of a function) a checkpoint names, never imported: the
+    arguments (under "args") and the state the file gives it, as data (see NOTE: [Other libraries'
+    objects in checkpoints])."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StandIn":
+        self = super().__new__(cls)
+        if args:
+            self["args"] = args
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the arguments are kept by __new__
+        super().__init__()
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.update(state)
+        else:
+            self["state"] = state
+
+
+def _stand_ins(path: str, is_zip: bool) -> list[tuple[type, str]]:
+    """A stand-in class for each global the file names that weights-only loading does not allow, under
+    its name; none for a file that names a module whose objects run code or whose globals torch cannot
+    list (a legacy file)."""
+    if not is_zip:
+        return []
+    with torch.serialization.safe_globals(_numpy_globals()):  # those are allowed: no stand-in for them
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    if any(name.split(".", 1)[0] in _CODE_MODULES for name in names):
+        return []
+    return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
+
+
+def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
+    """A torch.save file's object, loaded weights-only on the CPU (memory-mapped where it can be), with
+    the names of the classes and functions of other libraries it holds, read as data (see NOTE: [Other
+    libraries' objects in checkpoints]).
+
+    Returns:
+        (the object, those names: () for most files).
 
     Raises:
         Refused: its pickle asks to run code.
@@ -124,18 +182,21 @@ def torch_load(path: str) -> Any:
     # (non-zip) format cannot be mapped and are read whole.
     mmap = is_zip and not _compressed(path)
 
-    def load() -> Any:
-        with torch.serialization.safe_globals(_numpy_globals()):  # NOTE: [numpy arrays in checkpoints]
+    def load(stand_ins: list) -> Any:
+        with torch.serialization.safe_globals(_numpy_globals() + stand_ins):  # NOTE: [numpy arrays in checkpoints]
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
     try:
         try:
-            return load()
+            return load([]), ()
         except pickle.UnpicklingError as e:
-            if "torch._dynamo" not in str(e) or "torch._dynamo" in sys.modules:
+            if "torch._dynamo" in str(e) and "torch._dynamo" not in sys.modules:
+                importlib.import_module("torch._dynamo")  # allows the names a nested jagged tensor's pickle holds
+                return load([]), ()
+            stand_ins = _stand_ins(path, is_zip) if re.search(r"GLOBAL (\S+)", str(e)) else []
+            if not stand_ins:
                 raise
-            importlib.import_module("torch._dynamo")  # allows the names a nested jagged tensor's pickle holds
-            return load()
+            return load(stand_ins), tuple(name for _, name in stand_ins)
     except pickle.UnpicklingError as e:
         if found := re.search(r"GLOBAL (\S+)", str(e)):
             raise Refused(f"its pickle asks to run {found.group(1)}; weights-only loading never runs code from "

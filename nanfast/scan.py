@@ -44,10 +44,14 @@ class FileScan:
     report: Optional[Report] = None
     error: Optional[str] = None
     not_checked: tuple[tuple[str, str], ...] = ()  # (name, why) of the tensors whose values were not read
+    # Other libraries' classes and functions the file names, read as data, never imported (see NOTE:
+    # [Other libraries' objects in checkpoints] in checkpoint_readers.py).
+    stand_ins: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "status": self.status, "error": self.error,
-                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked]}
+                             "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked],
+                             "read_as_data": list(self.stand_ins)}
         if self.report is not None:  # intended infinities (masks, sentinels) listed apart: nanfast/intended.py
             d.update(num_tensors=self.report.num_tensors, num_elements=self.report.num_elements,
                      bad=[e.to_dict() for e in self.report.bad], masks=[e.to_dict() for e in self.report.masks],
@@ -107,6 +111,7 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     not_checked: list[tuple[str, str]] = []
     chunk: list[tuple[str, torch.Tensor]] = []
     chunk_bytes = 0
+    stand_ins: tuple[str, ...] = ()
     try:
         require_regular_file(path)
         if path.endswith(".safetensors"):
@@ -114,7 +119,7 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         elif path.endswith((".npy", ".npz")):
             found = numpy_file_arrays(path)
         else:
-            obj = torch_load(path)
+            obj, stand_ins = torch_load(path)
             loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
             # Python floats too, as check_all reads them: an optimizer's lr, a stored loss (a NaN lr resumes
             # into NaN training); a score's initial inf is a sentinel (NOTE: [Sentinel infinities]).
@@ -147,7 +152,7 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     report = Report(tuple(entries))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")
-    return FileScan(path, status, report, not_checked=tuple(not_checked))
+    return FileScan(path, status, report, not_checked=tuple(not_checked), stand_ins=stand_ins)
 
 
 def checkpoint_files(path: str) -> Union[list[str], FileScan]:
@@ -198,6 +203,9 @@ def format_scan(scan: FileScan) -> str:
         named = first_few([f"{name!r} ({why})" for name, why in scan.not_checked], MAX_NAMED_IN_MESSAGE)
         missed = f"; {len(scan.not_checked)} not checked: {named}"
     missed += report.intended_text()
+    if scan.stand_ins:
+        missed += (f"; objects of {len(scan.stand_ins)} other classes read as data, never imported: "
+                   f"{first_few(list(scan.stand_ins), MAX_NAMED_IN_MESSAGE)}")
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":

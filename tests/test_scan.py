@@ -115,6 +115,29 @@ def test_scan_refuses_a_malicious_file_without_running_it(capsys, tmp_path):
     assert not marker.exists()
 
 
+class WholeModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+        self.act = torch.nn.GELU(approximate="tanh")
+
+
+def test_a_whole_pickled_model_is_read_as_data(capsys, tmp_path):
+    """torch.save(model) pickles the modules themselves: their classes are read as data, never imported
+    or run (NOTE: [Other libraries' objects in checkpoints]), and the weights in them are checked."""
+    model = WholeModel()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = NAN
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["_modules.fc._parameters.weight"]
+    assert sorted(result.stand_ins) == [f"{__name__}.WholeModel", "torch.nn.modules.activation.GELU",
+                                        "torch.nn.modules.linear.Linear"]
+    code, out = run_scan(capsys, "--json", path)
+    assert code == 1 and json.loads(out)["files"][0]["read_as_data"] == list(result.stand_ins)
+
+
 def test_scan_missing_file(capsys, tmp_path):
     code, out = run_scan(capsys, tmp_path / "nope.pt")
     assert code == 2 and "unreadable: [Errno 2] No such file or directory" in out
@@ -544,8 +567,10 @@ def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp
 
 def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     """What `nanfast scan checkpoint-2/` says of the files the HF Trainer wrote: the weights (safetensors),
-    the optimizer's state, the RNG states (numpy's among them) and the scheduler's (its learning rates)
-    read and clean; the training arguments are a pickled object, refused unrun; the JSON files skipped."""
+    the optimizer's state, the RNG states (numpy's among them), the scheduler's (its learning rates) and
+    the training arguments (a pickled TrainingArguments, read as data with stand-ins for transformers'
+    and accelerate's classes, none imported: NOTE: [Other libraries' objects in checkpoints]) read and
+    clean: exit 0; the JSON files skipped. A NaN learning rate in the arguments is found."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -558,7 +583,22 @@ def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     transformers.Trainer(model=model, args=args, train_dataset=data).train()
     capsys.readouterr()  # the Trainer's own prints
     code, out = run_scan(capsys, "--json", tmp_path / "checkpoint-2")
-    statuses = {os.path.basename(f["path"]): f["status"] for f in json.loads(out)["files"]}
-    assert statuses == {"model.safetensors": "clean", "optimizer.pt": "clean", "rng_state.pth": "clean",
-                        "scheduler.pt": "clean", "training_args.bin": "refused"}
-    assert code == 2  # a file not read whole
+    files = {os.path.basename(f["path"]): f for f in json.loads(out)["files"]}
+    assert {name: f["status"] for name, f in files.items()} == {
+        "model.safetensors": "clean", "optimizer.pt": "clean", "rng_state.pth": "clean", "scheduler.pt": "clean",
+        "training_args.bin": "clean"}
+    assert code == 0
+    assert "transformers.training_args.TrainingArguments" in files["training_args.bin"]["read_as_data"]
+    assert all(not f["read_as_data"] for name, f in files.items() if name != "training_args.bin")
+    arguments = tmp_path / "checkpoint-2" / "training_args.bin"
+    # In a process that has not imported them, the scan imports neither library.
+    probe = ("import sys; from nanfast import scan; r = scan.scan_file(sys.argv[1]); "
+             "print(r.status, sorted(m for m in ('transformers', 'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, str(arguments)], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["clean", "[]"], done.stderr
+    code, out = run_scan(capsys, arguments)
+    assert code == 0 and ": clean; objects of" in out and "read as data, never imported:" in out
+    args.learning_rate = NAN
+    torch.save(args, arguments)
+    code, out = run_scan(capsys, arguments)
+    assert code == 1 and "learning_rate" in out
