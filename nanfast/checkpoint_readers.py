@@ -6,6 +6,7 @@ checks what they give."""
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import pickletools
@@ -14,7 +15,7 @@ import stat
 import sys
 import zipfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -147,14 +148,14 @@ class StandIn(dict):
             self["state"] = state
 
 
-def _stand_ins(path: str, is_zip: bool) -> list[tuple[type, str]]:
+def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type, str]]:
     """A stand-in class for each global the file names that weights-only loading does not allow, under
     its name; none for a file that names a module whose objects run code or whose globals torch cannot
     list (a legacy file)."""
     if not is_zip:
         return []
     with torch.serialization.safe_globals(_numpy_globals()):  # those are allowed: no stand-in for them
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     if any(name.split(".", 1)[0] in _CODE_MODULES for name in names):
         return []
     return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
@@ -180,11 +181,18 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
         raise Unreadable(_not_a_checkpoint(path))
     # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
     # (non-zip) format cannot be mapped and are read whole.
-    mmap = is_zip and not _compressed(path)
+    return load_weights_only(path, is_zip, mmap=is_zip and not _compressed(path))
+
+
+def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool, mmap: bool = False) -> tuple[Any, tuple[str, ...]]:
+    """torch_load's loading of a torch.save file or bytes, once their format is known (is_zip: the zip
+    format, else the legacy one); the same returns and raises."""
 
     def load(stand_ins: list) -> Any:
+        if not isinstance(source, str):
+            source.seek(0)
         with torch.serialization.safe_globals(_numpy_globals() + stand_ins):  # NOTE: [numpy arrays in checkpoints]
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
 
     try:
         try:
@@ -193,7 +201,7 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
             if "torch._dynamo" in str(e) and "torch._dynamo" not in sys.modules:
                 importlib.import_module("torch._dynamo")  # allows the names a nested jagged tensor's pickle holds
                 return load([]), ()
-            stand_ins = _stand_ins(path, is_zip) if re.search(r"GLOBAL (\S+)", str(e)) else []
+            stand_ins = _stand_ins(source, is_zip) if re.search(r"GLOBAL (\S+)", str(e)) else []
             if not stand_ins:
                 raise
             return load(stand_ins), tuple(name for _, name in stand_ins)

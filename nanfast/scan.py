@@ -1,5 +1,5 @@
-"""Checking checkpoints (.pt/.pth/.bin/.ckpt, .safetensors, numpy's .npy/.npz) for NaN/inf without running
-pickled code: `scan_file`, the files a path stands for (`checkpoint_files`: a directory's, a sharded
+"""Checking checkpoints (.pt/.pth/.bin/.ckpt, .safetensors, numpy's .npy/.npz, torch.distributed.checkpoint
+directories) for NaN/inf without running pickled code: `scan_file`, the files a path stands for (`checkpoint_files`: a directory's, a sharded
 checkpoint's shards), and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean or empty
 (every tensor read), 1 non-finite values found, 2 an input could not be read whole (refused,
 unreadable, or some of its tensors not checked)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -18,6 +18,7 @@ from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
                                  require_regular_file, safetensors_tensors, torch_load)
+from .dcp_reader import NotRead, dcp_items, is_dcp_directory
 from .ops import reads_dtype
 from .report import Entry, Report, first_few
 
@@ -82,6 +83,19 @@ def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[st
     return name, t
 
 
+def _leaves(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The leaves a scan reads in each named object: tensors, numpy arrays and Python floats, as check_all
+    reads them (a NaN learning rate resumes into NaN training; a score's initial inf is a sentinel: NOTE:
+    [Sentinel infinities]); NotRead items as they are."""
+    for prefix, obj in items:
+        if isinstance(obj, NotRead):
+            yield prefix, obj
+            continue
+        for name, leaf in named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True):
+            if isinstance(leaf, (torch.Tensor, float, complex)) or is_numpy(leaf):
+                yield (f"{prefix}.{name}" if name else prefix) if prefix else name, leaf
+
+
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:
     try:
         entries += check_all(chunk, raise_on_nonfinite=False).entries
@@ -98,8 +112,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     running no pickled code.
 
     Args:
-        path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, or
-            a numpy .npy or .npz file.
+        path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, a
+            numpy .npy or .npz file, or a torch.distributed.checkpoint directory.
         on_checked: called with the bytes of each chunk once checked (for a progress bar).
 
     Returns:
@@ -113,19 +127,21 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     chunk_bytes = 0
     stand_ins: tuple[str, ...] = ()
     try:
-        require_regular_file(path)
-        if path.endswith(".safetensors"):
-            found = safetensors_tensors(path)
-        elif path.endswith((".npy", ".npz")):
-            found = numpy_file_arrays(path)
+        if is_dcp_directory(path):  # see NOTE: [Distributed checkpoints]
+            found = _leaves(dcp_items(path))
         else:
-            obj, stand_ins = torch_load(path)
-            loaded = named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True)
-            # Python floats too, as check_all reads them: an optimizer's lr, a stored loss (a NaN lr resumes
-            # into NaN training); a score's initial inf is a sentinel (NOTE: [Sentinel infinities]).
-            found = ((name, leaf) for name, leaf in loaded
-                     if isinstance(leaf, (torch.Tensor, float, complex)) or is_numpy(leaf))
+            require_regular_file(path)
+            if path.endswith(".safetensors"):
+                found = safetensors_tensors(path)
+            elif path.endswith((".npy", ".npz")):
+                found = numpy_file_arrays(path)
+            else:
+                obj, stand_ins = torch_load(path)
+                found = _leaves([("", obj)])
         for name, leaf in found:
+            if isinstance(leaf, NotRead):
+                not_checked.append((name, leaf.reason))
+                continue
             t = values_tensor(leaf)
             if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it
                 continue
@@ -168,6 +184,8 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
         The paths, sorted for a directory, in the index's order for an index; or the FileScan of `path`
         when it names none: a directory with no checkpoint file ("refused"), an index that is not one
         ("unreadable")."""
+    if is_dcp_directory(path):  # one checkpoint, read as a whole (NOTE: [Distributed checkpoints])
+        return [path]
     if os.path.isdir(path):
         files = sorted(os.path.join(path, name) for name in os.listdir(path)
                        if name.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(path, name)))

@@ -222,10 +222,33 @@ def ddp_watch_rollback(rank, mesh):
     return _ddp_training(rank, "rollback", fault_rank=1, fault_step=2, fault="param")
 
 
+def fsdp2_dcp_save(rank, mesh):
+    """A fully_shard model and its optimizer saved with torch.distributed.checkpoint (each rank writes its
+    shards), rank 1's shard of 0.weight holding a NaN: the checkpoint the scan reads (its directory)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _sharded_model(mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).square().sum().backward()
+    optimizer.step()
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.to_local()[0, 0] = float("nan")
+    path = os.path.join(_TMP, "dcp")
+    torch.Tensor.numpy = _REAL_NUMPY  # DCP's own object gathering needs numpy (nanfast does not)
+    try:
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=path)
+    finally:
+        torch.Tensor.numpy = _no_numpy
+    return {"path": path, "local_rows": model[0].weight.to_local().shape[0]}
+
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
-             ddp_watch_rollback, fsdp2_watch_skip]
+             ddp_watch_rollback, fsdp2_watch_skip, fsdp2_dcp_save]
 if not FSDP2_TRAINS_ON_CPU:
-    SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip)]
+    SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
+_TMP = ""  # the spawn's directory, set in each rank's process
+_REAL_NUMPY = torch.Tensor.numpy
 
 
 def _raises(fn):
@@ -244,6 +267,8 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     # As for a user without numpy (nanfast does not depend on it; torch's all_gather_object needs it):
     # every scenario runs with Tensor.numpy failing as it does then.
     torch.Tensor.numpy = _no_numpy
+    global _TMP
+    _TMP = tmp
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
     torch.set_num_threads(1)
@@ -405,3 +430,23 @@ def test_fsdp2_watch_ranks_skip_together(ranks):
         assert r["changed"] == [True, False, True]
         assert r["events"] == [(1, 1, (1,), "grad", "1.weight")]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["full_params"], results[1]["full_params"]))
+
+
+@needs_fsdp2_training
+def test_a_distributed_checkpoint_of_a_sharded_model_is_scanned_chunk_by_chunk(ranks, capsys):
+    """nanfast scan DIR on what torch.distributed.checkpoint wrote for a fully_shard model (NOTE:
+    [Distributed checkpoints]): every chunk of every rank is read, the NaN in rank 1's chunk is named by
+    its tensor and offsets, nothing else is bad."""
+    from nanfast import scan
+    from nanfast.cli import main
+
+    results = _results(ranks, fsdp2_dcp_save)
+    path, rows = results[0]["path"], results[0]["local_rows"]
+    assert scan.checkpoint_files(path) == [path]
+    result = scan.scan_file(path)
+    assert result.status == "nonfinite" and result.not_checked == ()
+    assert [(e.name, e.nan) for e in result.report.bad] == [(f"model.0.weight[{rows}, 0]", 1)]
+    names = [e.name for e in result.report.entries]
+    assert "model.0.weight[0, 0]" in names and "model.1.bias[0]" in names  # both ranks' chunks
+    assert any(name.startswith("optim.state.") and "exp_avg_sq" in name for name in names)
+    assert main(["scan", path]) == 1 and f"model.0.weight[{rows}, 0]" in capsys.readouterr().out

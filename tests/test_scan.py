@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import os
 import pickle
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import types
+import warnings
 import zipfile
 
 import pytest
@@ -602,3 +604,62 @@ def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     torch.save(args, arguments)
     code, out = run_scan(capsys, arguments)
     assert code == 1 and "learning_rate" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint directories (NOTE: [Distributed checkpoints]; a sharded one in
+# test_distributed.py)
+# --------------------------------------------------------------------------------------------------
+
+def _dcp_checkpoint(tmp_path, nan=False):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    if nan:
+        with torch.no_grad():
+            model[1].bias[0] = NAN
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"lr": 0.5}},
+                 checkpoint_id=str(path))
+    return path
+
+
+def test_a_distributed_checkpoint_directory_is_read_item_by_item(capsys, tmp_path):
+    path = _dcp_checkpoint(tmp_path)
+    assert scan.checkpoint_files(str(path)) == [str(path)]
+    result = scan.scan_file(str(path))
+    names = [e.name for e in result.report.entries]
+    assert result.status == "clean" and result.not_checked == ()
+    assert {"model.0.weight", "optim.state.0.exp_avg_sq", "optim.param_groups.0.lr", "extra.lr"} <= set(names)
+    assert run_scan(capsys, path)[0] == 0
+    poisoned = _dcp_checkpoint(tmp_path / "poisoned", nan=True)
+    code, out = run_scan(capsys, poisoned)
+    assert code == 1 and "model.1.bias" in out
+
+
+def test_a_distributed_checkpoints_metadata_runs_nothing(capsys, tmp_path):
+    path = _dcp_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "refused: its .metadata names" in out and not marker.exists()
+    (path / ".metadata").write_bytes(b"not a pickle")
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "unreadable: its .metadata is not a distributed checkpoint's metadata" in out
+
+
+def test_a_distributed_checkpoint_item_outside_its_directory_is_not_read(capsys, tmp_path):
+    path = _dcp_checkpoint(tmp_path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # ours: written just above
+    index = next(i for i in metadata.storage_data if i.fqn == "model.0.weight")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="../elsewhere.distcp")
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    result = scan.scan_file(str(path))
+    assert result.status == "incomplete" and [name for name, _ in result.not_checked] == ["model.0.weight"]
+    assert "is not a file in the checkpoint's directory" in result.not_checked[0][1]

@@ -1,0 +1,127 @@
+"""Reading a torch.distributed.checkpoint (DCP) directory without running pickled code: its `.metadata`
+through an unpickler that knows only DCP's own record classes, then each stored item from its
+`.distcp` file, weights-only (see NOTE: [Distributed checkpoints])."""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pathlib
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .checkpoint_readers import Refused, Unreadable, load_weights_only
+
+METADATA = ".metadata"
+
+# NOTE: [Distributed checkpoints]
+# FSDP2 and other sharded training save with torch.distributed.checkpoint: a directory of `.distcp`
+# files and one `.metadata` that says where each item lies (file, offset, length) and, for a tensor,
+# which chunk of it (offsets, sizes). DCP reads `.metadata` with pickle.load, which would run any code a
+# hostile file names; nanfast unpickles it with find_class limited to DCP's record classes (dataclasses
+# whose construction runs nothing), torch's Size, dtypes, layouts and memory formats, and paths, and
+# refuses a file that names anything else. Each item is then read on its own: a tensor chunk is a
+# torch.save of that chunk, a non-tensor (a step counter, an optimizer's hyper-parameters) a torch.save
+# of the object, both loaded weights-only (other libraries' objects as data: NOTE: [Other libraries'
+# objects in checkpoints]). An item stored through a transform (DCP's compression extensions) or in
+# another serialization format is listed as not checked. A chunk is named by its tensor's name and,
+# when the tensor has several chunks, its offsets ("model.w[0, 512]").
+
+
+@functools.lru_cache(maxsize=1)
+def _allowed() -> dict[str, Any]:
+    """What a DCP `.metadata` may name, by name (see the NOTE)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[str, Any] = {f"torch.distributed.checkpoint.metadata.{name}": getattr(metadata, name)
+                               for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                                            "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                            "_MEM_FORMAT_ENCODING")
+                               if hasattr(metadata, name)}
+    allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = filesystem._StorageInfo
+    allowed["torch.Size"] = torch.Size
+    allowed["torch.serialization._get_layout"] = torch.serialization._get_layout
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        allowed[f"pathlib.{name}"] = getattr(pathlib, name)
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle's unpickler with find_class limited to what a DCP `.metadata` holds (see the NOTE)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed().get(f"{module}.{name}")
+        if found is None and module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                found = value
+        if found is None:
+            raise Refused(f"its {METADATA} names {module}.{name}, which a distributed checkpoint's metadata does not "
+                          "hold; nanfast does not load it")
+        return found
+
+
+def is_dcp_directory(path: str) -> bool:
+    """Whether `path` is a directory holding a torch.distributed.checkpoint (its `.metadata` file)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
+
+
+class NotRead:
+    """An item that cannot be read, and why (the scan lists it as not checked)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
+    """A DCP directory's (name, value) pairs: each tensor chunk as a tensor, each other item as the object
+    it stores, an item that cannot be read as NotRead (see NOTE: [Distributed checkpoints]).
+
+    Raises:
+        Refused: its `.metadata` names a class a DCP metadata does not hold.
+        Unreadable: its `.metadata` is not a DCP metadata."""
+    try:
+        _allowed()
+    except ImportError as e:  # a torch built without torch.distributed
+        raise Unreadable(f"reading a distributed checkpoint needs torch.distributed ({e})") from None
+    with open(os.path.join(path, METADATA), "rb") as f:
+        try:
+            metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+            raise Unreadable(f"its {METADATA} is not a distributed checkpoint's metadata ({type(e).__name__}: {e})") from None
+    items = getattr(metadata, "storage_data", None)
+    described = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(items, dict) or not isinstance(described, dict):
+        raise Unreadable(f"its {METADATA} is not a distributed checkpoint's metadata (no storage_data)")
+    chunks = {fqn: len(getattr(entry, "chunks", ()) or ()) for fqn, entry in described.items()}
+    for index, where in items.items():
+        fqn = index.fqn
+        name = fqn if index.offset is None or chunks.get(fqn, 1) <= 1 else f"{fqn}{list(index.offset)}"
+        if getattr(where, "transform_descriptors", None):
+            yield name, NotRead(f"stored through {', '.join(map(str, where.transform_descriptors))}, which nanfast "
+                                "does not read")
+            continue
+        yield name, _item(path, where)
+
+
+def _item(path: str, where: Any) -> Any:
+    """One stored item: the object its torch.save holds, or NotRead."""
+    file = os.path.join(path, where.relative_path)
+    if os.path.dirname(os.path.normpath(where.relative_path)) or not os.path.isfile(file):
+        return NotRead(f"its file {where.relative_path!r} is not a file in the checkpoint's directory")
+    with open(file, "rb") as f:
+        f.seek(where.offset)
+        blob = f.read(where.length)
+    if len(blob) != where.length:
+        return NotRead(f"{where.relative_path} ends before the item's {where.length} bytes at {where.offset}")
+    if not blob.startswith(b"PK\x03\x04"):
+        return NotRead("not stored as a torch.save (another DCP serialization format), which nanfast does not read")
+    try:
+        value, _ = load_weights_only(io.BytesIO(blob), is_zip=True)
+    except (Refused, Unreadable, pickle.UnpicklingError, RuntimeError) as e:
+        return NotRead(f"its torch.save could not be read: {e}")
+    return value
