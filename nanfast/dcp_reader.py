@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_readers import Refused, Unreadable, load_weights_only
+from .checkpoint_readers import Refused, Unreadable, first_sentence, load_weights_only
 
 METADATA = ".metadata"
 
@@ -122,6 +122,6 @@ def _item(path: str, where: Any) -> Any:
         return NotRead("not stored as a torch.save (another DCP serialization format), which nanfast does not read")
     try:
         value, _ = load_weights_only(io.BytesIO(blob), is_zip=True)
-    except (Refused, Unreadable, pickle.UnpicklingError, RuntimeError) as e:
-        return NotRead(f"its torch.save could not be read: {e}")
+    except Exception as e:  # noqa: BLE001  (a damaged item fails in many ways: it alone is not read)
+        return NotRead(f"its torch.save could not be read ({type(e).__name__}: {first_sentence(e)})")
     return value

@@ -663,3 +663,16 @@ def test_a_distributed_checkpoint_item_outside_its_directory_is_not_read(capsys,
     result = scan.scan_file(str(path))
     assert result.status == "incomplete" and [name for name, _ in result.not_checked] == ["model.0.weight"]
     assert "is not a file in the checkpoint's directory" in result.not_checked[0][1]
+
+
+def test_a_damaged_item_of_a_distributed_checkpoint_is_named_not_checked(tmp_path):
+    path = _dcp_checkpoint(tmp_path)
+    (distcp,) = path.glob("*.distcp")
+    data = bytearray(distcp.read_bytes())
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # ours: written just above
+    where = next(w for i, w in metadata.storage_data.items() if i.fqn == "model.1.weight")
+    data[where.offset + where.length // 2: where.offset + where.length // 2 + 64] = bytes(64)  # zeroes mid-item
+    distcp.write_bytes(bytes(data))
+    result = scan.scan_file(str(path))
+    assert result.status == "incomplete" and [name for name, _ in result.not_checked] == ["model.1.weight"]
+    assert "model.0.weight" in [e.name for e in result.report.entries]  # the others still read
