@@ -88,21 +88,26 @@ class Report:
     # in `masks` and `sentinels` rather than in `bad`; False for gradients.
     intended: bool = True
 
+    def _mask(self, e: Entry) -> bool:
+        return self.intended and is_additive_mask(e.name, e.nan, e.posinf, e.neginf)
+
+    def _sentinel(self, e: Entry) -> bool:
+        return self.intended and is_sentinel(e.name, e.numel, e.nan, e.posinf, e.neginf)
+
     @property
     def masks(self) -> list[Entry]:
         """The additive masks among the entries (see NOTE: [Additive masks]): not `bad`."""
-        return [e for e in self.entries if self.intended and is_additive_mask(e.name, e.nan, e.posinf, e.neginf)]
+        return [e for e in self.entries if self._mask(e)]
 
     @property
     def sentinels(self) -> list[Entry]:
         """The entries that are a score's initial infinity (see NOTE: [Sentinel infinities]): not `bad`."""
-        return [e for e in self.entries if self.intended and is_sentinel(e.name, e.numel, e.nan, e.posinf, e.neginf)]
+        return [e for e in self.entries if self._sentinel(e)]
 
     @property
     def bad(self) -> list[Entry]:
         """The entries that hold at least one NaN or infinity (intended infinities left out)."""
-        apart = {id(e) for e in (*self.masks, *self.sentinels)}
-        return [e for e in self.entries if e.nonfinite and id(e) not in apart]
+        return [e for e in self.entries if e.nonfinite and not (self._mask(e) or self._sentinel(e))]
 
     @property
     def ok(self) -> bool:

@@ -91,9 +91,9 @@ def _leaves(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         if isinstance(obj, NotRead):
             yield prefix, obj
             continue
-        for name, leaf in named_leaves(obj, brackets=True, shared_once=True, tensor_attributes=True):
+        for name, leaf in named_leaves(obj, prefix, brackets=True, shared_once=True, tensor_attributes=True):
             if isinstance(leaf, (torch.Tensor, float, complex)) or is_numpy(leaf):
-                yield (f"{prefix}.{name}" if name else prefix) if prefix else name, leaf
+                yield name, leaf
 
 
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:

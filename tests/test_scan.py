@@ -625,7 +625,7 @@ def _dcp_checkpoint(tmp_path, nan=False):
     path = tmp_path / "dcp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
-        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"lr": 0.5}},
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"lr": 0.5, "lrs": [0.1, 0.2]}},
                  checkpoint_id=str(path))
     return path
 
@@ -636,7 +636,7 @@ def test_a_distributed_checkpoint_directory_is_read_item_by_item(capsys, tmp_pat
     result = scan.scan_file(str(path))
     names = [e.name for e in result.report.entries]
     assert result.status == "clean" and result.not_checked == ()
-    assert {"model.0.weight", "optim.state.0.exp_avg_sq", "optim.param_groups.0.lr", "extra.lr"} <= set(names)
+    assert {"model.0.weight", "optim.state.0.exp_avg_sq", "optim.param_groups.0.lr", "extra.lr", "extra.lrs[1]"} <= set(names)
     assert run_scan(capsys, path)[0] == 0
     poisoned = _dcp_checkpoint(tmp_path / "poisoned", nan=True)
     code, out = run_scan(capsys, poisoned)
