@@ -54,9 +54,8 @@ class FileScan:
                              "not_checked": [{"name": name, "reason": why} for name, why in self.not_checked],
                              "read_as_data": list(self.stand_ins)}
         if self.report is not None:  # intended infinities (masks, sentinels) listed apart: nanfast/intended.py
-            d.update(num_tensors=self.report.num_tensors, num_elements=self.report.num_elements,
-                     bad=[e.to_dict() for e in self.report.bad], masks=[e.to_dict() for e in self.report.masks],
-                     sentinels=[e.to_dict() for e in self.report.sentinels])
+            report = self.report.to_dict()
+            d.update({key: report[key] for key in ("num_tensors", "num_elements", "bad", "masks", "sentinels")})
         return d
 
 
