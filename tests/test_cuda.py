@@ -23,11 +23,10 @@ import nanfast
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# csrc/cuda/stats_cuda.cu: elements per chunk (one block each), the tensors and blocks one launch
-# takes, and the dimensions a view may keep after merging. A 16-byte load holds 16 / itemsize elements.
+# csrc/cuda/stats_cuda.cu: elements per chunk (one block each), the tensors one launch takes, and the
+# dimensions a view may keep after merging. A 16-byte load holds 16 / itemsize elements.
 K_CHUNK = 65536  # kChunkElements
-K_BATCH_TENSORS = 96  # kBatchTensors
-K_BATCH_BLOCKS = 352  # kBatchBlocks
+K_BATCH_TENSORS = 128  # kBatchTensors
 K_MAX_DIMS = 16  # kMaxDims
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -290,7 +289,7 @@ def test_results_do_not_depend_on_batching(backend):
     """A tensor's results are the same bit for bit alone and after other tensors (which move its
     chunks to other launches and other blocks), and from call to call."""
     gen = torch.Generator().manual_seed(3)
-    big = random_tensor((K_BATCH_BLOCKS + 5) * K_CHUNK, torch.float32, gen, nonfinite_fraction=1e-6)
+    big = random_tensor(40 * K_CHUNK + 5, torch.float32, gen, nonfinite_fraction=1e-6)
     mid = random_tensor(3 * K_CHUNK + 1, torch.float64, gen)
     sizes = torch.randint(0, 3000, (K_BATCH_TENSORS + 5,), generator=gen).tolist()
     small = [random_tensor(n, torch.float16, gen) for n in sizes]
@@ -298,7 +297,9 @@ def test_results_do_not_depend_on_batching(backend):
     big, mid = on_device(big, backend.device), on_device(mid, backend.device)
     small = [on_device(t, backend.device) for t in small]
     alone = backend.stats([big, mid])
-    orders = ([big, mid], small + [big, mid], small[:1] + [big] + small[1:50] + [mid], small[:95] + [big, mid])
+    # The last: big is the last tensor of a full launch, mid the first of the next.
+    orders = ([big, mid], small + [big, mid], small[:1] + [big] + small[1:50] + [mid],
+              small[:K_BATCH_TENSORS - 1] + [big, mid])
     for tensor_list in orders:
         counts, norm, absmax = backend.stats(tensor_list)
         rows = [i for i, t in enumerate(tensor_list) if t is big or t is mid]
@@ -317,31 +318,21 @@ def test_negative_view_of_an_unsigned_tensor(backend):
 
 def expected_launches(chunks: list[int]) -> tuple[int, int]:
     """[launches, blocks] of nanfast_emu.stats over dense float32 tensors of these chunk counts: the
-    batching rule of launch_chunks() (a launch takes up to K_BATCH_TENSORS tensors and K_BATCH_BLOCKS
-    chunks), then one finishing block per tensor, 480 tensors a launch."""
-    launches, tensors_in_batch, blocks_in_batch = 0, 0, 0
-    for count in chunks:
-        for chunk in range(count):
-            if blocks_in_batch == K_BATCH_BLOCKS:
-                launches, tensors_in_batch, blocks_in_batch = launches + 1, 0, 0
-            if chunk == 0 or tensors_in_batch == 0:
-                if tensors_in_batch == K_BATCH_TENSORS:
-                    launches, tensors_in_batch, blocks_in_batch = launches + 1, 0, 0
-                tensors_in_batch += 1
-            blocks_in_batch += 1
-    launches += blocks_in_batch > 0
-    return launches + math.ceil(len(chunks) / 480), sum(chunks) + len(chunks)
+    batching rule of launch_chunks() (a launch takes up to K_BATCH_TENSORS whole non-empty tensors, one
+    block per chunk), then one finishing block per tensor, 480 tensors a launch."""
+    non_empty = sum(1 for count in chunks if count > 0)
+    return math.ceil(non_empty / K_BATCH_TENSORS) + math.ceil(len(chunks) / 480), sum(chunks) + len(chunks)
 
 
 @pytest.mark.parametrize(
     "chunks",
-    [[1] * (K_BATCH_TENSORS + 1), [K_BATCH_BLOCKS + 1], [K_BATCH_BLOCKS - 1, 3], [2] * (K_BATCH_BLOCKS // 2 + 1),
-     [1] * 500, [0, 0, 1, 0]],
-    ids=["tensors+1", "blocks+1", "tensor-across-launches", "pairs", "480+finish", "empty"],
+    [[1] * (K_BATCH_TENSORS + 1), [300], [3, 200, 1, 2], [2, 0] * K_BATCH_TENSORS, [1] * 500, [0, 0, 1, 0]],
+    ids=["tensors+1", "one-big", "uneven", "pairs-and-empties", "480+finish", "empty"],
 )
 def test_launch_batching(emulated, chunks):
-    """More tensors or chunks than one launch's ChunkBatch holds: the launches the batching rule plans,
-    and results equal to the CPU kernels' (a tensor may straddle two launches)."""
+    """More tensors than one launch's ChunkBatch holds, and tensors of many chunks: the launches the
+    batching rule plans (each block finds its tensor among the batch's), and results equal to the CPU
+    kernels'."""
     gen = torch.Generator().manual_seed(len(chunks))
     sizes = [max(0, (c - 1) * K_CHUNK + 1 + i % 50) for i, c in enumerate(chunks)]
     tensors = [torch.randn(n, generator=gen) for n in sizes]

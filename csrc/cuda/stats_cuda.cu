@@ -27,12 +27,16 @@ namespace {
 // NOTE: [CUDA multi-tensor chunks]
 // Every tensor is cut into chunks of kChunkElements elements (the last one may be shorter). A block
 // of kThreads threads reduces one chunk to a Partial, the chunk's piece, stored at
-// piece_base[tensor] + chunk. As in PyTorch's multi-tensor apply, the chunks of the dense tensors of
-// one dtype are batched into launches of a kernel templated on the dtype: a ChunkBatch, the kernel
-// argument itself (under the 4 KB limit, so no metadata is copied to the device and nothing waits
-// for the host), holds up to kBatchTensors tensors and one (tensor, chunk) entry per block, up to
-// kBatchBlocks of them; thousands of small tensors take a few launches, a huge one spreads over as
-// many. Threads read a dense chunk with 16-byte loads where its start is aligned for them. A view
+// piece_base[tensor] + chunk. The dense tensors of one dtype are batched into launches of a kernel
+// templated on the dtype: a ChunkBatch, the kernel argument itself (under the 4 KB limit, so no
+// metadata is copied to the device and nothing waits for the host), holds up to kBatchTensors whole
+// tensors and the first block of each; a launch has one block per chunk of its tensors, and a block
+// finds its tensor by a binary search over those first blocks (uniform in the block, in the
+// argument's constant bank). Unlike PyTorch's multi-tensor apply, which lists one (tensor, chunk)
+// entry per block and so caps a launch at a few hundred blocks, the grid is as large as the tensors:
+// on an H200, 352 blocks a launch kept only ~31% of the SMs' warp slots busy and stats read at 0.44x
+// the read ceiling (ncu, benchmarks/results/cuda-h200.md, section 5). Thousands of small tensors take
+// a few launches. Threads read a dense chunk with 16-byte loads where its start is aligned for them. A view
 // that is not dense gets a launch of its own that reads it in place through its sizes and strides,
 // with the same chunks. Threads accumulate with the shared code of nonfinite.h, a block merges its
 // threads' Partials in a fixed tree in shared memory, and a finishing kernel (one block per tensor,
@@ -47,13 +51,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kChunkElements = int64_t{1} << 16;
-constexpr int kBatchTensors = 96;
-constexpr int kBatchBlocks = 352;
+constexpr int kBatchTensors = 128;
+constexpr int64_t kMaxGridBlocks = std::numeric_limits<int32_t>::max();  // CUDA's limit on gridDim.x
 constexpr int64_t kFinishTensors = 480;
 constexpr int kMaxDims = 16;
 
 static_assert((kThreads & (kThreads - 1)) == 0, "block_reduce needs a power-of-two block");
-static_assert(kBatchTensors <= 256, "ChunkBatch::block_tensor is a uint8_t");
 
 // ---------------------------------------------------------------------------------------------
 // Device side: reading a chunk, reducing it in a block.
@@ -210,8 +213,8 @@ struct BatchTensor {
 
 struct ChunkBatch {
   BatchTensor tensors[kBatchTensors];
-  int32_t block_chunk[kBatchBlocks];   // block -> chunk of its tensor
-  uint8_t block_tensor[kBatchBlocks];  // block -> its tensor in `tensors`
+  int32_t first_block[kBatchTensors];  // tensors[t]'s chunks are blocks first_block[t], first_block[t] + 1, ...
+  int32_t num_tensors;
 };
 
 static_assert(
@@ -224,8 +227,21 @@ __device__ __forceinline__ int chunk_length(int64_t numel, int64_t begin) {
 
 template <typename T, typename Op>
 __global__ void __launch_bounds__(kThreads) dense_chunks_kernel(ChunkBatch batch, Op op) {
-  const BatchTensor& tensor = batch.tensors[batch.block_tensor[blockIdx.x]];
-  const int64_t chunk = batch.block_chunk[blockIdx.x];
+  // This block's tensor: the last one whose first block is at or before it (first_block[0] is 0, and
+  // first blocks increase: no tensor in a batch is empty).
+  const int32_t block = static_cast<int32_t>(blockIdx.x);
+  int lo = 0;
+  int hi = batch.num_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const BatchTensor& tensor = batch.tensors[lo];
+  const int64_t chunk = block - batch.first_block[lo];
   const int64_t begin = chunk * kChunkElements;
   op(DenseChunk<T>{static_cast<const T*>(tensor.data) + begin, chunk_length(tensor.numel, begin)},
      tensor.piece_base + chunk);
@@ -474,32 +490,25 @@ void launch_chunks(
     const std::vector<InputRun>& runs, const DtypeGroup& group, const std::vector<int64_t>& piece_base,
     const Op& op, cudaStream_t stream) {
   ChunkBatch batch{};
-  int num_tensors = 0;
-  int num_blocks = 0;
+  int64_t num_blocks = 0;
   const auto flush = [&] {
-    if (num_blocks > 0) {
-      dense_chunks_kernel<T, Op><<<num_blocks, kThreads, 0, stream>>>(batch, op);
+    if (batch.num_tensors > 0) {
+      dense_chunks_kernel<T, Op><<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(batch, op);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    num_tensors = 0;
+    batch.num_tensors = 0;
     num_blocks = 0;
   };
   for (size_t i : group.dense) {
+    // group_by_dtype checked that one tensor's chunks fit a grid; a batch takes whole tensors.
     const int64_t chunks = chunks_of(runs[i].numel);
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      if (num_blocks == kBatchBlocks) {
-        flush();
-      }
-      if (chunk == 0 || num_tensors == 0) {  // tensor i is not in this batch yet
-        if (num_tensors == kBatchTensors) {
-          flush();
-        }
-        batch.tensors[num_tensors++] = BatchTensor{runs[i].data, runs[i].numel, piece_base[i]};
-      }
-      batch.block_tensor[num_blocks] = static_cast<uint8_t>(num_tensors - 1);
-      batch.block_chunk[num_blocks] = static_cast<int32_t>(chunk);
-      ++num_blocks;
+    TORCH_INTERNAL_ASSERT(chunks >= 1 && chunks <= kMaxGridBlocks);
+    if (batch.num_tensors == kBatchTensors || num_blocks + chunks > kMaxGridBlocks) {
+      flush();
     }
+    batch.first_block[batch.num_tensors] = static_cast<int32_t>(num_blocks);
+    batch.tensors[batch.num_tensors++] = BatchTensor{runs[i].data, runs[i].numel, piece_base[i]};
+    num_blocks += chunks;
   }
   flush();
   for (const auto& [i, geometry] : group.views) {
