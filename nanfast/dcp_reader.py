@@ -45,8 +45,11 @@ def _allowed() -> dict[str, Any]:
     allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = filesystem._StorageInfo
     allowed["torch.Size"] = torch.Size
     allowed["torch.serialization._get_layout"] = torch.serialization._get_layout
+    # Python 3.13 moved the path classes to pathlib._local and pickles them under that name; a file
+    # written by either Python is read by both.
     for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-        allowed[f"pathlib.{name}"] = getattr(pathlib, name)
+        for module in ("pathlib", "pathlib._local"):
+            allowed[f"{module}.{name}"] = getattr(pathlib, name)
     return allowed
 
 
