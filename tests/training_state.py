@@ -56,14 +56,17 @@ def break_parameters(fault: str, model: torch.nn.Module, optimizer: Any, weight:
 
 
 def plant_inf(model: torch.nn.Module, submodule: str, at_forward: int) -> None:
-    """Multiplies `submodule`'s output by inf in the `at_forward`-th training forward (1-based, counting
-    microbatches): finite values become +/-inf there, and NaN downstream."""
+    """Multiplies `submodule`'s output (a tuple's first tensor: transformers 4's blocks return tuples) by
+    inf in the `at_forward`-th training forward (1-based, counting microbatches): finite values become
+    +/-inf there, and NaN downstream."""
     seen = {"forwards": 0}
 
     def hook(module, args, output):
         if module.training and torch.is_grad_enabled():
             seen["forwards"] += 1
             if seen["forwards"] == at_forward:
+                if isinstance(output, tuple):
+                    return (output[0] * float("inf"), *output[1:])
                 return output * float("inf")
 
     model.get_submodule(submodule).register_forward_hook(hook)
