@@ -154,6 +154,8 @@ def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type,
     list (a legacy file)."""
     if not is_zip:
         return []
+    if not isinstance(source, str):
+        source.seek(0)  # the failed load left it anywhere
     with torch.serialization.safe_globals(_numpy_globals()):  # those are allowed: no stand-in for them
         names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     if any(name.split(".", 1)[0] in _CODE_MODULES for name in names):
@@ -213,6 +215,23 @@ def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool, mmap: bool =
             raise Unreadable(f"its pickle uses an instruction weights-only loading does not read ({found.group(0)}; "
                              "torch.save with pickle_protocol above 2?), so nothing was checked") from None
         raise
+
+
+class NotRead:
+    """An item of a checkpoint that cannot be read, and why (the scan lists it as not checked)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def saved_item(blob: bytes) -> Any:
+    """The object a torch.save's bytes hold (an item inside another format's file), loaded weights-only,
+    or NotRead saying why it could not be: a damaged item alone is not read."""
+    try:
+        value, _ = load_weights_only(io.BytesIO(blob), is_zip=blob.startswith(b"PK\x03\x04"))
+    except Exception as e:  # noqa: BLE001  (a damaged item fails in many ways)
+        return NotRead(f"its torch.save could not be read ({type(e).__name__}: {first_sentence(e)})")
+    return value
 
 
 def safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,7 +5,6 @@ through an unpickler that knows only DCP's own record classes, then each stored 
 from __future__ import annotations
 
 import functools
-import io
 import os
 import pathlib
 import pickle
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_readers import Refused, Unreadable, first_sentence, load_weights_only
+from .checkpoint_readers import NotRead, Refused, Unreadable, saved_item
 
 METADATA = ".metadata"
 
@@ -73,13 +72,6 @@ def is_dcp_directory(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
-class NotRead:
-    """An item that cannot be read, and why (the scan lists it as not checked)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
 def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
     """A DCP directory's (name, value) pairs: each tensor chunk as a tensor, each other item as the object
     it stores, an item that cannot be read as NotRead (see NOTE: [Distributed checkpoints]).
@@ -123,8 +115,4 @@ def _item(path: str, where: Any) -> Any:
         return NotRead(f"{where.relative_path} ends before the item's {where.length} bytes at {where.offset}")
     if not blob.startswith(b"PK\x03\x04"):
         return NotRead("not stored as a torch.save (another DCP serialization format), which nanfast does not read")
-    try:
-        value, _ = load_weights_only(io.BytesIO(blob), is_zip=True)
-    except Exception as e:  # noqa: BLE001  (a damaged item fails in many ways: it alone is not read)
-        return NotRead(f"its torch.save could not be read ({type(e).__name__}: {first_sentence(e)})")
-    return value
+    return saved_item(blob)

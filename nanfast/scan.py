@@ -1,4 +1,4 @@
-"""Checking checkpoints (.pt/.pth/.bin/.ckpt, .safetensors, numpy's .npy/.npz, torch.distributed.checkpoint
+"""Checking checkpoints (.pt/.pth/.bin/.ckpt, .safetensors, numpy's .npy/.npz, PT2 archives, torch.distributed.checkpoint
 directories) for NaN/inf without running pickled code: `scan_file`, the files a path stands for (`checkpoint_files`: a directory's, a sharded
 checkpoint's shards), and the exit code of a scan (`python -m nanfast scan`, see nanfast/cli/scan.py): 0 clean or empty
 (every tensor read), 1 non-finite values found, 2 an input could not be read whole (refused,
@@ -16,17 +16,18 @@ import torch
 
 from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
-from .checkpoint_readers import (Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
+from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
                                  require_regular_file, safetensors_tensors, torch_load)
-from .dcp_reader import NotRead, dcp_items, is_dcp_directory
+from .dcp_reader import dcp_items, is_dcp_directory
+from .pt2_archive import pt2_items, pt2_root
 from .ops import reads_dtype
 from .report import Entry, Report, first_few
 
 __all__ = ["FileScan", "checkpoint_files", "scan_file"]
 
 # What `checkpoint_files` takes from a directory: torch.save files (Lightning's .ckpt, the HF Trainer's
-# optimizer.pt and rng_state.pth, pytorch_model.bin), safetensors files, numpy's .npy and .npz.
-CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
+# optimizer.pt and rng_state.pth, pytorch_model.bin), safetensors files, numpy's .npy and .npz, PT2 archives.
+CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz", ".pt2")
 CHUNK_BYTES = 256 * 2**20  # tensors checked per fused pass: bounds memory for formats read tensor by tensor
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_UNREADABLE = 0, 1, 2
 MAX_NAMED_IN_MESSAGE = 8
@@ -112,7 +113,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
 
     Args:
         path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, a
-            numpy .npy or .npz file, or a torch.distributed.checkpoint directory.
+            numpy .npy or .npz file, a PT2 archive (torch.export.save, AOTInductor packages: its weights
+            and constants), or a torch.distributed.checkpoint directory.
         on_checked: called with the bytes of each chunk once checked (for a progress bar).
 
     Returns:
@@ -134,6 +136,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
                 found = safetensors_tensors(path)
             elif path.endswith((".npy", ".npz")):
                 found = numpy_file_arrays(path)
+            elif (root := pt2_root(path)) is not None:  # NOTE: [PT2 archives]
+                found = _leaves(pt2_items(path, root))
             else:
                 obj, stand_ins = torch_load(path)
                 found = _leaves([("", obj)])

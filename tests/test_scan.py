@@ -674,6 +674,21 @@ def test_a_distributed_checkpoints_paths_are_read_as_either_python_names_them(ca
     assert code == 0 and ": clean" in out
 
 
+def test_a_distributed_checkpoint_item_that_runs_code_is_named_and_not_run(tmp_path):
+    """An item is a torch.save of its own, loaded weights-only: one that names a function is listed as not
+    checked, saying so, and the function never runs (the others are read)."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.ones(2), "extra": {"hook": RunsCode(marker)}}, checkpoint_id=str(tmp_path / "dcp"))
+    result = scan.scan_file(str(tmp_path / "dcp"))
+    assert not marker.exists()
+    assert result.status == "incomplete" and [e.name for e in result.report.entries] == ["w"]
+    assert [name for name, _ in result.not_checked] == ["extra.hook"] and "asks to run" in result.not_checked[0][1]
+
+
 def test_a_distributed_checkpoint_item_outside_its_directory_is_not_read(capsys, tmp_path):
     path = _dcp_checkpoint(tmp_path)
     metadata = pickle.loads((path / ".metadata").read_bytes())  # ours: written just above

@@ -1,0 +1,128 @@
+"""Reading the weights and constants of a PT2 archive (what torch.export.save and AOTInductor's packaging
+write) without loading its program or running pickled code (see NOTE: [PT2 archives])."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import zipfile
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from .checkpoint_readers import NotRead, Unreadable, first_sentence, saved_item
+
+# NOTE: [PT2 archives]
+# torch.export.save (and torch._inductor's aoti_compile_and_package) write a zip whose record
+# `<root>/archive_format` reads "pt2". Each model's tensors are listed in
+# `<root>/data/weights/<model>_weights_config.json` and `<root>/data/constants/<model>_constants_config.json`:
+# for each name, its record in that folder (`path_name`), whether the record is a torch.save pickle
+# (`use_pickle`: tensor subclasses, custom objects) or the raw bytes of the tensor's storage, and the
+# tensor's metadata (dtype as a number of torch.export's schema, sizes, strides, storage offset).
+# torch.export.load reads the pickled records with weights_only=False, which runs whatever a file names;
+# nanfast reads raw records as bytes (bounds checked against the sizes and strides) and pickled ones
+# weights-only, and never loads the program (models/*.json, an AOTInductor library). A record with no
+# bytes (a fake tensor's) or a payload it cannot decode is listed as not checked. An archive with no
+# weights config (an AOTInductor package whose weights live inside its compiled library) is
+# unreadable: nothing in it was checked.
+
+ARCHIVE_FORMAT = "archive_format"
+FORMAT_VALUE = b"pt2"
+CONFIG_FOLDERS = ("data/weights", "data/constants")
+
+
+def pt2_root(path: str) -> Optional[str]:
+    """The folder of a zip's PT2 archive (holding `archive_format` = "pt2"), or None: not a PT2 archive."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if posixpath.basename(name) == ARCHIVE_FORMAT and z.read(name).strip() == FORMAT_VALUE:
+                    return posixpath.dirname(name)
+    except (zipfile.BadZipFile, OSError):
+        return None
+    return None
+
+
+def _dtype(number: int) -> torch.dtype:
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE  # torch.export's own table
+
+    for code, dtype in _SERIALIZE_TO_TORCH_DTYPE.items():
+        if int(code) == number:
+            return dtype
+    raise ValueError(f"dtype number {number} is not one this torch knows")
+
+
+def _ints(values: list) -> list[int]:
+    """torch.export's symbolic ints, which a saved weight holds as {"as_int": n}."""
+    out = []
+    for v in values:
+        if not isinstance(v, dict) or not isinstance(v.get("as_int"), int):
+            raise ValueError(f"a size, stride or offset that is not a plain integer ({v!r})")
+        out.append(v["as_int"])
+    return out
+
+
+def _raw_tensor(data: bytes, meta: dict) -> Any:
+    """The tensor a raw record's bytes hold, as its metadata lays them out; NotRead when they cannot."""
+    dtype = _dtype(meta["dtype"])
+    sizes, strides = _ints(meta["sizes"]), _ints(meta["strides"])
+    (offset,) = _ints([meta["storage_offset"]])
+    if len(sizes) != len(strides) or min(sizes + strides + [offset], default=0) < 0:
+        return NotRead("its sizes, strides and offset do not describe a tensor")
+    numel = 1
+    for s in sizes:
+        numel *= s
+    if numel == 0:
+        return torch.empty(sizes, dtype=dtype)
+    if not data:
+        return NotRead("no values stored (a fake tensor's record)")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    needed = offset + sum((s - 1) * st for s, st in zip(sizes, strides)) + 1
+    if len(data) % itemsize or len(data) // itemsize < needed:
+        return NotRead(f"its record holds {len(data)} bytes, fewer than its sizes and strides need "
+                       f"({needed} elements of {itemsize} bytes)")
+    storage = torch.frombuffer(bytearray(data), dtype=dtype)
+    return storage.as_strided(sizes, strides, offset)
+
+
+def pt2_items(path: str, root: str) -> Iterator[tuple[str, Any]]:
+    """Each weight and constant of the archive at `path` (root: pt2_root's folder) as (name, tensor or
+    other leaf, or NotRead); a model other than the default "model" prefixes its names with its own.
+
+    Raises:
+        Unreadable: the archive lists no weights (nothing in it could be checked).
+    """
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        configs = [n for folder in CONFIG_FOLDERS for n in sorted(names)  # weights first, then constants
+                   if posixpath.dirname(n) == posixpath.join(root, folder) and n.endswith("_config.json")]
+        if not any(n.endswith("_weights_config.json") for n in configs):
+            raise Unreadable("a PT2 archive with no weights config (an AOTInductor package keeps its weights in "
+                             "its compiled library): nothing was checked")
+        for config_name in configs:
+            model = posixpath.basename(config_name).rsplit("_", 2)[0]
+            prefix = "" if model == "model" else f"{model}."
+            try:
+                entries = json.loads(z.read(config_name))["config"]
+                items = list(entries.items())
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                yield config_name, NotRead(f"its config is not a PT2 payload config ({type(e).__name__})")
+                continue
+            for fqn, payload in items:
+                yield _payload(z, names, posixpath.dirname(config_name), prefix + str(fqn), payload)
+
+
+def _payload(z: zipfile.ZipFile, names: set, folder: str, name: str, payload: Any) -> tuple[str, Any]:
+    """One listed item: its tensor (a raw record), the object its torch.save holds (a pickled one), or
+    NotRead."""
+    try:
+        record = posixpath.join(folder, payload["path_name"])
+        if posixpath.normpath(record) != record or posixpath.dirname(record) != folder or record not in names:
+            return name, NotRead(f"its record {payload['path_name']!r} is not in the archive's folder {folder}")
+        data = z.read(record)
+        if payload.get("use_pickle"):
+            return name, saved_item(data)
+        return name, _raw_tensor(data, payload["tensor_meta"])
+    except Exception as e:  # noqa: BLE001  (a damaged record or config fails in many ways)
+        return name, NotRead(f"could not be read ({type(e).__name__}: {first_sentence(e)})")
