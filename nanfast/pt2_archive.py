@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import sys
 import zipfile
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -36,9 +37,10 @@ def pt2_root(path: str) -> Optional[str]:
     """The folder of a zip's PT2 archive (holding `archive_format` = "pt2"), or None: not a PT2 archive."""
     try:
         with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                if posixpath.basename(name) == ARCHIVE_FORMAT and z.read(name).strip() == FORMAT_VALUE:
-                    return posixpath.dirname(name)
+            for info in z.infolist():
+                if (posixpath.basename(info.filename) == ARCHIVE_FORMAT and info.file_size <= 16
+                        and z.read(info).strip() == FORMAT_VALUE):
+                    return posixpath.dirname(info.filename)
     except (zipfile.BadZipFile, OSError):
         return None
     return None
@@ -63,7 +65,7 @@ def _ints(values: list) -> list[int]:
     return out
 
 
-def _raw_tensor(data: bytes, meta: dict) -> Any:
+def _raw_tensor(data: bytearray, meta: dict) -> Any:
     """The tensor a raw record's bytes hold, as its metadata lays them out; NotRead when they cannot."""
     dtype = _dtype(meta["dtype"])
     sizes, strides = _ints(meta["sizes"]), _ints(meta["strides"])
@@ -77,12 +79,12 @@ def _raw_tensor(data: bytes, meta: dict) -> Any:
         return torch.empty(sizes, dtype=dtype)
     if not data:
         return NotRead("no values stored (a fake tensor's record)")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     needed = offset + sum((s - 1) * st for s, st in zip(sizes, strides)) + 1
     if len(data) % itemsize or len(data) // itemsize < needed:
         return NotRead(f"its record holds {len(data)} bytes, fewer than its sizes and strides need "
                        f"({needed} elements of {itemsize} bytes)")
-    storage = torch.frombuffer(bytearray(data), dtype=dtype)
+    storage = torch.frombuffer(data, dtype=dtype)
     return storage.as_strided(sizes, strides, offset)
 
 
@@ -100,6 +102,10 @@ def pt2_items(path: str, root: str) -> Iterator[tuple[str, Any]]:
         if not any(n.endswith("_weights_config.json") for n in configs):
             raise Unreadable("a PT2 archive with no weights config (an AOTInductor package keeps its weights in "
                              "its compiled library): nothing was checked")
+        order = posixpath.join(root, "byteorder")
+        if order in names and z.read(order).strip().decode(errors="replace") != sys.byteorder:
+            raise Unreadable(f"a PT2 archive written in {z.read(order).strip().decode(errors='replace')!r} byte order, "
+                             f"not this machine's ({sys.byteorder}): its raw tensors are not read, nothing was checked")
         for config_name in configs:
             model = posixpath.basename(config_name).rsplit("_", 2)[0]
             prefix = "" if model == "model" else f"{model}."
@@ -120,9 +126,12 @@ def _payload(z: zipfile.ZipFile, names: set, folder: str, name: str, payload: An
         record = posixpath.join(folder, payload["path_name"])
         if posixpath.normpath(record) != record or posixpath.dirname(record) != folder or record not in names:
             return name, NotRead(f"its record {payload['path_name']!r} is not in the archive's folder {folder}")
-        data = z.read(record)
+        data = bytearray(z.getinfo(record).file_size)  # read in place: frombuffer needs a writable buffer
+        with z.open(record) as f:
+            if f.readinto(data) != len(data):
+                return name, NotRead(f"its record {record} ends early")
         if payload.get("use_pickle"):
-            return name, saved_item(data)
+            return name, saved_item(bytes(data))
         return name, _raw_tensor(data, payload["tensor_meta"])
     except Exception as e:  # noqa: BLE001  (a damaged record or config fails in many ways)
         return name, NotRead(f"could not be read ({type(e).__name__}: {first_sentence(e)})")

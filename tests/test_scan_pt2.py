@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 import zipfile
 
 import pytest
@@ -156,6 +157,13 @@ def test_a_damaged_or_hostile_record_is_named_not_checked(tmp_path, damage):
     result = scan.scan_file(str(path))
     assert result.status == "incomplete" and [name for name, _ in result.not_checked] == ["weight"]
     assert [e.name for e in result.report.entries] == ["bias"]  # the others still read
+
+
+def test_an_archive_of_the_other_byte_order_is_unreadable_not_misread(capsys, tmp_path):
+    path = save(tmp_path, torch.nn.Linear(3, 2), width=3)
+    rewrite(path, {"model/byteorder": b"big" if sys.byteorder == "little" else b"little"})
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "byte order, not this machine's" in out
 
 
 def test_an_archive_without_weights_is_unreadable_not_clean(capsys, tmp_path):
