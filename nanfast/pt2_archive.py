@@ -26,24 +26,41 @@ from .checkpoint_readers import NotRead, Unreadable, first_sentence, saved_item
 # weights-only, and never loads the program (models/*.json, an AOTInductor library). A record with no
 # bytes (a fake tensor's) or a payload it cannot decode is listed as not checked. An archive with no
 # weights config (an AOTInductor package whose weights live inside its compiled library) is
-# unreadable: nothing in it was checked.
+# unreadable: nothing in it was checked. torch.export.save before torch 2.8 wrote another zip: flat
+# records `serialized_exported_program.json`, and `serialized_state_dict.pt` and
+# `serialized_constants.pt`, each a torch.save of a dict of tensors; those two are read weights-only.
 
 ARCHIVE_FORMAT = "archive_format"
 FORMAT_VALUE = b"pt2"
 CONFIG_FOLDERS = ("data/weights", "data/constants")
+LEGACY_PROGRAM = "serialized_exported_program.json"
+LEGACY_TENSORS = ("serialized_state_dict.pt", "serialized_constants.pt")
 
 
-def pt2_root(path: str) -> Optional[str]:
-    """The folder of a zip's PT2 archive (holding `archive_format` = "pt2"), or None: not a PT2 archive."""
+def exported_program_items(path: str) -> Optional[Iterator[tuple[str, Any]]]:
+    """The (name, value or NotRead) pairs of the exported program's tensors in the zip at `path`, or None
+    when it holds none: neither a PT2 archive nor torch.export.save's layout before torch 2.8 (NOTE: [PT2
+    archives]). The pairs' iterator raises Unreadable for an archive that lists no weights."""
     try:
         with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            if LEGACY_PROGRAM in names and LEGACY_TENSORS[0] in names:
+                return _legacy_items(path)
             for info in z.infolist():
                 if (posixpath.basename(info.filename) == ARCHIVE_FORMAT and info.file_size <= 16
                         and z.read(info).strip() == FORMAT_VALUE):
-                    return posixpath.dirname(info.filename)
+                    return _pt2_items(path, posixpath.dirname(info.filename))
     except (zipfile.BadZipFile, OSError):
         return None
     return None
+
+
+def _legacy_items(path: str) -> Iterator[tuple[str, Any]]:
+    with zipfile.ZipFile(path) as z:
+        for record in LEGACY_TENSORS:
+            if record in z.namelist():
+                value = saved_item(z.read(record))  # a dict: its keys name the tensors
+                yield (record if isinstance(value, NotRead) else ""), value
 
 
 def _dtype(number: int) -> torch.dtype:
@@ -88,9 +105,10 @@ def _raw_tensor(data: bytearray, meta: dict) -> Any:
     return storage.as_strided(sizes, strides, offset)
 
 
-def pt2_items(path: str, root: str) -> Iterator[tuple[str, Any]]:
-    """Each weight and constant of the archive at `path` (root: pt2_root's folder) as (name, tensor or
-    other leaf, or NotRead); a model other than the default "model" prefixes its names with its own.
+def _pt2_items(path: str, root: str) -> Iterator[tuple[str, Any]]:
+    """Each weight and constant of the PT2 archive at `path` (root: the folder of its records) as (name,
+    tensor or other leaf, or NotRead); a model other than the default "model" prefixes its names with its
+    own.
 
     Raises:
         Unreadable: the archive lists no weights (nothing in it could be checked).

@@ -19,7 +19,7 @@ from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
                                  require_regular_file, safetensors_tensors, torch_load)
 from .dcp_reader import dcp_items, is_dcp_directory
-from .pt2_archive import pt2_items, pt2_root
+from .pt2_archive import exported_program_items
 from .ops import reads_dtype
 from .report import Entry, Report, first_few
 
@@ -136,8 +136,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
                 found = safetensors_tensors(path)
             elif path.endswith((".npy", ".npz")):
                 found = numpy_file_arrays(path)
-            elif (root := pt2_root(path)) is not None:  # NOTE: [PT2 archives]
-                found = _leaves(pt2_items(path, root))
+            elif (items := exported_program_items(path)) is not None:  # NOTE: [PT2 archives]
+                found = _leaves(items)
             else:
                 obj, stand_ins = torch_load(path)
                 found = _leaves([("", obj)])

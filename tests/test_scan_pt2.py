@@ -1,5 +1,6 @@
-"""nanfast scan on PT2 archives, as torch.export.save writes them (NOTE: [PT2 archives]): the weights,
-buffers and constants read without loading the program or running pickled code."""
+"""nanfast scan on PT2 archives, as torch.export.save writes them (NOTE: [PT2 archives]), and on the layout
+it wrote before torch 2.8: the weights, buffers and constants read without loading the program or running
+pickled code."""
 
 from __future__ import annotations
 
@@ -175,3 +176,43 @@ def test_an_archive_without_weights_is_unreadable_not_clean(capsys, tmp_path):
             z.writestr(name, data)
     code, out = run_scan(capsys, path)
     assert code == 2 and "unreadable: a PT2 archive with no weights config" in out
+
+
+def save_legacy(path, module: torch.nn.Module, width: int) -> None:
+    """What torch.export.save wrote before torch 2.8 (torch/export/__init__.py of 2.7): the records of
+    torch.export's own serializer, flat in the zip."""
+    from torch._export.serde.schema import SCHEMA_VERSION
+    from torch._export.serde.serialize import serialize
+
+    artifact = serialize(torch.export.export(module, (torch.randn(2, width),)))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("serialized_exported_program.json", artifact.exported_program)
+        z.writestr("serialized_state_dict.pt", artifact.state_dict)
+        z.writestr("serialized_constants.pt", artifact.constants)
+        z.writestr("serialized_example_inputs.pt", artifact.example_inputs)
+        z.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
+
+
+def test_an_archive_from_before_torch_2_8_is_read(capsys, tmp_path):
+    module = WithConstant()
+    with torch.no_grad():
+        module.linear.bias[2] = INF
+    path = tmp_path / "old.pt2"
+    save_legacy(path, module, width=4)
+    result = scan.scan_file(str(path))
+    assert {e.name for e in result.report.entries} == {"linear.weight", "linear.bias", "running", "offset"}
+    assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["linear.bias"]
+
+    with zipfile.ZipFile(path) as z:
+        kept = {name: z.read(name) for name in z.namelist()}
+    buffer = io.BytesIO()
+    marker = tmp_path / "pwned"
+    torch.save({"weight": RunsCode(marker)}, buffer)
+    kept["serialized_state_dict.pt"] = buffer.getvalue()
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in kept.items():
+            z.writestr(name, data)
+    result = scan.scan_file(str(path))
+    assert not marker.exists() and result.status == "incomplete"
+    assert [name for name, _ in result.not_checked] == ["serialized_state_dict.pt"]
+    assert [e.name for e in result.report.entries] == ["offset"]  # the constants are still read
