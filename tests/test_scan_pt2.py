@@ -179,7 +179,7 @@ def test_an_archive_without_weights_is_unreadable_not_clean(capsys, tmp_path):
 
 
 def save_legacy(path, module: torch.nn.Module, width: int) -> None:
-    """What torch.export.save wrote before torch 2.8 (torch/export/__init__.py of 2.7): the records of
+    """What torch.export.save wrote before torch 2.8 (its zip layout, in torch/export/__init__.py): the records of
     torch.export's own serializer, flat in the zip."""
     from torch._export.serde.schema import SCHEMA_VERSION
     from torch._export.serde.serialize import serialize
