@@ -26,8 +26,9 @@ from .report import Entry, Report, first_few
 __all__ = ["FileScan", "checkpoint_files", "scan_file"]
 
 # What `checkpoint_files` takes from a directory: torch.save files (Lightning's .ckpt, the HF Trainer's
-# optimizer.pt and rng_state.pth, pytorch_model.bin), safetensors files, numpy's .npy and .npz, PT2 archives.
-CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz", ".pt2")
+# optimizer.pt and rng_state.pth, pytorch_model.bin, timm's checkpoint-N.pth.tar), safetensors files, numpy's
+# .npy and .npz, PT2 archives.
+CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".pth.tar", ".bin", ".ckpt", ".npy", ".npz", ".pt2")
 CHUNK_BYTES = 256 * 2**20  # tensors checked per fused pass: bounds memory for formats read tensor by tensor
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_UNREADABLE = 0, 1, 2
 MAX_NAMED_IN_MESSAGE = 8
@@ -225,7 +226,8 @@ def format_scan(scan: FileScan) -> str:
         missed = f"; {len(scan.not_checked)} not checked: {named}"
     missed += report.intended_text()
     if scan.stand_ins:
-        missed += (f"; objects of {len(scan.stand_ins)} other classes read as data, never imported: "
+        classes = "1 other class" if len(scan.stand_ins) == 1 else f"{len(scan.stand_ins)} other classes"
+        missed += (f"; objects of {classes} read as data, never imported: "
                    f"{first_few(list(scan.stand_ins), MAX_NAMED_IN_MESSAGE)}")
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"

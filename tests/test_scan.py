@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import dataclasses
 import json
@@ -609,6 +610,37 @@ def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
     torch.save(args, arguments)
     code, out = run_scan(capsys, arguments)
     assert code == 1 and "learning_rate" in out
+
+
+def test_a_timm_training_directory_is_scanned(capsys, tmp_path):
+    """timm's train.py saves through its CheckpointSaver: checkpoint-N.pth.tar, last.pth.tar and
+    model_best.pth.tar, with its argparse arguments inside. `scan DIR` on such a directory said "no
+    checkpoint file" and checked nothing."""
+    pytest.importorskip("timm")  # in the test extra
+    from timm.utils import CheckpointSaver
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    saver = CheckpointSaver(model, optimizer, args=argparse.Namespace(model="mlp", lr=0.1), checkpoint_dir=str(tmp_path),
+                            recovery_dir=str(tmp_path), decreasing=True)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    saver.save_checkpoint(0, metric=1.0)
+    with torch.no_grad():
+        model[2].weight[1, 3] = NAN
+    saver.save_checkpoint(1, metric=2.0)  # worse: model_best stays epoch 0's
+    files = scan.checkpoint_files(str(tmp_path))
+    assert [os.path.basename(f) for f in files] == ["checkpoint-0.pth.tar", "checkpoint-1.pth.tar", "last.pth.tar",
+                                                    "model_best.pth.tar"]
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 1
+    verdicts = {os.path.basename(line.split(":")[0]): line for line in out.splitlines() if line.startswith(str(tmp_path))}
+    assert "clean" in verdicts["checkpoint-0.pth.tar"] and "clean" in verdicts["model_best.pth.tar"]
+    for bad in ("checkpoint-1.pth.tar", "last.pth.tar"):
+        assert "1 of them hold non-finite values" in verdicts[bad]
+        assert "objects of 1 other class read as data, never imported: argparse.Namespace" in verdicts[bad]
+    assert "state_dict.2.weight" in out
 
 
 # --------------------------------------------------------------------------------------------------
