@@ -3,7 +3,9 @@ write) without loading its program or running pickled code (see NOTE: [PT2 archi
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import posixpath
 import sys
 import zipfile
@@ -63,13 +65,18 @@ def _legacy_items(path: str) -> Iterator[tuple[str, Any]]:
                 yield (record if isinstance(value, NotRead) else ""), value
 
 
-def _dtype(number: int) -> torch.dtype:
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE  # torch.export's own table
+@functools.lru_cache(maxsize=1)
+def _dtypes() -> dict[int, torch.dtype]:
+    """torch.export's schema numbers of dtypes, from its own table."""
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
-    for code, dtype in _SERIALIZE_TO_TORCH_DTYPE.items():
-        if int(code) == number:
-            return dtype
-    raise ValueError(f"dtype number {number} is not one this torch knows")
+    return {int(code): dtype for code, dtype in _SERIALIZE_TO_TORCH_DTYPE.items()}
+
+
+def _dtype(number: int) -> torch.dtype:
+    if number not in _dtypes():
+        raise ValueError(f"dtype number {number} is not one this torch knows")
+    return _dtypes()[number]
 
 
 def _ints(values: list) -> list[int]:
@@ -89,10 +96,7 @@ def _raw_tensor(data: bytearray, meta: dict) -> Any:
     (offset,) = _ints([meta["storage_offset"]])
     if len(sizes) != len(strides) or min(sizes + strides + [offset], default=0) < 0:
         return NotRead("its sizes, strides and offset do not describe a tensor")
-    numel = 1
-    for s in sizes:
-        numel *= s
-    if numel == 0:
+    if math.prod(sizes) == 0:
         return torch.empty(sizes, dtype=dtype)
     if not data:
         return NotRead("no values stored (a fake tensor's record)")
