@@ -78,7 +78,7 @@ struct Entry {
   at::Tensor absmax;  // undefined unless `limits` is non-empty
   std::vector<double> limits;
   // Rows (of this record) named as additive masks: their -inf are not counted (see NOTE: [Additive
-  // masks] in nanfast/report.py). Only the model's input has any.
+  // masks] in nanfast/intended.py). Only the model's input has any.
   std::vector<int64_t> masks;
 };
 
