@@ -1,6 +1,7 @@
 // Operator schemas (the one TORCH_LIBRARY of nanfast) and the host-side input handling that the
 // CPU and CUDA implementations share.
 #include "ops.h"
+#include "parallel_items.h"
 
 #include <algorithm>
 #include <atomic>
@@ -23,10 +24,12 @@ namespace {
 // split over the threads when there are at least kThreadedPointers of them. On the 2-vCPU AMD EPYC VM of
 // issue 19, bench.py's 5000 x 1024 float32, nine alternating pairs of processes: stats from a median of
 // 1.00 to 0.89 ms (faster in 8 of 9 pairs; 41x to 46x the per-tensor assert), any_nonfinite 0.93 to 0.75
-// ms; describe_inputs from 2.8% to 0.8% of a cold loop's samples. A data pointer that cannot be read (a
-// storage that refuses access) raises torch's own error for the first such entry, as reading them in
-// order would.
+// ms; describe_inputs from 2.8% to 0.8% of a cold loop's samples. They are read in chunks, which a thread
+// done with its own takes from a late one (see NOTE: [Threads that wake late]). A data pointer that
+// cannot be read (a storage that refuses access) raises torch's own error for the first such entry, as
+// reading them in order would.
 constexpr size_t kThreadedPointers = 1024;
+constexpr int64_t kPointersPerChunk = 64;
 
 void read_data_pointers(at::TensorList tensors, std::vector<InputRun>& runs) {
   const int64_t n = static_cast<int64_t>(tensors.size());
@@ -46,7 +49,7 @@ void read_data_pointers(at::TensorList tensors, std::vector<InputRun>& runs) {
     return;
   }
   std::atomic<int64_t> first_refused{n};
-  at::parallel_for(0, n, static_cast<int64_t>(kThreadedPointers / 2), [&](int64_t begin, int64_t end) {
+  parallel_items(n, kPointersPerChunk, [&](int64_t begin, int64_t end) {
     int64_t k = begin;
     try {
       read(k, end);

@@ -13,6 +13,7 @@
 #include "../bit_cast.h"
 #include "../dtypes.h"
 #include "../ops.h"
+#include "../parallel_items.h"
 #include "simd_kernels.h"
 
 namespace nanfast::cpu {
@@ -100,8 +101,8 @@ constexpr int64_t kItemElements = int64_t{1} << 14;
 // reading a 512x128 float32 activation that another addmm had just written took 97 us, and 110 us when
 // this kernel had read the activation in between on one thread (items of 64K elements); with items of
 // 16K, 90 and 90 us. The watch suite's small transformer's backward went from 0.29 to 0.10 ms a step
-// slower than without the watch.
-constexpr int64_t kMinItemsPerThread = 1;
+// slower than without the watch. A thread takes one item at a time (see NOTE: [Threads that wake late]).
+constexpr int64_t kItemsPerChunk = 1;
 // Rows of results (one per tensor) a thread merges and writes at least: thousands of small tensors' rows
 // are split over the threads (the 5000 x 1024 floats of bench.py, 10 alternating process pairs on the
 // 2-vCPU AMD EPYC of issue 19: stats a median 6% faster per pair, any_nonfinite, which has no rows, 2%
@@ -267,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_cpu(at::TensorList tensors)
 
   const WorkList work(runs);
   std::vector<Partial> pieces(work.piece_base.back());
-  at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
+  parallel_items(work.num_items, kItemsPerChunk, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t piece, int64_t lo, int64_t hi) {
         if (lo == 0) {  // a tensor's first piece (a big tensor's others need no hint)
@@ -306,7 +307,7 @@ at::Tensor any_nonfinite_cpu(at::TensorList tensors) {
   runs.erase(std::remove_if(runs.begin(), runs.end(), [](const InputRun& r) { return !can_be_nonfinite(r.dtype); }), runs.end());
   const WorkList work(runs);
   std::atomic<bool> found{false};
-  at::parallel_for(0, work.num_items, kMinItemsPerThread, [&](int64_t begin, int64_t end) {
+  parallel_items(work.num_items, kItemsPerChunk, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end && !found.load(std::memory_order_relaxed); ++item) {
       work.for_each_piece(item, [&](size_t t, int64_t /*piece*/, int64_t lo, int64_t hi) {
         if (lo == 0) {
