@@ -19,6 +19,7 @@ from .events import MODEL
 from .forwards import Forward
 from .inputs import checked_tensor, input_tensors, mask_rows
 from .options import SKIPPING, ignored
+from .owned_hook import OwnedHook
 
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
@@ -109,10 +110,13 @@ class Hooks:
                           "every step, at twice the cost, and only the first to act on a bad step reports it; call "
                           "remove() on the other (or leave its `with` block) first", UserWarning, stacklevel=4)
         _WATCHES.setdefault(model, weakref.WeakSet()).add(self)
-        self._handles.append(model.register_forward_pre_hook(hook(self._before_model), with_kwargs=True))
-        self._handles.append(model.register_forward_hook(hook(self._after_model)))
+        # Each module hook acts for its own module only (NOTE: [Copies of a watched model]).
+        self._handles.append(model.register_forward_pre_hook(OwnedHook(model, hook(self._before_model)),
+                                                             with_kwargs=True))
+        self._handles.append(model.register_forward_hook(OwnedHook(model, hook(self._after_model))))
         # Registered after _after_model, and also called when the forward raises.
-        self._handles.append(model.register_forward_hook(hook(self._after_model_raised), always_call=True))
+        self._handles.append(model.register_forward_hook(OwnedHook(model, hook(self._after_model_raised)),
+                                                         always_call=True))
         self._follow_model()
         # Global hooks: they hold the watch weakly, or a watch never removed would keep its model alive.
         registered = _weakly(self, "_registered")
@@ -161,9 +165,9 @@ class Hooks:
                 continue
             self._hooked.add(module)
             before, after = self._hooks_of(self._site(name, type(module).__name__))
-            self._handles.append(module.register_forward_pre_hook(self._hook(before)))
+            self._handles.append(module.register_forward_pre_hook(OwnedHook(module, self._hook(before))))
             if self._check_activations:
-                self._handles.append(module.register_forward_hook(self._hook(after)))
+                self._handles.append(module.register_forward_hook(OwnedHook(module, self._hook(after))))
 
     # NOTE: [Containers that compute nothing]
     # A plain nn.Sequential (the class itself: a subclass may override forward) only passes its input
