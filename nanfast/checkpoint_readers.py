@@ -5,6 +5,7 @@ checks what they give."""
 
 from __future__ import annotations
 
+import _compat_pickle
 import importlib
 import io
 import os
@@ -57,6 +58,16 @@ def _compressed(path: str) -> bool:
         return True  # not mapped: torch's reader says what is wrong
 
 
+def _is_torchscript(path: str) -> bool:
+    """Whether a zip is a TorchScript archive (torch.jit.save): its folder holds a constants.pkl record, as
+    torch.load tells them (and hands them to torch.jit.load)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(name.count("/") == 1 and name.endswith("/constants.pkl") for name in z.namelist())
+    except zipfile.BadZipFile:
+        return False  # torch's reader says what is wrong
+
+
 def _not_a_checkpoint(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -74,7 +85,8 @@ def _not_a_checkpoint(path: str) -> str:
 # unless numpy's array reconstruction is allowed: `_reconstruct` makes an empty array of a class,
 # `numpy.dtype` a dtype from its code (its class's state set), and the array's state is set from bytes;
 # none runs code named by the file (an object array's items are loaded by the same restricted
-# unpickler), so they are allowed here, under their numpy 2 and numpy 1 names. Numeric arrays are
+# unpickler), so they are allowed here, under their numpy 2 and numpy 1 names; so is `scalar`, which makes
+# a numpy scalar (a saved `np.mean(losses)`) from a dtype and its bytes. Numeric arrays and scalars are
 # checked as tensors, as check_all reads them (check.values_tensor: no copy); others are listed as not
 # checked. .npy and .npz files are read with allow_pickle=False.
 def _numpy_globals() -> list:
@@ -82,9 +94,11 @@ def _numpy_globals() -> list:
         import numpy as np
     except ImportError:
         return []
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    reconstruct, scalar = multiarray._reconstruct, multiarray.scalar
     dtypes = [getattr(np.dtypes, name) for name in getattr(np.dtypes, "__all__", ())]  # a dtype's state is set too
-    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, *dtypes]
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), scalar,
+            (scalar, "numpy.core.multiarray.scalar"), np.ndarray, np.dtype, *dtypes]
 
 
 def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
@@ -148,6 +162,16 @@ class StandIn(dict):
             self["state"] = state
 
 
+def _python3_module(name: str) -> str:
+    """The top-level module of a global a pickle names, under its Python 3 name: a pickle of protocol 2
+    (torch.save's default) names some modules by their Python 2 names, which the unpickler maps back
+    (subprocess as commands, builtins as __builtin__ or exceptions, pickle as cPickle)."""
+    module, _, attribute = name.rpartition(".")
+    module, _ = _compat_pickle.NAME_MAPPING.get((module, attribute), (module, attribute))
+    top = module.split(".", 1)[0]
+    return _compat_pickle.IMPORT_MAPPING.get(top, top).split(".", 1)[0]
+
+
 def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type, str]]:
     """A stand-in class for each global the file names that weights-only loading does not allow, under
     its name; none for a file that names a module whose objects run code or whose globals torch cannot
@@ -158,7 +182,7 @@ def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type,
         source.seek(0)  # the failed load left it anywhere
     with torch.serialization.safe_globals(_numpy_globals()):  # those are allowed: no stand-in for them
         names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-    if any(name.split(".", 1)[0] in _CODE_MODULES for name in names):
+    if any(_python3_module(name) in _CODE_MODULES for name in names):
         return []
     return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
 
@@ -181,6 +205,10 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
         raise Unreadable("an empty file: nothing to check")
     if not is_zip and LEGACY_MAGIC not in head:
         raise Unreadable(_not_a_checkpoint(path))
+    if is_zip and _is_torchscript(path):
+        raise Unreadable("a TorchScript archive (torch.jit.save), whose tensors nanfast does not read (nothing was "
+                         "checked); scan the model's state_dict saved with torch.save, or check the loaded model's "
+                         "parameters with nanfast.check_all")
     # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
     # (non-zip) format cannot be mapped and are read whole.
     return load_weights_only(path, is_zip, mmap=is_zip and not _compressed(path))
@@ -247,6 +275,6 @@ def safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def is_numpy(obj: Any) -> bool:
-    """Whether `obj` is a numpy array (without importing numpy)."""
+    """Whether `obj` is a numpy array or scalar (without importing numpy)."""
     numpy = sys.modules.get("numpy")  # a loaded file holding arrays has imported it
-    return numpy is not None and isinstance(obj, numpy.ndarray)
+    return numpy is not None and isinstance(obj, (numpy.ndarray, numpy.generic))

@@ -180,7 +180,9 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
 
     Args:
         path: a checkpoint file; a directory (a Trainer's checkpoint-500/, a save_pretrained output),
-            for its files ending in CHECKPOINT_SUFFIXES, not its subdirectories; or the index of a
+            for its entries ending in CHECKPOINT_SUFFIXES (a dangling link or a FIFO among them is
+            then reported as not read), not its subdirectories, and the shards any index in it names
+            (a missing one is reported); or the index of a
             sharded checkpoint (*.index.json, as transformers writes), for the shards its "weight_map"
             names, next to it.
 
@@ -191,21 +193,34 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
     if is_dcp_directory(path):  # one checkpoint, read as a whole (NOTE: [Distributed checkpoints])
         return [path]
     if os.path.isdir(path):
-        files = sorted(os.path.join(path, name) for name in os.listdir(path)
-                       if name.endswith(CHECKPOINT_SUFFIXES) and os.path.isfile(os.path.join(path, name)))
-        return files or FileScan(path, "refused", error="a directory with no checkpoint file directly in it (*"
-                                 f"{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
+        # Every entry named as a checkpoint but a directory: one that cannot be read (a dangling link, a
+        # FIFO) is then reported, never left out; and the shards an index in it names, so that a missing
+        # one is reported too.
+        names = os.listdir(path)
+        files = {os.path.join(path, name) for name in names
+                 if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(os.path.join(path, name))}
+        for name in names:
+            if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(path, name)), list):
+                files.update(shards)
+        return sorted(files) or FileScan(path, "refused", error="a directory with no checkpoint file directly in it (*"
+                                         f"{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
     if path.endswith(".index.json") and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                shards = dict.fromkeys(json.load(f)["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return FileScan(path, "unreadable", error=f"not a sharded checkpoint's index (a JSON object with a "
-                                                      f"\"weight_map\"): {type(e).__name__}: {first_sentence(e)}")
-        if not shards or not all(isinstance(shard, str) for shard in shards):
-            return FileScan(path, "unreadable", error="its \"weight_map\" names no shard files: nothing was checked")
-        return [os.path.join(os.path.dirname(path), shard) for shard in shards]
+        return _index_shards(path)
     return [path]
+
+
+def _index_shards(path: str) -> Union[list[str], FileScan]:
+    """The shard files a sharded checkpoint's index names (next to it, in its order), or its FileScan
+    ("unreadable") when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            shards = dict.fromkeys(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return FileScan(path, "unreadable", error=f"not a sharded checkpoint's index (a JSON object with a "
+                                                  f"\"weight_map\"): {type(e).__name__}: {first_sentence(e)}")
+    if not shards or not all(isinstance(shard, str) for shard in shards):
+        return FileScan(path, "unreadable", error="its \"weight_map\" names no shard files: nothing was checked")
+    return [os.path.join(os.path.dirname(path), shard) for shard in shards]
 
 
 def exit_code(scans: list[FileScan]) -> int:

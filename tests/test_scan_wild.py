@@ -1,0 +1,109 @@
+"""`nanfast scan` on what other tools and real directories leave behind, found by probing in session 37:
+numpy scalars (a saved `np.mean(losses)`), pickles of protocol 2 (torch.save's default) that name code
+by its Python 2 module names, directories with entries that cannot be read or shards that are missing,
+and TorchScript archives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from nanfast import scan
+from test_scan import NAN, INF, RunsCode, run_scan
+
+
+def test_numpy_scalars_in_a_checkpoint_are_checked(capsys, tmp_path):
+    """numpy pickles a scalar as numpy._core.multiarray.scalar(dtype, bytes); it was read as an inert
+    stand-in whose bytes were no values, and a NaN val_loss scanned clean."""
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "trainer_state.pt"
+    torch.save({"val_loss": np.mean(np.array([1.0, NAN])), "max_logit": np.float32(INF), "acc": np.float16(0.5),
+                "epoch": np.int64(3), "weight": torch.ones(2)}, path)
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and result.stand_ins == ()
+    assert [(e.name, e.dtype, e.nan, e.posinf) for e in result.report.bad] == [
+        ("val_loss", "float64", 1, 0), ("max_logit", "float32", 0, 1)]
+    assert result.report.num_tensors == 5
+    torch.save({"val_loss": np.float64(0.25), "weight": torch.ones(2)}, path)
+    assert run_scan(capsys, path)[0] == 0
+
+
+def test_a_numpy_scalar_in_a_distributed_checkpoint_is_checked(tmp_path):
+    np = pytest.importorskip("numpy")
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.ones(2), "extra": {"loss": np.float64(NAN)}}, checkpoint_id=str(tmp_path / "dcp"))
+    result = scan.scan_file(str(tmp_path / "dcp"))
+    assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["extra.loss"]
+
+
+class CallsSubprocess:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return subprocess.call, (["touch", self.marker],)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_code_named_by_its_python_2_module_is_refused(capsys, tmp_path, protocol):
+    """A pickle of protocol 2 (torch.save's default) names subprocess.call as commands.call, which the
+    unpickler maps back to subprocess: it was given an inert stand-in and scanned clean."""
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": CallsSubprocess(marker)}, evil, pickle_protocol=protocol)
+    code, out = run_scan(capsys, evil)
+    named = "commands.call" if protocol == 2 else "subprocess.call"
+    assert code == 2 and out.startswith(f"{evil}: refused: its pickle asks to run {named};")
+    assert not marker.exists()
+
+
+def test_a_directory_reports_entries_it_cannot_read(capsys, tmp_path, monkeypatch):
+    """A Hugging Face cache snapshot links its files to blobs; a deleted blob leaves a dangling link. A
+    directory scan dropped such entries (and loops, FIFOs) without a word and said clean."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "optimizer.pt")
+    os.symlink(tmp_path / "blobs" / "gone", tmp_path / "pytorch_model.bin")
+    os.symlink("loop2.pt", tmp_path / "loop1.pt")
+    os.symlink("loop1.pt", tmp_path / "loop2.pt")
+    os.mkfifo(tmp_path / "rng_state.pth")
+    (tmp_path / "sub.pt").mkdir()  # a subdirectory: not entered, as before
+    code, out = run_scan(capsys, tmp_path)
+    verdicts = {os.path.basename(line.split(": ", 1)[0]): line.split(": ", 2)[1] for line in out.splitlines()}
+    assert verdicts == {"optimizer.pt": "1 tensor, 2 elements", "pytorch_model.bin": "unreadable",
+                        "loop1.pt": "unreadable", "loop2.pt": "unreadable", "rng_state.pth": "refused"}
+    assert code == 2
+
+
+def test_a_directory_with_an_index_reports_a_missing_shard(capsys, tmp_path):
+    for shard in ("model-00001-of-00003.pt", "model-00003-of-00003.pt"):
+        torch.save({shard: torch.ones(2)}, tmp_path / shard)
+    weight_map = {f"w{i}": f"model-0000{i}-of-00003.pt" for i in (1, 2, 3)}
+    (tmp_path / "model.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    files = scan.checkpoint_files(str(tmp_path))
+    assert [os.path.basename(f) for f in files] == sorted(weight_map.values())
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 2
+    assert f"{tmp_path / 'model-00002-of-00003.pt'}: unreadable: [Errno 2] No such file or directory" in out
+
+
+@pytest.mark.parametrize("make", ["script", "trace"])
+def test_a_torchscript_archive_is_named_and_not_read(capsys, tmp_path, make):
+    """torch.jit.save files are .pt files too: the scan said "damaged or truncated" (and torch warned that
+    it dispatches them to torch.jit.load). It says what the file is, exit 2, nothing checked."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = NAN
+    scripted = torch.jit.script(model) if make == "script" else torch.jit.trace(model, torch.ones(1, 3))
+    path = tmp_path / "model.pt"
+    torch.jit.save(scripted, str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's dispatch warning is not raised: torch.load is not called
+        code, out = run_scan(capsys, path)
+    assert code == 2 and out.startswith(f"{path}: unreadable: a TorchScript archive (torch.jit.save)")
