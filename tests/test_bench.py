@@ -203,7 +203,7 @@ def test_an_ordinary_watch_measures_nothing():
     with pytest.raises(RuntimeError, match="profile=True"):
         w.costs()
     assert w._recorder.costs() == (0.0, 0.0, 0, 0)  # no clock read on the hot path, nothing counted
-    assert model._forward_pre_hooks[next(iter(model._forward_pre_hooks))] == w._before_model  # not wrapped
+    assert model._forward_pre_hooks[next(iter(model._forward_pre_hooks))].fn == w._before_model  # not wrapped
 
 
 def test_median_interval_is_the_binomial_order_statistics():
