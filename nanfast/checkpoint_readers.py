@@ -68,6 +68,48 @@ def _is_torchscript(path: str) -> bool:
         return False  # torch's reader says what is wrong
 
 
+# NOTE: [TorchScript archives]
+# A torch.jit.save file is a torch.save zip with more in it: its module pickled in data.pkl (parameters,
+# buffers and submodules as attributes of objects of its `__torch__.*` classes) with the tensors' bytes in
+# data/, and, pickled the same way, its tensor constants (constants.pkl, constants/); its code/ is
+# TorchScript source (a traced model's traced_inputs.pkl names tensors whose records hold no bytes: the
+# example inputs are not saved). torch.load hands
+# such a file to torch.jit.load, which compiles and runs that code. Instead each pickle is read as the
+# torch.save file it would be alone (the pickle as data.pkl, its folder as data/, copied into memory),
+# weights-only, its classes read as data through stand-ins (NOTE: [Other libraries' objects in
+# checkpoints]): the module's tensors are named as in its state_dict, the constants under their record's
+# name ("constants.pkl.0"). The code is never read.
+def _torchscript_load(path: str) -> tuple[Any, tuple[str, ...]]:
+    """A TorchScript archive's module and tensor constants (see the NOTE), loaded weights-only; torch_load's
+    returns and raises."""
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        prefix = names[0].split("/", 1)[0] + "/"
+
+        def as_checkpoint(pickle_name: str) -> io.BytesIO:
+            folder = prefix + pickle_name[: -len(".pkl")] + "/"
+            out = io.BytesIO()
+            with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as alone:
+                alone.writestr("archive/data.pkl", z.read(prefix + pickle_name))
+                for name in names:
+                    if name.startswith(folder):
+                        alone.writestr("archive/data/" + name[len(folder):], z.read(name))
+                    elif name in (prefix + "version", prefix + "byteorder"):
+                        alone.writestr("archive/" + name[len(prefix):], z.read(name))
+            return out
+
+        loaded = {name: load_weights_only(as_checkpoint(name), is_zip=True)
+                  for name in ("data.pkl", "constants.pkl") if prefix + name in names}
+    module, stand_ins = loaded.pop("data.pkl", (None, ()))
+    others = {name: obj for name, (obj, _) in loaded.items() if obj not in ((), [], {}, None)}
+    stand_ins = tuple(dict.fromkeys(stand_ins + tuple(n for _, names_ in loaded.values() for n in names_)))
+    if not others:
+        return module, stand_ins
+    if isinstance(module, dict):  # a StandIn of the module's class: its attributes, then the constants
+        return {**module, **others}, stand_ins
+    return {"data.pkl": module, **others}, stand_ins
+
+
 def _not_a_checkpoint(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -206,9 +248,7 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
     if not is_zip and LEGACY_MAGIC not in head:
         raise Unreadable(_not_a_checkpoint(path))
     if is_zip and _is_torchscript(path):
-        raise Unreadable("a TorchScript archive (torch.jit.save), whose tensors nanfast does not read (nothing was "
-                         "checked); scan the model's state_dict saved with torch.save, or check the loaded model's "
-                         "parameters with nanfast.check_all")
+        return _torchscript_load(path)
     # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
     # (non-zip) format cannot be mapped and are read whole.
     return load_weights_only(path, is_zip, mmap=is_zip and not _compressed(path))

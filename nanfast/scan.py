@@ -113,7 +113,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     running no pickled code.
 
     Args:
-        path: a torch.save file (zip or legacy; read with weights-only loading), a .safetensors file, a
+        path: a torch.save file (zip or legacy; read with weights-only loading) or a TorchScript archive
+            (its module's tensors and constants, never its code), a .safetensors file, a
             numpy .npy or .npz file, a PT2 archive (torch.export.save, AOTInductor packages: its weights
             and constants), or a torch.distributed.checkpoint directory.
         on_checked: called with the bytes of each chunk once checked (for a progress bar).

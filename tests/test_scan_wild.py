@@ -1,14 +1,16 @@
 """`nanfast scan` on what other tools and real directories leave behind, found by probing in session 37:
 numpy scalars (a saved `np.mean(losses)`), pickles of protocol 2 (torch.save's default) that name code
 by its Python 2 module names, directories with entries that cannot be read or shards that are missing,
-and TorchScript archives."""
+and TorchScript archives (NOTE: [TorchScript archives])."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -94,16 +96,50 @@ def test_a_directory_with_an_index_reports_a_missing_shard(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("make", ["script", "trace"])
-def test_a_torchscript_archive_is_named_and_not_read(capsys, tmp_path, make):
-    """torch.jit.save files are .pt files too: the scan said "damaged or truncated" (and torch warned that
-    it dispatches them to torch.jit.load). It says what the file is, exit 2, nothing checked."""
+def test_a_torchscript_archive_is_read_without_its_code(capsys, tmp_path, make):
+    """torch.jit.save files are .pt files too: the scan said "damaged or truncated" (torch.load hands them
+    to torch.jit.load, and torch warned so). Its module's tensors are read as a state_dict names them,
+    weights-only, its classes through stand-ins (NOTE: [TorchScript archives]); a traced model's example
+    inputs, which the file does not hold, are not asked for."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    with torch.no_grad():
-        model[0].weight[0, 0] = NAN
     scripted = torch.jit.script(model) if make == "script" else torch.jit.trace(model, torch.ones(1, 3))
     path = tmp_path / "model.pt"
     torch.jit.save(scripted, str(path))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch's dispatch warning is not raised: torch.load is not called
+        warnings.simplefilter("error")  # torch.load's dispatch warning: torch.load is not called on it
         code, out = run_scan(capsys, path)
-    assert code == 2 and out.startswith(f"{path}: unreadable: a TorchScript archive (torch.jit.save)")
+    assert code == 0 and out.startswith(f"{path}: 2 tensors, 8 elements: clean; objects of 2 other classes read as data")
+    with torch.no_grad():
+        model[0].weight[1, 2] = NAN
+    scripted = torch.jit.script(model) if make == "script" else torch.jit.trace(model, torch.ones(1, 3))
+    torch.jit.save(scripted, str(path))
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and [(e.name, e.nan) for e in result.report.bad] == [("0.weight", 1)]
+
+
+class TimesConstant(torch.nn.Module):
+    def forward(self, x):
+        return x * torch.tensor([1.0, INF])
+
+
+def test_a_torchscript_archives_tensor_constants_are_read(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warning about the constant
+        traced = torch.jit.trace(TimesConstant(), torch.ones(2))
+    path = tmp_path / "constant.pt"
+    torch.jit.save(traced, str(path))
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and [(e.name, e.posinf) for e in result.report.bad] == [("constants.pkl[0]", 1)]
+
+
+def test_a_torchscript_archive_whose_pickle_names_code_is_refused(capsys, tmp_path):
+    path = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(evil, "w") as target:
+        for name in source.namelist():
+            data = pickle.dumps(RunsCode(marker), protocol=2) if name.endswith("/data.pkl") else source.read(name)
+            target.writestr(name, data)
+    code, out = run_scan(capsys, evil)
+    assert code == 2 and "refused: its pickle asks to run" in out and not marker.exists()

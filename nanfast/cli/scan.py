@@ -14,7 +14,8 @@ from ..scan import FileScan, checkpoint_files, exit_code, format_scan, scan_file
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE",
-                        help=".pt/.pth/.pth.tar/.bin/.ckpt (torch.save), .safetensors, .npy/.npz or .pt2 "
+                        help=".pt/.pth/.pth.tar/.bin/.ckpt (torch.save, or torch.jit.save: never its code), "
+                             ".safetensors, .npy/.npz or .pt2 "
                              "(torch.export) files; a directory (its checkpoint files; a torch.distributed.checkpoint "
                              "directory as one checkpoint); a sharded checkpoint's *.index.json (its shards)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
