@@ -294,3 +294,17 @@ def test_refused_options_leave_no_hook(tmp_path):
     with pytest.raises(ValueError, match="sync='lagged'"):
         t.fit(module)
     assert not t.optimizers[0]._optimizer_step_pre_hooks and hooks_of(module) == 0  # on_exception removed them
+
+
+def test_a_second_fit_on_the_same_trainer_numbers_its_steps_as_the_trainer_does(tmp_path):
+    """fit() again with more steps continues the trainer's global step; the watch counted from 0 again."""
+    module = Regression()
+    callback = NanfastCallback(action="raise")
+    t = trainer(tmp_path, [callback], steps=3)
+    t.fit(module)
+    plant_inf(module, LAYER, at_forward=2)  # the second fit's second step: global step 4 (0-based)
+    t.fit_loop.epoch_loop.max_steps = 6
+    with pytest.raises(nanfast.NonFiniteError) as caught:
+        t.fit(module)
+    assert (caught.value.report.step, t.global_step) == (4, 4)
+    callback.remove()

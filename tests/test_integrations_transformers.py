@@ -265,3 +265,50 @@ def test_an_evaluation_whose_labels_are_all_masked_skips_no_training_step(tmp_pa
     assert t.state.global_step == 5 and w.skipped_steps == 0
     assert w.events and all(e.evaluation and e.phase == "forward" for e in w.events)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_resumed_run_numbers_its_steps_as_the_trainer_does(tmp_path):
+    """A run resumed from checkpoint-2 reported its third step as step 1 (the watch counted from 0 at
+    each train()); it starts at the trainer's global step."""
+    args = dict(per_device_train_batch_size=2, learning_rate=1e-2, report_to="none", use_cpu=True,
+                disable_tqdm=True, seed=0, save_strategy="steps", save_steps=2)
+    Trainer(model=tiny_gpt2(), args=TrainingArguments(output_dir=str(tmp_path), max_steps=2, **args),
+            train_dataset=dataset()).train()
+    model = tiny_gpt2()
+    plant_inf(model, BLOCK, at_forward=2)  # the resumed run's second step: global step 3 (0-based)
+    callback = NanfastCallback(action="raise")
+    t = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), max_steps=5, **args),
+                train_dataset=dataset(), callbacks=[callback])
+    with pytest.raises(nanfast.NonFiniteError) as caught:
+        t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert (caught.value.report.step, t.state.global_step) == (3, 3)
+    assert "step 3" in str(caught.value)
+    callback.remove()
+
+
+def test_a_hand_written_accelerate_loop_watches_the_prepared_optimizer():
+    """nanfast.watch(model, accelerator-prepared optimizer) raised AttributeError (accelerate's
+    AcceleratedOptimizer never runs Optimizer.__init__) and left its model hooks on; the watch takes the
+    torch optimizer it wraps, as the Trainer's callback does."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model, optimizer = accelerator.prepare(*(lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1)))(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))))
+    w = nanfast.watch(model, optimizer, action="skip")
+    assert w.optimizer is optimizer.optimizer
+    x = torch.randn(6, 4)
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean() * (float("nan") if step == 1 else 1.0)
+        accelerator.backward(loss)
+        if step == 1:
+            with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+                optimizer.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        else:
+            optimizer.step()
+    assert [e.step for e in w.events] == [1] and w.skipped_steps == 1
+    w.remove()

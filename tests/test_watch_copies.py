@@ -117,3 +117,4 @@ def test_remove_takes_the_watched_models_hooks_off_and_leaves_a_copys_inert_ones
             for name, m in copied.named_modules()} == hooks_before
     x, _ = batch()
     assert torch.equal(copied(x), model(x))
+

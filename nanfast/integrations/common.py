@@ -1,11 +1,10 @@
-"""What the framework callbacks share: the message of a missing extra, the torch optimizer a wrapper
-steps, the statistics they log, and the watch's end at the end of training."""
+"""What the framework callbacks share: the message of a missing extra, the statistics they log, and the
+watch's end at the end of training."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 
 from ..watcher import Watch
 
@@ -23,28 +22,6 @@ def missing_extra(package: str, extra: str) -> ImportError:
         An ImportError naming the module and the pip command."""
     return ImportError(f"nanfast.integrations.{extra} needs the {package} package, which is not installed: "
                        f"pip install 'nanfast[{extra}]'")
-
-
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer whose step really runs: accelerate's AcceleratedOptimizer (which HF's Trainer
-    steps) and other wrappers keep it as `.optimizer`; the watch's step hooks must be on that one, since
-    a wrapper's own `step` calls the inner one's.
-
-    Args:
-        optimizer: a torch optimizer, or a wrapper holding one as `.optimizer`.
-
-    Returns:
-        The innermost torch.optim.Optimizer.
-
-    Raises:
-        TypeError: no torch.optim.Optimizer was found."""
-    seen = 0
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and seen < 8:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"nanfast.integrations: the trainer's optimizer is a {type(optimizer).__name__}, "
-                        "not a torch.optim.Optimizer nor a wrapper holding one as .optimizer")
-    return optimizer
 
 
 def metrics(watch: Watch) -> dict[str, float]:

@@ -77,6 +77,7 @@ class NanfastCallback(OwnsWatch, Callback):
         if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS calls its closure many times
             self._hook = optimizer.register_step_pre_hook(run_closure_first)
         self._logged_step = -1.0
+        options.setdefault("first_step", trainer.global_step)  # a resumed or continued fit keeps its numbers
         self.watch = watcher.watch(model, optimizer, **options)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
-from .common import OwnsWatch, metrics, missing_extra, torch_optimizer
+from .common import OwnsWatch, metrics, missing_extra
 
 try:
     from transformers import TrainerCallback
@@ -65,7 +65,8 @@ class NanfastCallback(OwnsWatch, TrainerCallback):
         options = dict(self.options)
         if getattr(optimizer, "scaler", None) is not None:
             options.setdefault("scaler", optimizer.scaler)  # accelerate's GradScaler (fp16)
-        self.watch = watcher.watch(model, torch_optimizer(optimizer), **options)
+        options.setdefault("first_step", state.global_step)  # a resumed run's steps keep their numbers
+        self.watch = watcher.watch(model, optimizer, **options)  # it hooks the torch optimizer accelerate's wraps
         self._hook = model.register_forward_hook(self._give_loss)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:

@@ -23,8 +23,8 @@ from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
-                      checks, fused_records, patterns, results_device, rollback_options, steps_option, unknown_options,
-                      validate)
+                      checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
+                      unknown_options, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -62,6 +62,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         loss: bool = True,
         action: Union[str, Callable[[Event], Any]] = "raise",
         every: int = 1,
+        first_step: int = 0,
         sync: str = "eager",
         ignore: Union[str, Iterable[str]] = (),
         nan_only: bool = False,
@@ -79,6 +80,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         log_to: Any = None,
         spikes: Union[bool, dict, SpikeOptions] = True,
     ):
+        optimizer = stepped_optimizer(optimizer)
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         checks(inputs=inputs, activations=activations, grads=grads, params=params, modules=modules, loss=loss)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
@@ -113,7 +115,9 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self.scaler_skipped_steps = 0
         self.rolled_back_steps = 0
         self.last_rollback: Optional[tuple[int, int]] = None  # (the step that rolled back, the step put back)
-        self.step_count = 0  # steps ended so far (the number of the current step)
+        if type(first_step) is not int or first_step < 0:
+            raise ValueError(f"nanfast.watch: first_step must be an int >= 0, got {first_step!r}")
+        self.step_count = first_step  # the number of the current step (steps ended so far, from first_step)
 
         # The pass's parameters with their names and gradients (see NOTE: [The pass's parameters in C++]).
         self._params = _C.ParamGrads(parameter_names(model))
@@ -157,7 +161,11 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._timeline = Timeline(history, log_to, type(model).__name__,  # opens log_to files: last
                                   self._headroom.thresholds if self._headroom is not None else ())
         self._keeps_losses = self._timeline.wanted or (spiking is not None and spiking.loss)
-        self._install()
+        try:
+            self._install()
+        except BaseException:
+            self.remove()  # the hooks installed before the failure: the model and optimizer as they were
+            raise
 
     def remove(self) -> None:
         """Removes every hook and restores the optimizer and scaler exactly. Results of a lagged read
@@ -213,7 +221,9 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     gradient (named), and ``on_event="locate"`` names the op that made it.
 
     Options: ``action`` ("raise", "warn", "skip", "rollback" or a callable taking the Event), ``every`` (check one
-    step in N), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
+    step in N), ``first_step`` (the number of the first step, default 0: a resumed run's step count, so
+    that events and the timeline number steps as the run does; the framework callbacks pass the
+    trainer's), ``sync`` ("eager": one host read at each optimizer.step(); "lagged": read one step
     late from a non-blocking copy), ``ignore`` (fnmatch patterns of module/parameter names whose
     non-finite values are intended; "input" for the input, "<model>" for the model's own output;
     an input entry named as a mask needs none: NOTE: [Additive masks]), ``nan_only`` (infinities are not errors),
@@ -243,14 +253,16 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
 
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
-        optimizer: the optimizer whose step ends each step (None: call ``w.step()``, or inference).
+        optimizer: the optimizer whose step ends each step (None: call ``w.step()``, or inference); a
+            wrapper holding it as ``.optimizer`` (accelerate's AcceleratedOptimizer) is taken for it.
         **options: the options above, by keyword.
 
     Returns:
         The installed `Watch`.
 
     Raises:
-        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
+        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer (a wrapper holding
+            one as ``.optimizer``, as accelerate's AcceleratedOptimizer, stands for the one it holds).
         TypeError: headroom is not None, a number or numbers; fuse is not None or a bool; inputs,
             activations, grads, params, modules or loss is not a bool.
         ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), every check

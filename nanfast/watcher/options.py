@@ -91,6 +91,26 @@ def steps_option(name: str, value: Any) -> int:
     return value
 
 
+def stepped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer whose step really runs: accelerate's AcceleratedOptimizer (which HF's Trainer
+    and a hand-written accelerate loop step) and other wrappers keep it as `.optimizer`, and their own
+    `step` calls its; the watch's step hooks must be on that one (the wrapper, a torch Optimizer subclass
+    that never ran Optimizer.__init__, has no hooks of its own).
+
+    Args:
+        optimizer: a torch optimizer, a wrapper holding one as `.optimizer`, None, or anything else
+            (returned as it is, for `validate` to refuse).
+
+    Returns:
+        The innermost torch.optim.Optimizer, or `optimizer` itself."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
 def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: Any, sync: str, scaler: Optional[Any],
              on_event: Optional[str], rerun: Optional[Callable]) -> bool:
     """Rejects options the watch could not honour.
@@ -108,7 +128,8 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"nanfast.watch: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(f"nanfast.watch: optimizer must be a torch.optim.Optimizer (or a wrapper holding one as "
+                        f".optimizer), got {type(optimizer).__name__}")
     if not callable(action) and action not in ACTIONS:
         raise ValueError(f"nanfast.watch: action must be one of {ACTIONS} or a callable, got {action!r}")
     if sync not in SYNC_MODES:
