@@ -11,10 +11,10 @@ from typing import Any, Optional
 import torch
 
 from ._tree import group_by_device, named_leaves
-from .check import values_tensor
-from .ops import reads_dtype
+from .check import may_hold_values, values_tensor
+from .ops import dispatch_subclass, reads_dtype
 from .intended import MASKS, is_additive_mask
-from .report import NonfiniteCounts, NonFiniteError, first_few, left_out
+from .report import NonfiniteCounts, NonFiniteError, first_few, left_out, not_checked
 
 __all__ = ["BadField", "BatchReport", "Checked", "check_batch", "checked"]
 
@@ -49,14 +49,16 @@ class BadField(NonfiniteCounts):
 
 @dataclasses.dataclass(frozen=True)
 class BatchReport:
-    """What check_batch found: the fields holding non-finite values (empty when the batch is clean), and
-    the fields that are additive masks, whose -inf mask (see NOTE: [Additive masks]; their `samples`
-    are not looked for)."""
+    """What check_batch found: the fields holding non-finite values (empty when the batch is clean), the
+    fields that are additive masks, whose -inf mask (see NOTE: [Additive masks]; their `samples` are not
+    looked for), and the fields that may hold values but could not be read (`unchecked`: an object-dtype
+    numpy array, an object of another library), as check_all lists them."""
 
     bad: tuple[BadField, ...]
     num_tensors: int
     batch_index: Optional[int] = None  # set by `checked`
     masks: tuple[BadField, ...] = ()
+    unchecked: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -70,13 +72,14 @@ class BatchReport:
     def summary(self) -> str:
         where = f"batch {self.batch_index}: " if self.batch_index is not None else ""
         if self.num_tensors == 0:  # nothing was looked at: not "all finite" (a batch of strings, the wrong object)
-            return f"nanfast: {where}no tensors in the batch: nothing was checked"
+            return f"nanfast: {where}no tensors in the batch: nothing was checked{not_checked(self.unchecked)}"
         if self.ok:
             finite = "its 1 tensor is" if self.num_tensors == 1 else f"all {self.num_tensors} tensors of the batch are"
             if self.masks:
                 finite = f"{self.num_tensors - len(self.masks)} of the batch's {self.num_tensors} tensors are"
-            return f"nanfast: {where}{finite} finite{self._masks_text()}"
-        return f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad) + self._masks_text()
+            return f"nanfast: {where}{finite} finite{self._masks_text()}{not_checked(self.unchecked)}"
+        return (f"nanfast: {where}non-finite values in " + "; ".join(f.describe() for f in self.bad)
+                + self._masks_text() + not_checked(self.unchecked))
 
     def _masks_text(self) -> str:
         return left_out(MASKS, [f"field {f.path!r} (-inf={f.neginf})" for f in self.masks])
@@ -86,7 +89,7 @@ class BatchReport:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "batch_index": self.batch_index, "num_tensors": self.num_tensors,
                 "samples": self.samples, "bad": [f.to_dict() for f in self.bad],
-                "masks": [f.to_dict() for f in self.masks]}
+                "masks": [f.to_dict() for f in self.masks], "unchecked": list(self.unchecked)}
 
 
 def _unreadable(t: torch.Tensor) -> Optional[str]:
@@ -95,6 +98,8 @@ def _unreadable(t: torch.Tensor) -> Optional[str]:
         return "a meta tensor (it holds no values)"
     if t.is_nested:
         return "a nested tensor"
+    if dispatch_subclass(t):
+        return f"a {type(t).__name__} (a tensor subclass)"
     if t.is_quantized:
         return "a quantized tensor (check its .dequantize())"
     if t.layout != torch.strided:
@@ -116,8 +121,10 @@ def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
     # One reduction over the non-batch dims of this (bad) field: linear in its size, and a fixed number
     # of ops whatever the batch size (one view per sample made millions of tensors for a long 1-D field).
     try:
-        finite = torch.isfinite(t)
-    except (RuntimeError, NotImplementedError):  # float8 kinds isfinite lacks: exact in float32
+        # torch.isfinite calls every float8_e8m0fnu value finite, its NaN (0xFF) too: one-byte floats are
+        # read in float32, exactly.
+        finite = torch.isfinite(t.float() if t.is_floating_point() and t.element_size() == 1 else t)
+    except (RuntimeError, NotImplementedError):  # kinds isfinite lacks: exact in float32
         finite = torch.isfinite(t.float())
     return tuple((~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().tolist())
 
@@ -147,8 +154,12 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
                         "optimizer with nanfast.check_all")
     # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
-    pairs = [(path, t) for path, leaf in named_leaves(batch, brackets=True, shared_once=True)
-             if (t := values_tensor(leaf)) is not None]
+    pairs, unchecked = [], []
+    for path, leaf in named_leaves(batch, brackets=True, shared_once=True):
+        if (t := values_tensor(leaf)) is not None:
+            pairs.append((path, t))
+        elif may_hold_values(leaf):  # never "finite" for what was not read
+            unchecked.append(path)
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
@@ -163,7 +174,8 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
                 (masks if mask else bad).append((i, BadField(path, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                                              nan, posinf, neginf, () if mask else _bad_samples(t))))
     report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),
-                         masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])))
+                         masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])),
+                         unchecked=tuple(unchecked))
     if raise_on_nonfinite and not report.ok:
         raise NonFiniteError(report)
     return report

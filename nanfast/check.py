@@ -88,8 +88,8 @@ def may_hold_values(leaf: Any) -> bool:
 def values_tensor(leaf: Any) -> Optional[torch.Tensor]:
     """The tensor holding a leaf's values, for check_all, check_batch and scan alike: the leaf itself,
     or a CPU tensor for a Python float or complex number and for a numpy array or scalar (sharing its
-    memory; one of another byte order is copied); None for other leaves and for numpy arrays torch
-    cannot read (object or longdouble dtypes)."""
+    memory; one of another byte order or with a negative stride is copied); None for other leaves and
+    for numpy arrays torch cannot read (object or longdouble dtypes)."""
     if isinstance(leaf, torch.Tensor):
         return leaf
     if isinstance(leaf, (float, complex)):  # a loss or a hyper-parameter; numpy's float64 is a float
@@ -100,6 +100,8 @@ def values_tensor(leaf: Any) -> Optional[torch.Tensor]:
     array = np.asarray(leaf)
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
+    if any(stride < 0 for stride in array.strides):  # img[..., ::-1] (BGR to RGB): torch takes no such view
+        array = array.copy()
     with warnings.catch_warnings():  # "not writable": it is only read
         warnings.simplefilter("ignore", UserWarning)
         try:

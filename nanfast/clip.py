@@ -4,8 +4,9 @@ every gradient into NaN when one element is non-finite)."""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Optional, Union
 
 import torch
@@ -57,6 +58,17 @@ def scale_grads_(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float
         torch._foreach_mul_(group, coef.to(device=device, dtype=dtype, non_blocking=True))
 
 
+_REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
+def norm_dtype(grads: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype of a total norm over `grads`, as torch.nn.utils.clip_grad_norm_ returns it: their
+    promoted dtype (a float16 gradient first does not make a float32 one's norm overflow), real for
+    complex gradients."""
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+    return _REAL.get(dtype, dtype)
+
+
 def check_norm_type(norm_type: float, api: str) -> float:
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
@@ -84,7 +96,8 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
             fused pass is one call per device either way.
 
     Returns:
-        The total norm before clipping (0-dim, in the first gradient's dtype and device).
+        The total norm before clipping (0-dim, on the first gradient's device, in `norm_dtype` of the
+        gradients, as torch's).
 
     Raises:
         NonFiniteError: a gradient holds NaN/inf and error_if_nonfinite.
@@ -99,4 +112,4 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
     if error_if_nonfinite and sum(int(s.counts.sum().item()) for s in results):
         check_all(named)  # names every non-finite gradient in a NonFiniteError
     scale_grads_(grads, total, max_norm)
-    return total.to(grads[0].dtype)
+    return total.to(norm_dtype(grads))

@@ -71,6 +71,12 @@ def _as_tuple(tensors: TensorOrTensors, api: str) -> tuple[torch.Tensor, ...]:
         raise TypeError(expected) from None
 
 
+def dispatch_subclass(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor subclass with a __torch_dispatch__ of its own (a MaskedTensor, a FakeTensor
+    outside its mode): the kernels read plain tensors' memory (nested tensors go through their parts)."""
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and not t.is_nested
+
+
 def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
     """Raises a clear error naming the first bad entry; called only once the op has refused the list
     (checking every entry up front would cost more than the kernel on thousands of small tensors)."""
@@ -83,6 +89,9 @@ def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
         _check_device(api, i, t, tensors[0])
         if t.is_quantized:
             raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
+        if dispatch_subclass(t):
+            raise TypeError(f"{api}: entry {i} is a {type(t).__name__}, a tensor subclass whose values the kernels "
+                            "cannot read; check the plain tensors it holds")
 
 
 def _call(op, tensors: Sequence[torch.Tensor], api: str, on_nested):

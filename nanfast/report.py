@@ -30,6 +30,12 @@ def left_out(kind: str, named: Sequence[str]) -> str:
     return f"; left out, as {kind}: {first_few(named, MAX_NAMED_IN_MESSAGE)}" if named else ""
 
 
+def not_checked(names: Sequence[str]) -> str:
+    """"; not checked (objects nanfast cannot read): NAME, ..." naming objects that may hold values but
+    could not be read (a check_all Report's and a BatchReport's `unchecked`), or "" for none."""
+    return f"; not checked (objects nanfast cannot read): {first_few(names, MAX_NAMED_IN_MESSAGE)}" if names else ""
+
+
 class NonfiniteCounts:
     """What a record with ``nan``, ``posinf`` and ``neginf`` fields says about them (Entry, the batch
     check's BadField, the watch's Place)."""
@@ -156,9 +162,7 @@ class Report:
                 + left_out(SENTINELS, [f"{e.name} ({'+inf' if e.posinf else '-inf'})" for e in self.sentinels]))
 
     def _unchecked_text(self) -> str:
-        if not self.unchecked:
-            return ""
-        return f"; not checked (objects nanfast cannot read): {first_few(self.unchecked, MAX_NAMED_IN_MESSAGE)}"
+        return not_checked(self.unchecked)
 
     def __str__(self) -> str:
         bad = self.bad

@@ -36,6 +36,10 @@ class NANFAST_HIDDEN BorrowedTensors {
     return tensors_;
   }
 
+  // Raises ValueError naming the first entry that is a lazy module's parameter or buffer before its
+  // first forward (see NOTE: [Lazy modules' uninitialized parameters]).
+  void refuse_uninitialized(const char* api) const;
+
  private:
   py::tuple owner_;
   std::vector<at::Tensor> tensors_;

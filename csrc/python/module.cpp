@@ -49,6 +49,35 @@ BorrowedTensors::BorrowedTensors(const char* api, py::handle sequence)
   }
 }
 
+// NOTE: [Lazy modules' uninitialized parameters]
+// A lazy module's parameter or buffer before its first forward (nn.UninitializedParameter,
+// nn.UninitializedBuffer) is an empty tensor whose class refuses every torch function ("Attempted to use
+// an uninitialized parameter"). The unboxed bindings do not ask its class, so the kernels would read its
+// 0 elements and call it clean: nanfast.stats and nanfast.any_nonfinite refuse it by name, as a meta
+// tensor. Only an entry of another class than Tensor or Parameter is asked (a pointer compare each).
+void BorrowedTensors::refuse_uninitialized(const char* api) const {
+  static PyObject* const parameter = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  static PyObject* const uninitialized =
+      py::object(py::module_::import("torch.nn.parameter").attr("UninitializedTensorMixin")).release().ptr();
+  const Py_ssize_t n = PyTuple_GET_SIZE(owner_.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(owner_.ptr(), i);
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(item));
+    if (type == THPVariableClass || type == parameter) {
+      continue;
+    }
+    const int lazy = PyObject_IsInstance(item, uninitialized);
+    if (lazy < 0) {
+      throw py::error_already_set();
+    }
+    if (lazy == 1) {
+      throw py::value_error(std::string(api) + ": entry " + std::to_string(i) + " is a lazy module's " +
+                            Py_TYPE(item)->tp_name + " (before its first forward): it has no "
+                            "values to check yet");
+    }
+  }
+}
+
 BorrowedTensors::~BorrowedTensors() {
   for (at::Tensor& t : tensors_) {
     c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
@@ -117,6 +146,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats(py::handle tensors) {
   const BorrowedTensors inputs("nanfast.stats", tensors);
+  inputs.refuse_uninitialized("nanfast.stats");
   py::gil_scoped_release no_gil;
   return stats_op().call(inputs.list());
 }
@@ -125,6 +155,7 @@ at::Tensor call_any_nonfinite(py::handle tensors) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("nanfast::any_nonfinite", "").typed<at::Tensor(at::TensorList)>();
   const BorrowedTensors inputs("nanfast.any_nonfinite", tensors);
+  inputs.refuse_uninitialized("nanfast.any_nonfinite");
   py::gil_scoped_release no_gil;
   return op.call(inputs.list());
 }

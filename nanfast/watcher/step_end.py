@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..clip import check_norm_type, scale_grads_, total_norm
+from ..clip import check_norm_type, norm_dtype, scale_grads_, total_norm
 from . import agree, step as steps
 from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .step import Read, Step
@@ -59,7 +59,8 @@ class StepEnd:
             norm_type: 2 or inf.
 
         Returns:
-            The total norm before clipping (0-dim, the gradients' dtype and device; zero without gradients).
+            The total norm before clipping (0-dim, on the gradients' device, in their `norm_dtype` as torch's;
+            zero without gradients).
 
         Raises:
             ValueError: norm_type is not 2 or inf.
@@ -77,7 +78,7 @@ class StepEnd:
             total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
             scale_grads_(fused.grads, total, max_norm)
         self._step.clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
-        return total.to(fused.grads[0].dtype)
+        return total.to(norm_dtype(fused.grads))
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
                   scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False) -> Optional[Read]:

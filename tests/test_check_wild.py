@@ -1,0 +1,85 @@
+"""The checking API on inputs other code hands it, found by probing in session 37: numpy arrays with a
+negative stride (BGR to RGB), a lazy module's parameters before its first forward, float8_e8m0fnu batch
+fields, tensor subclasses the kernels cannot read, batch leaves that cannot be read, and
+clip_grad_norm_'s result dtype (complex and mixed-precision gradients)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import nanfast
+
+NAN = float("nan")
+
+
+def test_a_numpy_array_with_a_negative_stride_is_read():
+    """img[..., ::-1] (cv2's BGR to RGB) raised torch's ValueError, naming nothing."""
+    np = pytest.importorskip("numpy")
+    image = np.ones((2, 4, 4, 3), dtype=np.float32)
+    image[1, 0, 0, 0] = NAN
+    rgb = image[..., ::-1]
+    report = nanfast.check_batch({"image": rgb, "label": np.array([0, 1])}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples, f.nan) for f in report.bad] == [("image", (1,), 1)]
+    assert nanfast.check_all({"image": np.flip(np.ones((2, 3), np.float32), 0)}).ok
+
+
+def test_a_lazy_modules_parameters_before_the_first_forward_are_refused_by_name():
+    """An UninitializedParameter is an empty tensor to the kernels: stats counted it clean, any_nonfinite
+    said False."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warning that lazy modules are experimental
+        model = torch.nn.Sequential(torch.nn.LazyLinear(3))
+    for call, api in ((nanfast.stats, "nanfast.stats"), (nanfast.any_nonfinite, "nanfast.any_nonfinite")):
+        with pytest.raises(ValueError, match=rf"^{api}: entry 1 is a lazy module's UninitializedParameter"):
+            call([torch.ones(2), model[0].weight])
+    with pytest.raises(ValueError, match=r"^nanfast.check_all: '0.weight': .*before its first forward"):
+        nanfast.check_all(model)
+    model(torch.ones(1, 4))
+    assert nanfast.check_all(model).ok and nanfast.stats([model[0].weight]).counts.sum() == 0
+
+
+def test_a_float8_e8m0fnu_batch_field_names_its_sample():
+    """torch.isfinite calls e8m0's NaN (0xFF) finite: the field was found bad with no sample named."""
+    scales = torch.tensor([[127, 120], [1, 255]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    report = nanfast.check_batch({"scales": scales}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples, f.nan) for f in report.bad] == [("scales", (1,), 1)]
+
+
+def test_a_tensor_subclass_the_kernels_cannot_read_is_named():
+    masked = pytest.importorskip("torch.masked")
+    m = masked.masked_tensor(torch.tensor([1.0, NAN]), torch.tensor([True, False]))
+    for call, api in ((nanfast.stats, "nanfast.stats"), (nanfast.any_nonfinite, "nanfast.any_nonfinite")):
+        with pytest.raises(TypeError, match=rf"^{api}: entry 1 is a MaskedTensor, a tensor subclass"):
+            call([torch.ones(2), m])
+    with pytest.raises(ValueError, match=r"field 'm' is a MaskedTensor \(a tensor subclass\)"):
+        nanfast.check_batch({"x": torch.ones(2), "m": m})
+
+
+def test_a_batch_leaf_that_cannot_be_read_is_listed_not_called_finite():
+    """check_batch dropped an object-dtype array (holding a NaN) and said the batch was finite."""
+    np = pytest.importorskip("numpy")
+    batch = {"x": torch.ones(2, 3), "extra": np.array([1.0, NAN, "a"], dtype=object), "text": ["a", "b"]}
+    report = nanfast.check_batch(batch)
+    assert report.ok and report.unchecked == ("extra",)
+    assert str(report).endswith("not checked (objects nanfast cannot read): extra")
+    assert report.to_dict()["unchecked"] == ["extra"]
+
+
+@pytest.mark.parametrize("dtypes", [(torch.complex64,), (torch.float16, torch.float32)], ids=["complex", "mixed"])
+def test_clip_grad_norm_returns_the_norm_in_torchs_dtype(dtypes):
+    """A complex gradient's norm came back complex (torch's is real); a float16 gradient listed first
+    made a float32 one's norm of 1e5 inf (torch promotes)."""
+    def parameters():
+        params = []
+        for i, dtype in enumerate(dtypes):
+            p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+            p.grad = torch.tensor([3.0, 4.0], dtype=dtype) * (2e4 if i else 1.0)  # 1e5: past float16's range
+            params.append(p)
+        return params
+
+    ours = nanfast.clip_grad_norm_(parameters(), max_norm=1e9)
+    theirs = torch.nn.utils.clip_grad_norm_(parameters(), max_norm=1e9)
+    assert ours.dtype == theirs.dtype and not ours.dtype.is_complex
+    assert math.isfinite(float(ours)) and float(ours) == pytest.approx(float(theirs))
