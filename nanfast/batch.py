@@ -157,7 +157,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     pairs, unchecked = [], []
     for path, leaf in named_leaves(batch, brackets=True, shared_once=True):
         if (t := values_tensor(leaf)) is not None:
-            pairs.append((path, t))
+            pairs.append((path or "tensor", t))  # a batch that is one tensor: named as check_all names it
         elif may_hold_values(leaf):  # never "finite" for what was not read
             unchecked.append(path)
     _validate(pairs)

@@ -1,7 +1,7 @@
 """The checking API on inputs other code hands it, found by probing in session 37: numpy arrays with a
 negative stride (BGR to RGB), a lazy module's parameters before its first forward, float8_e8m0fnu batch
-fields, tensor subclasses the kernels cannot read, batch leaves that cannot be read, and
-clip_grad_norm_'s result dtype (complex and mixed-precision gradients)."""
+fields, tensor subclasses the kernels cannot read, batch leaves that cannot be read, a batch that is
+one tensor, and clip_grad_norm_'s result dtype (complex and mixed-precision gradients)."""
 
 import math
 import warnings
@@ -83,3 +83,10 @@ def test_clip_grad_norm_returns_the_norm_in_torchs_dtype(dtypes):
     theirs = torch.nn.utils.clip_grad_norm_(parameters(), max_norm=1e9)
     assert ours.dtype == theirs.dtype and not ours.dtype.is_complex
     assert math.isfinite(float(ours)) and float(ours) == pytest.approx(float(theirs))
+
+
+def test_a_batch_that_is_one_tensor_is_named_as_check_all_names_it():
+    x = torch.ones(3, 2)
+    x[1, 0] = NAN
+    report = nanfast.check_batch(x, raise_on_nonfinite=False)
+    assert str(report) == "nanfast: non-finite values in sample 1 of field 'tensor' (nan=1, +inf=0, -inf=0)"
