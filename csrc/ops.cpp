@@ -7,6 +7,7 @@
 #include <atomic>
 #include <numeric>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/view_as_real.h>
@@ -31,7 +32,12 @@ namespace {
 constexpr size_t kThreadedPointers = 1024;
 constexpr int64_t kPointersPerChunk = 64;
 
-void read_data_pointers(at::TensorList tensors, std::vector<InputRun>& runs) {
+// NOTE: [A storage smaller than its tensor]
+// FSDP (1) and parameter offloading free a tensor's memory between its uses by resizing its storage to
+// 0 bytes, leaving the tensor's sizes as they were; reading it then reads freed memory (torch's own ops
+// crash on it too). Its storage's size is read with its data pointer, and one that cannot hold the
+// tensor's extent is refused, naming the entry.
+void read_data_pointers(const char* op, at::TensorList tensors, std::vector<InputRun>& runs) {
   const int64_t n = static_cast<int64_t>(tensors.size());
   // Reads entries [i, end) in order; on a refusal `i` is the entry that refused.
   auto read = [&](int64_t& i, int64_t end) {
@@ -40,7 +46,15 @@ void read_data_pointers(at::TensorList tensors, std::vector<InputRun>& runs) {
         // See NOTE: [Thousands of small tensors' metadata]; a tensor without storage prefetches null, a no-op.
         __builtin_prefetch(tensors[i + kStorageAhead].unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
       }
-      runs[i].data = tensors[i].const_data_ptr();  // a complex tensor's real view starts at the same byte
+      const at::Tensor& t = tensors[i];
+      runs[i].data = t.const_data_ptr();  // a complex tensor's real view starts at the same byte
+      if (t.numel() > 0) {
+        const size_t extent = at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.itemsize(),
+                                                               static_cast<size_t>(t.storage_offset()));
+        TORCH_CHECK(t.storage().nbytes() >= extent, op, ": tensors[", i, "] reaches ", extent,
+                    " bytes into its storage, which holds ", t.storage().nbytes(),
+                    " (freed or shrunk, as FSDP and offloading do between uses): it has no values to read");
+      }
     }
   };
   int64_t i = 0;
@@ -122,7 +136,7 @@ std::vector<InputRun> describe_inputs(const char* op, at::TensorList tensors) {
       }
     }
   }
-  read_data_pointers(tensors, runs);
+  read_data_pointers(op, tensors, runs);
   return runs;
 }
 

@@ -90,3 +90,25 @@ def test_a_batch_that_is_one_tensor_is_named_as_check_all_names_it():
     x[1, 0] = NAN
     report = nanfast.check_batch(x, raise_on_nonfinite=False)
     assert str(report) == "nanfast: non-finite values in sample 1 of field 'tensor' (nan=1, +inf=0, -inf=0)"
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_by_name_not_read():
+    """FSDP and offloading free a parameter's memory with storage().resize_(0): reading it crashed the
+    process (torch's own ops do too); now an error names the entry (NOTE: [A storage smaller than its
+    tensor])."""
+    weight = torch.nn.Linear(4, 4).weight.detach()
+    weight.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"nanfast.stats: tensors\[1\] reaches 64 bytes into its storage, which "
+                                           r"holds 0 \(freed or shrunk"):
+        nanfast.stats([torch.ones(2), weight])
+    with pytest.raises(RuntimeError, match=r"^nanfast.check_all: 'w': .*freed or shrunk"):
+        nanfast.check_all({"ok": torch.ones(2), "w": weight})
+    many = [torch.ones(3) for _ in range(3000)]  # long lists read their data pointers on every thread
+    many[2500] = weight
+    with pytest.raises(RuntimeError, match=r"tensors\[2500\] reaches"):
+        nanfast.any_nonfinite(many)
+    shrunk = torch.ones(8)
+    view = shrunk[4:]
+    shrunk.untyped_storage().resize_(20)  # 5 floats left: the view's last 3 are gone
+    with pytest.raises(RuntimeError, match=r"tensors\[0\] reaches 32 bytes"):
+        nanfast.stats([view])
