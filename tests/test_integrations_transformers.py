@@ -274,6 +274,9 @@ def test_a_resumed_run_numbers_its_steps_as_the_trainer_does(tmp_path):
                 disable_tqdm=True, seed=0, save_strategy="steps", save_steps=2)
     Trainer(model=tiny_gpt2(), args=TrainingArguments(output_dir=str(tmp_path), max_steps=2, **args),
             train_dataset=dataset()).train()
+    # transformers 4.46 (the extra's floor) reads the RNG states with torch.load's default, which torch >= 2.6
+    # refuses for their numpy part; they play no part here (the Trainer goes on without them, warning).
+    (tmp_path / "checkpoint-2" / "rng_state.pth").unlink()
     model = tiny_gpt2()
     plant_inf(model, BLOCK, at_forward=2)  # the resumed run's second step: global step 3 (0-based)
     callback = NanfastCallback(action="raise")
