@@ -288,6 +288,24 @@ def test_a_negative_loss_is_judged_by_its_spread():
     assert "above its running median -5" in event.detail
 
 
+def test_a_loss_that_is_mostly_exactly_zero_fires_only_on_a_real_jump():
+    """A hinge loss is 0 on most steps: the window's median and interquartile range are 0, and every
+    nonzero value was a spike ("0.0657 above its running median 0"), eleven warnings on a healthy run.
+    Its largest value now sets the scale."""
+    model = torch.nn.Linear(2, 2)
+    g = torch.Generator().manual_seed(0)
+    values = [0.0 if torch.rand((), generator=g) < 0.85 else 0.1 * torch.rand((), generator=g).item()
+              for _ in range(150)]
+    values[140] = 5.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with nanfast.watch(model, spikes=SpikeOptions(grad_norm=False, modules=False)) as w:
+            for v in values:
+                w.loss(torch.tensor(v, dtype=torch.float64), "hinge")
+                w.step()
+    assert [e.step for e in spikes_of(w)] == [140]
+
+
 # --- the windows in C++ (NOTE: [Spike windows in C++]) against the rule written here in Python --------
 
 
@@ -305,8 +323,8 @@ class ReferenceSeries:
         median = (o[(n - 1) // 2] + o[n // 2]) / 2 if n else math.nan
         above = below = False
         if n >= self.warmup and math.isfinite(x):
-            spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4]))
-            above = x - median > (self.factor - 1) * spread
+            spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4])) or max(abs(o[0]), abs(o[-1]))
+            above = spread > 0 and x - median > (self.factor - 1) * spread
             below = median > 0 and x < median / self.factor
         if math.isfinite(x):
             self.recent = (self.recent + [x])[-self.window:]
@@ -342,6 +360,7 @@ def test_the_windows_fire_as_the_rule_on_random_series(seed):
             u = float(torch.rand((), generator=g))
             x = float(torch.randn((), generator=g)) + (5 if (step // 40) % 2 else 1)
             x = [x, x * 100, x / 100, math.nan, math.inf, -math.inf, -x, 2.0][int(u * 8)] if u < 0.2 else x
+            x = 0.0 if (step // 30) % 4 == 3 and u < 0.8 else x  # stretches mostly exactly 0
             values.append(round(x, 1) if u > 0.9 else x)  # rounded: ties in the window
         expected = [(i, d, m) for i, ref in enumerate(refs) for d, m in ref.observe(values[i])]
         fired = windows.observe(ids, values)

@@ -88,9 +88,14 @@ class SpikeWindows {
       return {above, below, median};
     }
     if (static_cast<int64_t>(n) >= warmup_) {
-      // 1.5 interquartile ranges: about 2 median absolute deviations for symmetric noise.
-      const double spread = std::max(std::abs(median), 1.5 * (o[(3 * n) / 4] - o[n / 4]));
-      above = x - median > (factor_ - 1) * spread;
+      // 1.5 interquartile ranges: about 2 median absolute deviations for symmetric noise. A window
+      // mostly exactly 0 (a hinge loss, an expert rarely routed to) has neither: its largest |value|
+      // sets the scale, and a window all 0 has none, so nothing above it is judged a spike.
+      double spread = std::max(std::abs(median), 1.5 * (o[(3 * n) / 4] - o[n / 4]));
+      if (spread == 0) {
+        spread = std::max(std::abs(o.front()), std::abs(o.back()));
+      }
+      above = spread > 0 && x - median > (factor_ - 1) * spread;
       below = median > 0 && x < median / factor_;
     }
     if (static_cast<int64_t>(s.recent.size()) == window_) {

@@ -39,7 +39,8 @@ class SpikeOptions:
     steps in a row (one step is noise: a small layer's gradient over a small batch can dip that low
     now and then). (A series that can be negative,
     or whose interquartile range exceeds two thirds of its level, is judged by its excess over the
-    median: more than ``factor - 1`` times max(|median|, 1.5 x its interquartile range).) An alarm fires once per
+    median: more than ``factor - 1`` times max(|median|, 1.5 x its interquartile range), or, where both
+    are 0, its largest |value|; a window of zeros judges no spike.) An alarm fires once per
     excursion: the series must come back within the threshold before it can fire again.
 
     ``action``: "warn" (a RuntimeWarning; the watch's callable ``action``, if it has one, gets the
