@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
@@ -127,10 +128,18 @@ def _line(obj: dict) -> str:
 
 
 class _Stream:
-    """A JSON Lines file written a line per checked step, flushed each time."""
+    """A JSON Lines file written a line per checked step, flushed each time; one writer per file in a
+    process (two watches' lines interleaved mid-record made a file no reader could parse)."""
+
+    _open: set[str] = set()  # the real paths streams of this process are writing
 
     def __init__(self, path: Union[str, os.PathLike], first: dict):
+        self._path = os.path.realpath(path)
+        if self._path in _Stream._open:
+            raise ValueError(f"nanfast.watch: log_to {os.fspath(path)!r} is already written by another watch in this "
+                             "process; give each watch its own file (or remove() the other watch first)")
         self._file = open(path, "w", encoding="utf-8")
+        _Stream._open.add(self._path)
         self._file.write(_line(first))
         self._file.flush()
 
@@ -139,7 +148,20 @@ class _Stream:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if not self._file.closed:
+            self._file.close()
+            _Stream._open.discard(self._path)
+
+
+def _give(sink: Callable[[StepRecord], None], rec: StepRecord) -> None:
+    """Gives a record to one sink. A sink that raises (a logger's lost connection) is warned about and
+    the step goes on: a logging failure must not cancel a healthy step's update, keep the record from
+    the other sinks, or hide the NonFiniteError of a bad step being raised."""
+    try:
+        sink(rec)
+    except Exception as e:  # noqa: BLE001  (any logger's error)
+        warnings.warn(f"nanfast.watch: a log_to sink raised {type(e).__name__}: {e}; the records it raised on are "
+                      "not in it (training, the watch and the other sinks go on)", RuntimeWarning, stacklevel=2)
 
 
 def _sink(target: Any, first: dict) -> Callable[[StepRecord], None]:
@@ -184,7 +206,7 @@ class Timeline:
             if self._kept.maxlen:
                 self._kept.append(rec)
             for sink in self._sinks:
-                sink(rec)
+                _give(sink, rec)
         elif self._kept.maxlen:
             self._kept.append((args, flags))
 
