@@ -196,6 +196,26 @@ def test_watch_suite_names_an_unknown_workload(tmp_path, capsys):
     assert "gpt5" in capsys.readouterr().out and not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--repeats", "0"], "argument --repeats: must be > 0, got 0"),  # it ran the default 7
+    (["--repeats", "-1"], "argument --repeats: must be > 0, got -1"),  # a traceback (no median)
+    (["--scale", "0"], "argument --scale: must be > 0, got 0"),  # it ran one tensor of 1024
+    (["--device", "foo"], "argument --device: not a device: 'foo'"),  # torch's traceback
+    (["--workloads", "bogus"], "unknown workload(s) bogus for --suite core"),  # ZeroDivisionError in the chart
+    (["--workloads", "5000x1024-fp32,bogus"], "unknown workload(s) bogus"),  # bogus dropped without a word
+    (["--suite", "locate", "--workloads", "mlp"], "this suite takes no --workloads"),
+])
+def test_bad_bench_arguments_are_usage_errors(tmp_path, capsys, argv, said):
+    """Found by probing (session 37): each of these ran something else or ended in a traceback."""
+    try:
+        code = cli.main(["bench", *argv, "--out", str(tmp_path)])
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    captured = capsys.readouterr()
+    assert code == 2 and said in captured.out + captured.err and "Traceback" not in captured.err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_an_ordinary_watch_measures_nothing():
     model = torch.nn.Linear(4, 4)
     w = nanfast.watch(model)

@@ -40,6 +40,9 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
     return shapes + [(d,), (d,)]
 
 
+CORE_WORKLOADS = ("gpt2-fp32", "gpt2-bf16", "5000x1024-fp32", "256M-fp32", "gpt2-fp32-transposed")
+
+
 def make_workloads(device: str, scale: float) -> dict[str, list[torch.Tensor]]:
     """Finite random tensors (the common case: a check that finds nothing must still read everything)."""
     gen = torch.Generator().manual_seed(0)
@@ -49,13 +52,15 @@ def make_workloads(device: str, scale: float) -> dict[str, list[torch.Tensor]]:
 
     gpt2 = gpt2_small_shapes()
     n_small, big = max(1, int(5000 * scale)), max(1, int(256 * 2**20 * scale))
-    return {
+    workloads = {
         "gpt2-fp32": [randn(*s) for s in gpt2],
         "gpt2-bf16": [randn(*s, dtype=torch.bfloat16) for s in gpt2],
         "5000x1024-fp32": [randn(1024) for _ in range(n_small)],
         "256M-fp32": [randn(big)],
         "gpt2-fp32-transposed": [randn(*reversed(s)).t() if len(s) == 2 else randn(*s) for s in gpt2],
     }
+    assert tuple(workloads) == CORE_WORKLOADS
+    return workloads
 
 
 def _sync(device: str) -> None:
@@ -267,15 +272,34 @@ def chart(rows: list[dict], title: str) -> Any:
     return fig
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a finite number > 0 of `kind` (a bad value is a usage error, exit 2)."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (cpu, cuda, cuda:1, ...)") from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--repeats", type=int, default=None,
+    parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--repeats", type=_positive(int), default=None,
                         help="timed repeats per method (median reported; default: 7, and 40 for the watch suite)")
     parser.add_argument("--suite", default="core", choices=["core", *EXTRA_SUITES, "all"])
     parser.add_argument("--workloads", default="",
                         help="comma-separated workloads of the core suite, or of the watch suite (mlp, mlp-128, "
                              "transformer-small, transformer-d256, resnet18-64, resnet18-224); default: all")
-    parser.add_argument("--scale", type=float, default=1.0,
+    parser.add_argument("--scale", type=_positive(float), default=1.0,
                         help="size factor for the 5000-tensor and 256M workloads (e.g. 0.1 for a quick run)")
     parser.add_argument("--out", default="bench-results", help="folder for results.json (and results.png)")
 
@@ -284,15 +308,24 @@ def run(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("nanfast bench: --device cuda asked for, but torch sees no GPU")
         return 2
-    os.makedirs(args.out, exist_ok=True)
     suites = [n for n in ("core", *EXTRA_SUITES) if args.suite in (n, "all")]
+    keys = {n: CORE_WORKLOADS if n == "core" else getattr(importlib.import_module(EXTRA_SUITES[n]), "WORKLOAD_KEYS", ())
+            for n in suites}
+    only = [w for w in args.workloads.split(",") if w]
+    if unknown := [w for w in only if not any(w in k for k in keys.values())]:
+        known = [key for k in keys.values() for key in k]
+        print(f"nanfast bench: unknown workload(s) {', '.join(unknown)} for --suite {args.suite}; choose from "
+              f"{', '.join(known) or 'none: this suite takes no --workloads'}")
+        return 2
+    if only:  # the suites that hold a named workload, each with those
+        suites = [n for n in suites if any(w in keys[n] for w in only)]
+    os.makedirs(args.out, exist_ok=True)
     repeats = {n: args.repeats or DEFAULT_REPEATS[n] for n in suites}
     said = ", ".join(f"{n}: {r}" for n, r in repeats.items())
     print(f"# nanfast benchmark\n\nMachine: {machine(args.device)}\n\nDevice: {args.device}; medians of repeats ({said}).\n")
     results: dict = {"machine": machine(args.device), "device": args.device, "repeats": repeats}
-    only = [w for w in args.workloads.split(",") if w]
     if "core" in suites:
-        rows = run_core(args.device, repeats["core"], args.scale, only)
+        rows = run_core(args.device, repeats["core"], args.scale, [w for w in only if w in CORE_WORKLOADS])
         print(core_markdown(rows))
         results["core"] = rows
         chart = os.path.join(args.out, "results.png")
@@ -302,14 +335,8 @@ def run(args: argparse.Namespace) -> int:
             print("Chart: skipped, matplotlib is not installed (pip install 'nanfast[bench]')")
     for name, module in progress([(n, m) for n, m in EXTRA_SUITES.items() if n in suites], desc="suites"):
         mod = importlib.import_module(module)
-        kwargs = {}
-        if only and hasattr(mod, "WORKLOAD_KEYS"):  # with --suite all, the entries that name its workloads
-            kwargs["only"] = only if args.suite == name else [w for w in only if w in mod.WORKLOAD_KEYS]
-        try:
-            suite = mod.run_suite(device=args.device, repeats=repeats[name], **kwargs)
-        except ValueError as error:  # an unknown workload
-            print(error)
-            return 2
+        kwargs = {"only": [w for w in only if w in keys[name]]} if only else {}
+        suite = mod.run_suite(device=args.device, repeats=repeats[name], **kwargs)
         print(f"## {suite['title']}\n\n{suite['markdown']}\n")
         results[name] = suite["rows"]
         results.update({f"{name}_{key}": value for key, value in suite.items() if key not in ("title", "markdown", "rows")})
