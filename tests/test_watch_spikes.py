@@ -270,20 +270,25 @@ def test_spikes_off_and_options_checked():
     assert not model._forward_hooks
 
 
-def test_a_negative_loss_is_judged_by_its_spread():
-    """A loss below zero (a log-likelihood) has no meaningful ratio to its median: its excess over the
-    median is judged against max(|median|, 1.5 x its interquartile range) times factor - 1."""
+def loss_spikes(values, name):
+    """The spike events of a watch given `values` as its loss `name`, one step each (no model step)."""
     model = torch.nn.Linear(2, 2)
-    g = torch.Generator().manual_seed(0)
-    values = [-5.0 + 0.1 * torch.randn((), generator=g).item() for _ in range(150)]
-    values[140] = 50.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with nanfast.watch(model, spikes=SpikeOptions(grad_norm=False, modules=False)) as w:
             for v in values:
-                w.loss(torch.tensor(v, dtype=torch.float64), "nll")
+                w.loss(torch.tensor(v, dtype=torch.float64), name)
                 w.step()
-    (event,) = spikes_of(w)
+    return spikes_of(w)
+
+
+def test_a_negative_loss_is_judged_by_its_spread():
+    """A loss below zero (a log-likelihood) has no meaningful ratio to its median: its excess over the
+    median is judged against max(|median|, 1.5 x its interquartile range) times factor - 1."""
+    g = torch.Generator().manual_seed(0)
+    values = [-5.0 + 0.1 * torch.randn((), generator=g).item() for _ in range(150)]
+    values[140] = 50.0
+    (event,) = loss_spikes(values, "nll")
     assert event.step == 140 and (event.phase, event.name) == ("loss_value", "nll")
     assert "above its running median -5" in event.detail
 
@@ -292,18 +297,11 @@ def test_a_loss_that_is_mostly_exactly_zero_fires_only_on_a_real_jump():
     """A hinge loss is 0 on most steps: the window's median and interquartile range are 0, and every
     nonzero value was a spike ("0.0657 above its running median 0"), eleven warnings on a healthy run.
     Its largest value now sets the scale."""
-    model = torch.nn.Linear(2, 2)
     g = torch.Generator().manual_seed(0)
     values = [0.0 if torch.rand((), generator=g) < 0.85 else 0.1 * torch.rand((), generator=g).item()
               for _ in range(150)]
     values[140] = 5.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        with nanfast.watch(model, spikes=SpikeOptions(grad_norm=False, modules=False)) as w:
-            for v in values:
-                w.loss(torch.tensor(v, dtype=torch.float64), "hinge")
-                w.step()
-    assert [e.step for e in spikes_of(w)] == [140]
+    assert [e.step for e in loss_spikes(values, "hinge")] == [140]
 
 
 # --- the windows in C++ (NOTE: [Spike windows in C++]) against the rule written here in Python --------
