@@ -14,6 +14,11 @@ _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empt
 # In-place ops that overwrite self without reading it: its old values are not an input.
 _OVERWRITE_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "exponential_", "geometric_",
                    "log_normal_", "cauchy_", "random_"}
+# Ops that write arguments their schema does not mark as written: batch norm in training updates its
+# running statistics in place (their pre-op values are inputs, read; the update is a write by the op).
+_UNDECLARED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
+                      "cudnn_batch_norm": ("running_mean", "running_var"),
+                      "miopen_batch_norm": ("running_mean", "running_var")}
 # NOTE: [masking ops]
 # The ops whose infinite number argument is a value to place (a mask, a pad, a bound), not an operand:
 # an inf they write is intended. Anywhere else a non-finite number that makes a non-finite output is
@@ -58,6 +63,7 @@ def _op_info(func) -> _OpInfo:
         skip = (func.is_view or torch.Tag.inplace_view in func.tags or packet in _UNINITIALIZED
                 or func.namespace == "nanfast")
         written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        written |= set(_UNDECLARED_WRITES.get(packet, ()))
         out_args = {a.name for a in schema.arguments if a.is_out}
         if packet in _OVERWRITE_SELF:
             out_args |= written

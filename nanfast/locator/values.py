@@ -28,7 +28,11 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _values(t: Any) -> Optional[torch.Tensor]:
     """What locate checks of `t`: its dense values when they can hold NaN/inf, else None (not a tensor,
-    an integer dtype, a sparse or meta tensor)."""
+    an integer dtype, a sparse or meta tensor). A torch.func wrapper (vmap's batched tensor, grad's
+    tracking tensor) reaching a backward node's hook is read through the tensor it wraps, which holds
+    every sample's values (the kernels have no batching rule)."""
+    while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
     if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATING or t.is_meta:
         return None
     return _dense(t) if t.is_nested or t.layout == torch.strided else None
