@@ -20,6 +20,8 @@ from typing import Any, Union
 
 import torch
 
+from . import _tree
+
 # A legacy (non-zip) torch.save file begins with a pickle of this number.
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C.to_bytes(10, "little")
 
@@ -159,7 +161,8 @@ def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
             for name in loaded.files:
                 yield name, loaded[name]
     except ValueError as e:
-        if "allow_pickle" in str(e) or "Python objects" in str(e):
+        # numpy's two messages for an array of objects (the .npy's is its memory-mapping's refusal).
+        if "Object arrays cannot be loaded when allow_pickle=False" in str(e) or "Python objects in dtype" in str(e):
             raise Refused("it holds an array of Python objects (a pickle), which nanfast does not load") from None
         raise
 
@@ -181,6 +184,17 @@ _CODE_MODULES = frozenset({
     "pty", "code", "codeop", "ctypes", "pickle", "_pickle", "marshal", "types", "webbrowser", "pdb", "timeit",
     "platform", "io", "_io", "operator", "tempfile", "glob", "signal", "multiprocessing", "threading", "asyncio",
     "urllib", "http", "ftplib", "smtplib", "telnetlib", "requests"})
+# And the parts of other packages that load or run code (torch.hub.load, cpp_extension.load_inline,
+# numpy.testing's runstring, torch.load itself), by dotted prefix.
+_CODE_PREFIXES = ("torch.hub", "torch.utils.cpp_extension", "torch._dynamo", "torch.jit", "torch.package",
+                  "torch.serialization", "torch.load", "torch.save", "torch.ops", "torch._ops", "torch.distributed",
+                  "torch.multiprocessing", "torch.compile", "torch._C", "numpy.testing", "numpy.f2py",
+                  "numpy.distutils", "numpy.load", "numpy.lib.format", "numpy.ctypeslib")
+
+
+def _runs_code(name: str) -> bool:
+    """Whether a global a pickle names belongs to a module whose objects run code (see the NOTE)."""
+    return _python3_module(name) in _CODE_MODULES or any(name == p or name.startswith(p + ".") for p in _CODE_PREFIXES)
 
 
 class StandIn(dict):
@@ -224,7 +238,7 @@ def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type,
         source.seek(0)  # the failed load left it anywhere
     with torch.serialization.safe_globals(_numpy_globals()):  # those are allowed: no stand-in for them
         names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-    if any(_python3_module(name) in _CODE_MODULES for name in names):
+    if any(_runs_code(name) for name in names):
         return []
     return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
 
@@ -254,6 +268,43 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
     return load_weights_only(path, is_zip, mmap=is_zip and not _compressed(path))
 
 
+# NOTE: [Records of a memory-mapped load]
+# torch.load(mmap=True) maps the file and takes each storage as the bytes from its record's start, as
+# many as the pickle asks for, without comparing that with the record's size (the read without mmap
+# refuses a mismatch): a record shorter than its storage would be read on into the zip's next records
+# and directory, as values, and a damaged or crafted file called clean. So a load mapped from a file is
+# first made onto the meta device (the pickle only: no data read), and each storage's declared size is
+# compared with its record's. Sparse and quantized tensors cannot be made there (their rebuild reads
+# values): a file holding them is read without the mapping, where torch's reader compares the sizes.
+def _records_fit(path: str) -> bool:
+    """Whether the file can be loaded mapped: its storages checked against their records on the meta
+    device (True), or not checkable there (False: load it without mmap).
+
+    Raises:
+        Unreadable: a storage's declared size is not its record's.
+        pickle.UnpicklingError: as torch.load (a global to give a stand-in, or one that runs code)."""
+    try:
+        meta = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError:
+        raise
+    except Exception:  # noqa: BLE001  (a rebuild that needs values: sparse, quantized)
+        return False
+    reader = torch._C.PyTorchFileReader(path)
+    with zipfile.ZipFile(path) as z:
+        prefix = z.namelist()[0].split("/", 1)[0] + "/"
+        sizes = {reader.get_record_offset(name): (name, z.getinfo(prefix + name).file_size)
+                 for name in reader.get_all_records() if name.startswith("data/")}
+    for leaf in _tree.leaves(meta):
+        if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested:
+            continue  # a sparse or nested tensor's parts are strided tensors of their own records
+        storage = leaf.untyped_storage()
+        record = sizes.get(getattr(storage, "_checkpoint_offset", None))
+        if record is not None and record[1] != storage.nbytes():  # none: a meta tensor saved as such
+            raise Unreadable(f"its record {record[0]} holds {record[1]} bytes but its pickle asks for "
+                             f"{storage.nbytes()}: damaged or crafted (nothing was checked)")
+    return True
+
+
 def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool, mmap: bool = False) -> tuple[Any, tuple[str, ...]]:
     """torch_load's loading of a torch.save file or bytes, once their format is known (is_zip: the zip
     format, else the legacy one); the same returns and raises."""
@@ -262,7 +313,8 @@ def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool, mmap: bool =
         if not isinstance(source, str):
             source.seek(0)
         with torch.serialization.safe_globals(_numpy_globals() + stand_ins):  # NOTE: [numpy arrays in checkpoints]
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            mapped = mmap and _records_fit(source)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
 
     try:
         try:

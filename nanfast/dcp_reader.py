@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_readers import NotRead, Refused, Unreadable, saved_item
+from .checkpoint_readers import NotRead, Refused, Unreadable, first_sentence, saved_item
 
 METADATA = ".metadata"
 
@@ -106,11 +106,19 @@ def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
 def _item(path: str, where: Any) -> Any:
     """One stored item: the object its torch.save holds, or NotRead."""
     file = os.path.join(path, where.relative_path)
-    if os.path.dirname(os.path.normpath(where.relative_path)) or not os.path.isfile(file):
+    # A link is followed only to a file in the directory itself (one to /etc/passwd is not read).
+    if (os.path.dirname(os.path.normpath(where.relative_path)) or not os.path.isfile(file)
+            or os.path.dirname(os.path.realpath(file)) != os.path.realpath(path)):
         return NotRead(f"its file {where.relative_path!r} is not a file in the checkpoint's directory")
-    with open(file, "rb") as f:
-        f.seek(where.offset)
-        blob = f.read(where.length)
+    try:
+        with open(file, "rb") as f:
+            # The declared extent is checked against the file before anything is read or allocated.
+            if where.offset < 0 or where.length < 0 or where.offset + where.length > os.fstat(f.fileno()).st_size:
+                return NotRead(f"{where.relative_path} ends before the item's {where.length} bytes at {where.offset}")
+            f.seek(where.offset)
+            blob = f.read(where.length)
+    except OSError as e:
+        return NotRead(f"{where.relative_path} could not be read ({type(e).__name__}: {first_sentence(e)})")
     if len(blob) != where.length:
         return NotRead(f"{where.relative_path} ends before the item's {where.length} bytes at {where.offset}")
     if not blob.startswith(b"PK\x03\x04"):

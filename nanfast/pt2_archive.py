@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import posixpath
 import sys
 import zipfile
@@ -148,7 +149,13 @@ def _payload(z: zipfile.ZipFile, names: set, folder: str, name: str, payload: An
         record = posixpath.join(folder, payload["path_name"])
         if posixpath.normpath(record) != record or posixpath.dirname(record) != folder or record not in names:
             return name, NotRead(f"its record {payload['path_name']!r} is not in the archive's folder {folder}")
-        data = bytearray(z.getinfo(record).file_size)  # read in place: frombuffer needs a writable buffer
+        info = z.getinfo(record)
+        # Its declared size is checked before anything is allocated: a stored record holds what it stores,
+        # and deflate inflates at most ~1032x.
+        inflation = 1 if info.compress_type == zipfile.ZIP_STORED else 1032
+        if info.compress_size > os.path.getsize(z.filename) or info.file_size > info.compress_size * inflation:
+            return name, NotRead(f"its record {record} declares {info.file_size} bytes, more than the archive holds")
+        data = bytearray(info.file_size)  # read in place: frombuffer needs a writable buffer
         with z.open(record) as f:
             if f.readinto(data) != len(data):
                 return name, NotRead(f"its record {record} ends early")

@@ -143,10 +143,15 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             else:
                 obj, stand_ins = torch_load(path)
                 found = _leaves([("", obj)])
+        seen: set[int] = set()  # the tensors read: one a pickle references many times is read once
         for name, leaf in found:
             if isinstance(leaf, NotRead):
                 not_checked.append((name, leaf.reason))
                 continue
+            if isinstance(leaf, torch.Tensor):
+                if id(leaf) in seen:  # (a file can name one 256 MB tensor 200,000 times in 1 MB)
+                    continue
+                seen.add(id(leaf))
             t = values_tensor(leaf)
             if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it
                 continue
@@ -248,7 +253,7 @@ def format_scan(scan: FileScan) -> str:
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
     if scan.status == "empty":
-        return f"{scan.path}: no tensors in it: nothing checked"
+        return f"{scan.path}: no tensors in it: nothing checked{missed}"
     if report.ok:
         return f"{head} checked: no NaN/inf{missed}" if scan.not_checked else f"{head}: clean{missed}"
     rows = [(e.name, str(tuple(e.shape)), e.dtype, str(e.nan), str(e.posinf), str(e.neginf)) for e in report.bad]

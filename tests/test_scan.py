@@ -174,7 +174,10 @@ def test_scan_loads_weights_only_and_memory_mapped(monkeypatch, clean_file):
 
     monkeypatch.setattr(torch, "load", spy)
     assert scan.scan_file(str(clean_file)).status == "clean"
-    assert [(c["weights_only"], c["mmap"]) for c in calls] == [(True, True)]
+    # The pickle onto the meta device first, its records' sizes checked (NOTE: [Records of a memory-mapped
+    # load]), then the mapped read.
+    assert [(c["weights_only"], c.get("mmap"), c["map_location"]) for c in calls] == [(True, None, "meta"),
+                                                                                     (True, True, "cpu")]
 
 
 def test_scan_in_chunks_finds_the_same(monkeypatch, poisoned_file):

@@ -143,3 +143,88 @@ def test_a_torchscript_archive_whose_pickle_names_code_is_refused(capsys, tmp_pa
             target.writestr(name, data)
     code, out = run_scan(capsys, evil)
     assert code == 2 and "refused: its pickle asks to run" in out and not marker.exists()
+
+
+# --- hostile files (a probe of crafted files, session 37) -------------------------------------------
+
+
+def test_a_record_shorter_than_its_storage_is_unreadable_not_read_on_into_the_zip(capsys, tmp_path):
+    """Memory-mapped, torch took the storage's 160 bytes from the record's start: 16 bytes of it and the
+    zip's next records and directory as values, and the file scanned clean (NOTE: [Records of a
+    memory-mapped load])."""
+    path = tmp_path / "short.pt"
+    torch.save({"w": torch.ones(40)}, path)
+    with zipfile.ZipFile(path) as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in records.items():
+            z.writestr(name, data[:16] if name.endswith("/data/0") else data)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "its record data/0 holds 16 bytes but its pickle asks for 160" in out
+
+
+class LoadsFromTheHub:
+    def __reduce__(self):
+        return torch.hub.load, ("attacker/repo", "model")
+
+
+@pytest.mark.parametrize("with_tensor", [True, False])
+def test_a_pickle_naming_code_of_torch_itself_is_refused(capsys, tmp_path, with_tensor):
+    """torch.hub.load (and cpp_extension.load_inline, numpy.testing's runstring) got an inert stand-in,
+    and the file scanned clean; with no tensor beside it, even the stand-in's name went unsaid."""
+    path = tmp_path / "hub.pt"
+    torch.save({"w": torch.ones(2), "x": LoadsFromTheHub()} if with_tensor else LoadsFromTheHub(), path)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "refused: its pickle asks to run torch.hub.load" in out
+
+
+def test_a_tensor_named_many_times_is_read_once(tmp_path):
+    """A pickle can reference one tensor 200,000 times in a few bytes each; each reference was read."""
+    path = tmp_path / "refs.pt"
+    t = torch.ones(1000)
+    t[3] = NAN
+    torch.save({"refs": [t] * 5000, "other": torch.ones(2)}, path)
+    result = scan.scan_file(str(path))
+    assert [(e.name, e.nan) for e in result.report.bad] == [("refs[0]", 1)] and result.report.num_tensors == 2
+
+
+def test_a_npy_file_numpy_refuses_is_not_called_a_pickle(capsys, tmp_path):
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "wide.npy"
+    np.save(path, np.zeros(3, dtype=[(f"field{i}", "f4") for i in range(600)]))  # a header over 10 KB
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "Python objects" not in out and "Header info length" in out
+
+
+def test_a_distributed_checkpoint_item_past_its_file_or_outside_its_directory_is_not_read(tmp_path):
+    """Its declared length was allocated before it was compared with the file (2^40 bytes: MemoryError,
+    and the whole checkpoint unreadable); a link to a file outside the directory was followed."""
+    from collections import namedtuple
+
+    from nanfast import dcp_reader
+
+    where = namedtuple("where", "relative_path offset length")
+    (tmp_path / "__0_0.distcp").write_bytes(b"PK\x03\x04" + bytes(60))
+    item = dcp_reader._item(str(tmp_path), where("__0_0.distcp", 0, 2**40))
+    assert isinstance(item, scan.NotRead) and "ends before the item's 1099511627776 bytes" in item.reason
+    outside = tmp_path.parent / "outside.bin"
+    outside.write_bytes(b"PK\x03\x04" + bytes(60))
+    os.symlink(outside, tmp_path / "__1_0.distcp")
+    item = dcp_reader._item(str(tmp_path), where("__1_0.distcp", 0, 8))
+    assert isinstance(item, scan.NotRead) and "not a file in the checkpoint's directory" in item.reason
+
+
+def test_a_pt2_record_declaring_more_than_the_archive_holds_is_not_allocated(tmp_path):
+    pt2 = pytest.importorskip("test_scan_pt2")
+    path = pt2.save(tmp_path, pt2.WithConstant())
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        target = next(i.filename for i in z.infolist() if "/data/weights/" in i.filename)
+    at = 0
+    while (at := data.find(b"PK\x01\x02", at + 1)) != -1:  # the central directory's entries
+        name_length = int.from_bytes(data[at + 28:at + 30], "little")
+        if data[at + 46:at + 46 + name_length].decode() == target:
+            data[at + 24:at + 28] = (2**30).to_bytes(4, "little")  # its uncompressed size: 1 GiB
+    path.write_bytes(bytes(data))
+    result = scan.scan_file(str(path))
+    assert any("more than the archive holds" in why for _, why in result.not_checked), result.not_checked
