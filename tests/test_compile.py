@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,49 @@ def test_watch_on_a_compiled_model_keeps_the_graph_whole():
     assert changed == [True, False, True]
     assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "grad", "inner.weight")]
     assert nanfast.check_all(model, raise_on_nonfinite=False).ok
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.outer = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.relu(self.norm(self.inner(torch.log(x)))))
+
+
+@pytest.mark.parametrize("action", ["skip", "raise"])
+@pytest.mark.parametrize("how", ["compile(model)", "model.compile()"])
+def test_a_bad_compiled_step_leaves_batchnorm_statistics_as_they_were(action, how):
+    """The buffer snapshot is taken by the model's forward pre-hook, idle inside a compiled forward: a
+    skipped (or raised) bad batch left NaN running statistics (NOTE: [Buffers of compiled forwards])."""
+    def train(batches, watched):
+        torch.manual_seed(0)
+        model = _NormNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        w = nanfast.watch(model, optimizer, action=action) if watched else None
+        if how == "model.compile()":
+            model.compile(backend="aot_eager")
+            run = model
+        else:
+            run = torch.compile(model, backend="aot_eager")
+        for batch in batches:
+            optimizer.zero_grad()
+            try:
+                run(batch).sum().backward()
+                optimizer.step()
+            except nanfast.NonFiniteError:
+                break
+        return model, optimizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
+        model, optimizer = train([CLEAN, CLEAN * 2, BAD, CLEAN * 3], watched=True)
+    expected, _ = train([CLEAN, CLEAN * 2] + ([CLEAN * 3] if action == "skip" else []), watched=False)
+    for (name, buffer), want in zip(model.named_buffers(), expected.buffers()):
+        assert torch.equal(buffer, want), name
 
 
 class _Root(torch.nn.Module):

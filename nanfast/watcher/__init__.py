@@ -149,6 +149,14 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
         undoes = optimizer is not None and (action in SKIPPING or (action == "raise" and sync == "eager"))
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
+        # NOTE: [Buffers of compiled forwards]
+        # The undo's snapshot is taken by the model's forward pre-hook at a step's first forward. Inside a
+        # torch.compile'd forward the hooks do nothing (NOTE: [The watch and torch.compile]), so a skip or
+        # a raise put nothing back and a bad batch left NaN BatchNorm statistics. So a step whose forwards
+        # took no snapshot takes the next step's at its end, after its verdict was acted on (the buffers
+        # as the next step finds them, before any of its forwards), and the watch takes one at its start.
+        # An eager forward takes it again at its step's start, as before.
+        self._undo_by_forward = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
         self._rollback = Rollback(optimizer, self._undo, *rollback) if rollback is not None else None
@@ -161,6 +169,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._timeline = Timeline(history, log_to, type(model).__name__,  # opens log_to files: last
                                   self._headroom.thresholds if self._headroom is not None else ())
         self._keeps_losses = self._timeline.wanted or (spiking is not None and spiking.loss)
+        if self._undo is not None:
+            self._undo.begin()  # see NOTE: [Buffers of compiled forwards]
         try:
             self._install()
         except BaseException:

@@ -283,6 +283,7 @@ class Hooks:
                 self._undo.relist()
         if self._undo is not None and hooks.microbatch == 0:
             self._undo.begin()
+            self._undo_by_forward = True
         if self.on_event == "locate" and hooks.microbatch == 0:
             from ..locator import StepState
 

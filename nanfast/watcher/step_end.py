@@ -89,6 +89,7 @@ class StepEnd:
         forwards between optimizer steps])."""
         self._skip_now = False
         self._drop_failed_backward()
+        forward_began_undo, self._undo_by_forward = self._undo_by_forward, False
         read = None
         if self._active:
             fused = None
@@ -126,6 +127,8 @@ class StepEnd:
             self._evaluate(read)
         if read is not None and self._rollback is not None and not evaluation:
             self._rollback.step_ended(read.step, proven=self._pending is not read)
+        if self._undo is not None and not forward_began_undo and not evaluation and self._active:
+            self._undo.begin()  # see NOTE: [Buffers of compiled forwards]
         return read
 
     def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
