@@ -37,3 +37,31 @@ def test_first_step_numbers_the_steps():
     for bad in (-1, 1.5, "3"):
         with pytest.raises(ValueError, match="first_step must be an int >= 0"):
             nanfast.watch(MLP(), first_step=bad)
+
+
+class Wrapper(torch.optim.Optimizer):
+    """A whole Optimizer wrapping another as `.optimizer` (as a Lookahead does): the watch hooks it, the
+    optimizer the loop steps, as before wrappers were looked through (accelerate's, which never ran
+    Optimizer.__init__, is hooked through: test_integrations_transformers.py)."""
+
+    def __init__(self, inner):
+        super().__init__(inner.param_groups, {})
+        self.optimizer = inner
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapper_that_is_a_whole_optimizer_is_hooked_itself():
+    model = MLP()
+    wrapper = Wrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    w = nanfast.watch(model, wrapper, action="skip")
+    assert w.optimizer is wrapper
+    x, y = batch()
+    dirty = x.clone()
+    dirty[0, 0] = NAN
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        train_step(model, wrapper, dirty, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [e.step for e in w.events] == [0]

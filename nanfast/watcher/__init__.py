@@ -264,15 +264,16 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     Args:
         model: the nn.Module to watch (a torch.compile wrapper: the module it runs).
         optimizer: the optimizer whose step ends each step (None: call ``w.step()``, or inference); a
-            wrapper holding it as ``.optimizer`` (accelerate's AcceleratedOptimizer) is taken for it.
+            wrapper without step hooks of its own holding it as ``.optimizer`` (accelerate's
+            AcceleratedOptimizer) is taken for it.
         **options: the options above, by keyword.
 
     Returns:
         The installed `Watch`.
 
     Raises:
-        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer (a wrapper holding
-            one as ``.optimizer``, as accelerate's AcceleratedOptimizer, stands for the one it holds).
+        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer (accelerate's
+            AcceleratedOptimizer stands for the one it holds as ``.optimizer``).
         TypeError: headroom is not None, a number or numbers; fuse is not None or a bool; inputs,
             activations, grads, params, modules or loss is not a bool.
         ValueError: an option out of its allowed values (a headroom threshold outside (0, 1]), every check

@@ -92,20 +92,21 @@ def steps_option(name: str, value: Any) -> int:
 
 
 def stepped_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer whose step really runs: accelerate's AcceleratedOptimizer (which HF's Trainer
-    and a hand-written accelerate loop step) and other wrappers keep it as `.optimizer`, and their own
-    `step` calls its; the watch's step hooks must be on that one (the wrapper, a torch Optimizer subclass
-    that never ran Optimizer.__init__, has no hooks of its own).
+    """The optimizer whose step the watch hooks: accelerate's AcceleratedOptimizer (which HF's Trainer
+    and a hand-written accelerate loop step) is a torch Optimizer subclass that never ran
+    Optimizer.__init__, so it has no step hooks; it keeps the torch optimizer it steps as `.optimizer`,
+    and the hooks go on that one. A wrapper that is a whole Optimizer (a Lookahead) is hooked itself,
+    as the optimizer the loop steps.
 
     Args:
-        optimizer: a torch optimizer, a wrapper holding one as `.optimizer`, None, or anything else
-            (returned as it is, for `validate` to refuse).
+        optimizer: a torch optimizer, such a wrapper, None, or anything else (returned as it is, for
+            `validate` to refuse).
 
     Returns:
-        The innermost torch.optim.Optimizer, or `optimizer` itself."""
+        The first optimizer down the `.optimizer` chain that has step hooks, or `optimizer` itself."""
     for _ in range(8):  # wrappers of wrappers, never a cycle
         inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
+        if hasattr(optimizer, "_optimizer_step_pre_hooks") or not isinstance(inner, torch.optim.Optimizer):
             break
         optimizer = inner
     return optimizer
