@@ -16,7 +16,7 @@ import stat
 import sys
 import zipfile
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -50,24 +50,20 @@ def require_regular_file(path: str) -> None:
         raise Refused(f"{what}, not a regular file: nanfast scans files only (reading it could block or never end)")
 
 
-def _compressed(path: str) -> bool:
-    """Whether a zip holds compressed records: torch.load(mmap=True) would take their compressed bytes
-    for values (torch.save never compresses, but a re-zipped file does)."""
+def _zip_directory(path: str) -> Optional[list[zipfile.ZipInfo]]:
+    """The records a zip lists (its directory, read once for all torch_load asks of it), or None when
+    Python's zipfile cannot read it (then torch's reader says what is wrong)."""
     try:
         with zipfile.ZipFile(path) as z:
-            return any(info.compress_type != zipfile.ZIP_STORED for info in z.infolist())
+            return z.infolist()
     except zipfile.BadZipFile:
-        return True  # not mapped: torch's reader says what is wrong
+        return None
 
 
-def _is_torchscript(path: str) -> bool:
+def _is_torchscript(records: list[zipfile.ZipInfo]) -> bool:
     """Whether a zip is a TorchScript archive (torch.jit.save): its folder holds a constants.pkl record, as
     torch.load tells them (and hands them to torch.jit.load)."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(name.count("/") == 1 and name.endswith("/constants.pkl") for name in z.namelist())
-    except zipfile.BadZipFile:
-        return False  # torch's reader says what is wrong
+    return any(r.filename.count("/") == 1 and r.filename.endswith("/constants.pkl") for r in records)
 
 
 # NOTE: [TorchScript archives]
@@ -261,11 +257,14 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
         raise Unreadable("an empty file: nothing to check")
     if not is_zip and LEGACY_MAGIC not in head:
         raise Unreadable(_not_a_checkpoint(path))
-    if is_zip and _is_torchscript(path):
+    records = _zip_directory(path) if is_zip else None
+    if records is not None and _is_torchscript(records):
         return _torchscript_load(path)
-    # mmap: tensors stay in the page cache, not copied into memory. Compressed records and the legacy
-    # (non-zip) format cannot be mapped and are read whole.
-    return load_weights_only(path, is_zip, mmap=is_zip and not _compressed(path))
+    # mmap: tensors stay in the page cache, not copied into memory. Compressed records (torch.load(mmap=
+    # True) would take their compressed bytes for values; torch.save never compresses, a re-zipped file
+    # does), a zip Python cannot read and the legacy (non-zip) format are read whole.
+    mappable = records is not None and all(r.compress_type == zipfile.ZIP_STORED for r in records)
+    return load_weights_only(path, is_zip, records=records if mappable else None)
 
 
 # NOTE: [Records of a memory-mapped load]
@@ -276,9 +275,9 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
 # first made onto the meta device (the pickle only: no data read), and each storage's declared size is
 # compared with its record's. Sparse and quantized tensors cannot be made there (their rebuild reads
 # values): a file holding them is read without the mapping, where torch's reader compares the sizes.
-def _records_fit(path: str) -> bool:
-    """Whether the file can be loaded mapped: its storages checked against their records on the meta
-    device (True), or not checkable there (False: load it without mmap).
+def _records_fit(path: str, records: list[zipfile.ZipInfo]) -> bool:
+    """Whether the file can be loaded mapped: its storages checked against `records` (its zip's directory)
+    on the meta device (True), or not checkable there (False: load it without mmap).
 
     Raises:
         Unreadable: a storage's declared size is not its record's.
@@ -289,11 +288,10 @@ def _records_fit(path: str) -> bool:
         raise
     except Exception:  # noqa: BLE001  (a rebuild that needs values: sparse, quantized)
         return False
+    size_of = {r.filename.split("/", 1)[1]: r.file_size for r in records if "/" in r.filename}  # within its folder
     reader = torch._C.PyTorchFileReader(path)
-    with zipfile.ZipFile(path) as z:
-        prefix = z.namelist()[0].split("/", 1)[0] + "/"
-        sizes = {reader.get_record_offset(name): (name, z.getinfo(prefix + name).file_size)
-                 for name in reader.get_all_records() if name.startswith("data/")}
+    sizes = {reader.get_record_offset(name): (name, size_of.get(name, -1))
+             for name in reader.get_all_records() if name.startswith("data/")}
     for leaf in _tree.leaves(meta):
         if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested:
             continue  # a sparse or nested tensor's parts are strided tensors of their own records
@@ -305,15 +303,17 @@ def _records_fit(path: str) -> bool:
     return True
 
 
-def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool, mmap: bool = False) -> tuple[Any, tuple[str, ...]]:
+def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool,
+                      records: Optional[list[zipfile.ZipInfo]] = None) -> tuple[Any, tuple[str, ...]]:
     """torch_load's loading of a torch.save file or bytes, once their format is known (is_zip: the zip
-    format, else the legacy one); the same returns and raises."""
+    format, else the legacy one; records: the zip's directory when the file may be memory-mapped, None
+    to read it whole); the same returns and raises."""
 
     def load(stand_ins: list) -> Any:
         if not isinstance(source, str):
             source.seek(0)
         with torch.serialization.safe_globals(_numpy_globals() + stand_ins):  # NOTE: [numpy arrays in checkpoints]
-            mapped = mmap and _records_fit(source)
+            mapped = records is not None and _records_fit(source, records)
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
 
     try:
