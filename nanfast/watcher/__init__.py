@@ -115,9 +115,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self.scaler_skipped_steps = 0
         self.rolled_back_steps = 0
         self.last_rollback: Optional[tuple[int, int]] = None  # (the step that rolled back, the step put back)
-        if type(first_step) is not int or first_step < 0:
-            raise ValueError(f"nanfast.watch: first_step must be an int >= 0, got {first_step!r}")
-        self.step_count = first_step  # the number of the current step (steps ended so far, from first_step)
+        # The number of the current step (steps ended so far, from first_step).
+        self.step_count = steps_option("first_step", first_step, least=0)
 
         # The pass's parameters with their names and gradients (see NOTE: [The pass's parameters in C++]).
         self._params = _C.ParamGrads(parameter_names(model))

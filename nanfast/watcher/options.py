@@ -74,20 +74,21 @@ def ignored(ignore: tuple[str, ...], name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
 
 
-def steps_option(name: str, value: Any) -> int:
-    """A number of steps given as an option (every, params_every, rollback_every).
+def steps_option(name: str, value: Any, least: int = 1) -> int:
+    """A number of steps given as an option (every, params_every, rollback_every; first_step, from 0).
 
     Args:
         name: the option's name, for the error.
         value: what was given.
+        least: the smallest value allowed.
 
     Returns:
-        value, an int >= 1.
+        value, an int >= least.
 
     Raises:
-        ValueError: value is not an int >= 1."""
-    if type(value) is not int or value < 1:
-        raise ValueError(f"nanfast.watch: {name} must be an int >= 1, got {value!r}")
+        ValueError: value is not an int >= least."""
+    if type(value) is not int or value < least:
+        raise ValueError(f"nanfast.watch: {name} must be an int >= {least}, got {value!r}")
     return value
 
 
