@@ -143,24 +143,38 @@ def _numpy_globals() -> list:
 
 def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
     """A .npy file's array (named by the file, memory-mapped) or a .npz file's (name, array) pairs; an
-    array of Python objects (a pickle) is refused, not loaded."""
+    array of Python objects (a pickle) is refused, not loaded: a .npy of one is refused whole, an .npz
+    member is a NotRead (the scan lists it as not checked and still reads the other members)."""
     try:
         import numpy as np
     except ImportError:
         raise Unreadable("reading .npy and .npz files needs numpy (pip install numpy)") from None
     try:
         loaded = np.load(path, mmap_mode="r", allow_pickle=False)  # an .npz is not mapped: read array by array
-        if isinstance(loaded, np.ndarray):
-            yield os.path.basename(path), loaded
-            return
-        with loaded:
-            for name in loaded.files:
-                yield name, loaded[name]
     except ValueError as e:
-        # numpy's two messages for an array of objects (the .npy's is its memory-mapping's refusal).
-        if "Object arrays cannot be loaded when allow_pickle=False" in str(e) or "Python objects in dtype" in str(e):
-            raise Refused("it holds an array of Python objects (a pickle), which nanfast does not load") from None
-        raise
+        raise Refused(_OBJECTS) if _holds_objects(e) else e from None
+    if isinstance(loaded, np.ndarray):
+        yield os.path.basename(path), loaded
+        return
+    with loaded:
+        for name in loaded.files:
+            try:
+                array = loaded[name]
+            except ValueError as e:
+                if not _holds_objects(e):
+                    raise
+                yield name, NotRead(_OBJECTS)
+                continue
+            yield name, array
+
+
+_OBJECTS = "it holds an array of Python objects (a pickle), which nanfast does not load"
+
+
+def _holds_objects(e: ValueError) -> bool:
+    """Whether numpy refused an array because it holds Python objects (its two messages: loading with
+    allow_pickle=False, and a .npy's memory-mapping)."""
+    return "Object arrays cannot be loaded when allow_pickle=False" in str(e) or "Python objects in dtype" in str(e)
 
 
 # NOTE: [Other libraries' objects in checkpoints]

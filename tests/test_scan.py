@@ -549,8 +549,13 @@ def test_npy_and_npz_files_are_read_without_pickles(capsys, tmp_path):
     assert [(e.name, e.nan, e.posinf) for e in many.report.bad] == [("w", 1, 0), ("big", 0, 1)]
     assert many.report.num_tensors == 3 and many.not_checked == ()
     assert pickled.status == "refused" and "an array of Python objects (a pickle)" in pickled.error
-    np.savez(tmp_path / "objects.npz", ok=np.ones(2), bad=np.array([None], dtype=object))
-    assert scan.scan_file(str(tmp_path / "objects.npz")).status == "refused"
+    # An .npz member of objects is left out, not the whole file: its other members are still read.
+    np.savez(tmp_path / "objects.npz", ok=np.ones(2), bad=np.array([None], dtype=object), w=np.array([NAN]))
+    objects = scan.scan_file(str(tmp_path / "objects.npz"))
+    assert objects.status == "nonfinite" and [(e.name, e.nan) for e in objects.report.bad] == [("w", 1)]
+    assert [name for name, _ in objects.not_checked] == ["bad"] and "Python objects" in objects.not_checked[0][1]
+    np.savez(tmp_path / "clean_objects.npz", ok=np.ones(2), bad=np.array([None], dtype=object))
+    assert scan.scan_file(str(tmp_path / "clean_objects.npz")).status == "incomplete"
 
 
 def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp_path, clean_file, poisoned_file):
