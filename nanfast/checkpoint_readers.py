@@ -36,9 +36,10 @@ class Unreadable(Exception):
 
 
 def first_sentence(e: BaseException) -> str:
-    """The first sentence of an error's message (torch's go on with generic advice after it)."""
+    """The first sentence of an error's message (torch's go on with generic advice after it); "no message"
+    for an error without one (a bare MemoryError)."""
     text = str(e).strip()
-    return text.split(". ")[0].splitlines()[0] if text else ""
+    return text.split(". ")[0].splitlines()[0] if text else "no message"
 
 
 def require_regular_file(path: str) -> None:

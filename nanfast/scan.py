@@ -172,6 +172,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         return FileScan(path, "refused", error=str(e))
     except (Unreadable, OSError) as e:
         return FileScan(path, "unreadable", error=str(e))
+    except MemoryError:  # not a damaged file: a record too large for this machine's memory
+        return FileScan(path, "unreadable", error="this machine's memory is too small to read it (MemoryError)")
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{first_sentence(e)})")

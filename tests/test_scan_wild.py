@@ -228,3 +228,18 @@ def test_a_pt2_record_declaring_more_than_the_archive_holds_is_not_allocated(tmp
     path.write_bytes(bytes(data))
     result = scan.scan_file(str(path))
     assert any("more than the archive holds" in why for _, why in result.not_checked), result.not_checked
+
+
+def test_a_file_too_large_for_memory_is_called_so_not_damaged(capsys, tmp_path, monkeypatch):
+    """A bare MemoryError (a compressed record inflating past the machine's memory) printed as
+    "damaged or truncated, or not a checkpoint (MemoryError: )"."""
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.ones(2)}, path)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(scan, "torch_load", out_of_memory)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "memory is too small to read it" in out and "damaged" not in out
+    assert scan.first_sentence(MemoryError()) == "no message"
