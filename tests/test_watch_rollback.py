@@ -390,3 +390,69 @@ def test_rollback_on_cuda_copies_without_a_host_read(where):
     state, w, syncs = run(batches, bad=4)
     assert w.last_rollback == (4, 3) and syncs[:4] == [1, 1, 1, 1]
     assert_same_state(state, run(batches[:3] + batches[5:])[0])
+
+
+class _Headed(torch.nn.Module):
+    """BNNet with a head attached during training (fine-tuning: a new head, its own parameter group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = BNNet()
+        self.head = None
+
+    def forward(self, x):
+        h = self.body(x)
+        return h if self.head is None else self.head(h)
+
+
+def _headed_run(nan_at: int, sync: str):
+    """Trains _Headed under a rolling-back watch; a head joins the optimizer at step 3 and NaN is written
+    into its weight before step `nan_at`. Returns the watch, the state step 3 began with, the state after
+    the rollback (None if none) and the error raised (None if none)."""
+    torch.manual_seed(0)
+    model = _Headed()
+    opt = _OPTIMIZERS["adam-fused"](model.parameters())
+    w = nanfast.watch(model, opt, action="rollback", sync=sync)
+    began, after = None, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(8):
+            if i == 3:
+                model.head = torch.nn.Linear(4, 4)
+                opt.add_param_group({"params": model.head.parameters()})
+                began = full_state(model, opt)
+            if i == nan_at:
+                with torch.no_grad():
+                    model.head.weight[1, 2] = NAN
+            try:
+                train_step(model, opt, *batch(i))
+            except nanfast.NonFiniteError as e:
+                return w, began, after, e
+            if w.rolled_back_steps and after is None:
+                after = full_state(model, opt)
+        w.flush()
+    return w, began, after, None
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_a_parameter_group_added_later_is_in_the_next_snapshot(sync):
+    """A head added with add_param_group after the last snapshot, then made NaN: the rollback restored the
+    body from the older snapshot and left the head NaN, rolling back again at every step, forever, each
+    time saying it had restored the state. The changed parameter list now makes a snapshot due at once."""
+    w, began, after, error = _headed_run(nan_at=4, sync=sync)
+    assert error is None and w.rolled_back_steps == 1 and w.last_rollback[1] == 3, w.last_rollback
+    assert_same_state(after, began)  # head included: the state step 3 began with, bit for bit
+    assert all(torch.isfinite(p).all() for p in w.model.parameters())
+    w.remove()
+
+
+def test_a_rollback_to_a_snapshot_without_a_parameter_is_refused():
+    """The head is NaN in the first step it is in the optimizer: the only snapshot predates it, so no state
+    holds a value for it; refused, nothing put back."""
+    w, began, after, error = _headed_run(nan_at=3, sync="eager")
+    assert isinstance(error, nanfast.NonFiniteError) and after is None and w.rolled_back_steps == 0
+    assert "cannot roll back: the optimizer's parameters head.weight, head.bias were added after the last " \
+           "snapshot (step 0)" in str(error), str(error)
+    params, buffers, _ = full_state(w.model, w.optimizer)
+    assert torch.equal(params["body.l1.weight"], began[0]["body.l1.weight"])  # the body was not rolled back
+    w.remove()

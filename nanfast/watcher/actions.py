@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from .located_agrees import disagreement
-from ..report import NonFiniteError
+from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
 from .events import Event
 from .options import SKIPPING
@@ -196,7 +196,15 @@ class Actions:
     def _roll_back(self, event: Event) -> None:
         """action="rollback" with non-finite parameters: puts back the last snapshot proven finite and
         skips the step that is ending (its gradients come from the bad parameters)."""
-        restored = self._rollback.roll_back(event.step, now=self.step_count - 1)
+        restored, added = self._rollback.roll_back(event.step, now=self.step_count - 1)
+        if added:
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            named = first_few([names.get(id(p), f"a {tuple(p.shape)} parameter outside the model") for p in added],
+                              MAX_NAMED_IN_MESSAGE)
+            raise NonFiniteError(event, f"{event.summary()}: cannot roll back: the optimizer's parameters {named} were "
+                                 "added after the last snapshot (step "
+                                 f"{self._rollback.latest_step}), which holds no values of theirs to put back; the "
+                                 "next snapshot is taken at the first step that proves them finite")
         if restored is None:
             raise NonFiniteError(event, f"{event.summary()}: cannot roll back: no snapshot was taken yet (one is taken "
                                  "at the end of a checked step whose parameters were found finite; none was before "

@@ -39,6 +39,13 @@ from .restore import BufferUndo, Twins
 #   of that pass per step, and a rollback loses at most about 100 steps of progress, far less than a
 #   restart from the last checkpoint. Host memory, since the accelerator's is what training lacks.
 
+# NOTE: [Parameters added after a snapshot]
+# A snapshot holds the parameters the optimizer had when it was taken. One added later (a head
+# with add_param_group, layers unfrozen into a new group) has no value in it, so a rollback to it
+# would leave that parameter as the bad step found it (non-finite: the same rollback at every
+# step, forever). A changed list makes a snapshot due at once (the next checked step whose
+# parameters prove finite), and a rollback with a parameter the snapshot lacks is refused.
+
 
 class _Snapshot(NamedTuple):
     """The state in which step `step` began: the values of `params`, of the optimizer `state` (per
@@ -79,9 +86,26 @@ class Rollback:
         return sum(t.nbytes for t in twins if t is not None)
 
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due at the end of `step` (its pass must then read the parameters)."""
+        """Whether a snapshot is due at the end of `step` (its pass must then read the parameters): every
+        `every` steps, and at once when the optimizer's parameters are no longer the snapshot's."""
         latest = self._pending or self._confirmed
-        return step > self._blocked_through and (latest is None or step - latest.step >= self.every)
+        return step > self._blocked_through and (latest is None or step - latest.step >= self.every
+                                                 or self._regrouped(latest))
+
+    def _params(self) -> list:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def latest_step(self) -> Optional[int]:
+        """The step of the newest snapshot, proven or pending; None before the first."""
+        latest = self._pending or self._confirmed
+        return None if latest is None else latest.step
+
+    def _regrouped(self, snapshot: _Snapshot) -> bool:
+        """Whether the optimizer's parameters are no longer `snapshot`'s (NOTE: [Parameters added after a
+        snapshot])."""
+        params = self._params()
+        return len(params) != len(snapshot.params) or any(p is not q for p, q in zip(params, snapshot.params))
 
     def step_ended(self, step: int, proven: bool) -> None:
         """At the end of checked step `step`, before the optimizer applies it: takes a snapshot of the
@@ -95,7 +119,8 @@ class Rollback:
             return  # a rollback just put back an older state
         if self._pending is not None:
             self._promote()  # its read came before this step's end and rolled nothing back
-        if self._confirmed is not None and step - self._confirmed.step < self.every:
+        if self._confirmed is not None and step - self._confirmed.step < self.every \
+                and not self._regrouped(self._confirmed):
             return
         buffers = self._undo.as_found()
         if buffers is None:
@@ -105,7 +130,7 @@ class Rollback:
         else:
             self._pending, self._spare = self._capture(step, buffers, self._spare), None
 
-    def roll_back(self, bad_step: int, now: int) -> Optional[int]:
+    def roll_back(self, bad_step: int, now: int) -> tuple[Optional[int], list]:
         """Puts back the newest snapshot proven finite, in place, because the read of `bad_step` found
         the parameters non-finite.
 
@@ -114,8 +139,9 @@ class Rollback:
             now: the last step ended (reads of steps after bad_step up to it are now `stale`).
 
         Returns:
-            The step whose starting state was put back; None if no snapshot was proven yet (nothing
-            changed)."""
+            The step whose starting state was put back, None if nothing was; and the optimizer's
+            parameters that snapshot lacks (see NOTE: [Parameters added after a snapshot]): when there
+            are any, nothing is put back. (None, []): no snapshot was proven yet."""
         if self._pending is not None:
             if self._pending.step < bad_step:
                 self._promote()
@@ -123,10 +149,14 @@ class Rollback:
                 self._spare, self._pending = self._pending.twins, None
         snapshot = self._confirmed
         if snapshot is None:
-            return None
+            return None, []
+        held = {id(p) for p in snapshot.params}
+        added = [p for p in self._params() if id(p) not in held]
+        if added:
+            return None, added
         self._bad_step, self._blocked_through = bad_step, now
         self._restore(snapshot)
-        return snapshot.step
+        return snapshot.step, []
 
     def stale(self, step: int) -> bool:
         """Whether the read of `step` was computed from parameters a rollback has since replaced."""
@@ -138,7 +168,7 @@ class Rollback:
         self._confirmed, self._pending = self._pending, None
 
     def _capture(self, step: int, buffers: list, reuse: Optional[Twins]) -> _Snapshot:
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._params()
         sources = list(params)
         state: list = []
         for p in params:
