@@ -256,6 +256,7 @@ def test_a_loop_that_never_calls_step_warns_once_and_keeps_no_more_than_a_step()
     assert len(w._recorder.take()[1]) <= per_step  # the records of one step, not of 40
     unclosed = [c for c in caught if "w.step()" in str(c.message)]
     assert len(unclosed) == 1 and unclosed[0].category is UserWarning
+    assert unclosed[0].filename == __file__  # the loop's line, not torch's module call
     assert "optimizer" in str(unclosed[0].message)
     w.remove()
 
@@ -554,3 +555,37 @@ def test_a_validation_loss_with_nothing_to_check_makes_no_read_of_its_own(checke
         opt.step()
     assert forward.host_syncs == 1 and loss.host_syncs == (1 if checked else 0)
     assert [r.step for r in w.history] == [0, 1] and all(r.loss < 1e3 for r in w.history)
+
+
+def test_an_optimizer_made_after_watch_is_named_once_and_a_perturbed_forward_is_not():
+    """A loop that rebuilt its optimizer after watch() (a common step after unfreezing layers) stepped one
+    the watch did not hook: no step ended, a NaN batch later went unreported and made the parameters NaN,
+    and nothing was said for 1024 forwards. SAM-style steps (perturb the weights once, forward again,
+    restore, step) and gradient accumulation change nothing between forwards more than once a step."""
+    torch.manual_seed(0)
+    model = MLP()
+    watched = torch.optim.SGD(model.parameters(), lr=1e-3)
+    w = nanfast.watch(model, watched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(4):  # SAM: ascend, forward and backward again at the perturbed weights, restore, step
+            watched.zero_grad()
+            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p += 1e-2 * p.grad
+            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-2 * p.grad
+            watched.step()
+        rebuilt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for s in range(6):
+            rebuilt.zero_grad()
+            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+            rebuilt.step()
+    unseen = [c for c in caught if "without optimizer.step() of the optimizer given to watch()" in str(c.message)]
+    assert [c for c in caught if c not in unseen] == [] and len(unseen) == 1, [str(c.message) for c in caught]
+    assert unseen[0].category is UserWarning and unseen[0].filename == __file__  # the loop's line
+    assert "nanfast.watch(model, new_optimizer)" in str(unseen[0].message) and w.step_count == 4
+    w.remove()

@@ -49,17 +49,34 @@ def user_frame() -> Optional[SourceLine]:
     Returns:
         That frame's line, or None on threads that run no user code (the CUDA autograd workers).
     """
-    frame = sys._getframe(1)
+    frame, _ = _first_user_frame(sys._getframe(1))
+    if frame is None:
+        return None
+    code = frame.f_code
+    return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning issued by the caller point at the user's line (the innermost
+    frame outside torch and nanfast), however many of torch's frames (a module's hooks) lie between;
+    1 if there is none."""
+    frame, level = _first_user_frame(sys._getframe(1))
+    return level if frame is not None else 1
+
+
+def _first_user_frame(frame) -> tuple:
+    """The first frame from `frame` outward outside torch and nanfast (None if none), and its depth
+    counted from `frame` as 1."""
     internal_by_filename = _internal_by_filename
+    level = 1
     while frame is not None:
-        code = frame.f_code
-        internal = internal_by_filename.get(code.co_filename)
+        internal = internal_by_filename.get(frame.f_code.co_filename)
         if internal is None:
-            internal = _is_internal(code.co_filename)
+            internal = _is_internal(frame.f_code.co_filename)
         if not internal:
-            return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
-        frame = frame.f_back
-    return None
+            return frame, level
+        frame, level = frame.f_back, level + 1
+    return None, level
 
 
 def _record_forward_source(node) -> None:

@@ -10,6 +10,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..locator.source import user_stacklevel
+
 # A step that has taken this many forwards with gradients without ending is taken for a loop that never
 # ends its steps: its records are dropped (see NOTE: [Steps that never end]). Forwards under no_grad
 # (a long validation loop between two optimizer steps) do not count.
@@ -24,6 +26,18 @@ MAX_FORWARDS_PER_STEP = 1024
 # them; in gradient accumulation they do not change between microbatches), as long as w.step() has
 # never been called (a loop that calls it knows it must), or when a step reaches
 # MAX_FORWARDS_PER_STEP forwards with gradients (with or without an optimizer).
+# NOTE: [An optimizer the watch no longer sees]
+# With an optimizer, a step ends at its step(). A loop that builds a new optimizer after watch()
+# (common when unfreezing layers) steps one the watch does not hook: no step ends, nothing is read,
+# and every fault goes unreported. A step can legitimately change its parameters in place between two
+# of its forwards once (SAM and adversarial weight perturbation: perturb, forward again, restore, then
+# step), never at every forward; so the second forward with gradients in one step that finds them
+# updated again since the previous one warns (once). Reading nothing it cannot read in a hook, the
+# watch only says so; its records are dropped at MAX_FORWARDS_PER_STEP as above.
+UNSEEN_OPTIMIZER = ("nanfast.watch: the parameters were updated in place between forwards {updates} times "
+                    "without optimizer.step() of the optimizer given to watch(), so no step has ended: is another "
+                    "optimizer stepping them (one made after watch())? Watch that one instead (w.remove(); "
+                    "nanfast.watch(model, new_optimizer)); until a step ends, nothing this watch records is read.")
 UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
                  "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "
                  "call w.step() at the end of each step, or pass the optimizer (nanfast.watch(model, optimizer)). "
@@ -49,13 +63,16 @@ class StepState:
         self.grad_forwards = 0  # forwards with gradients in this step
         self.ended_by_user = False  # w.step() was called at least once
         self._versions = 0
+        self._updates = 0  # forwards of this step that found the parameters updated since the previous one
         self._warned = False
+        self._warned_unseen = False
 
     def reset(self) -> None:
         """The step ended (or was dropped)."""
         self.forward = self.last = None
         self.training = False
         self.grad_forwards = 0
+        self._updates = 0
 
     def begin_forward(self, first_slot: int, microbatch: int) -> None:
         self.forward = self.last = Forward(first_slot, microbatch, self.training)
@@ -70,24 +87,43 @@ class StepState:
         (see NOTE: [Steps that never end]); warns the first time."""
         if grad_enabled and self.grad_forwards >= MAX_FORWARDS_PER_STEP:
             why = f"{self.grad_forwards} forwards with gradients without the step ending"
-        elif (has_optimizer or not grad_enabled or not self.training or self.ended_by_user
+        elif has_optimizer:
+            if grad_enabled and self.grad_forwards:
+                self._note_updates()
+            return False
+        elif (not grad_enabled or not self.training or self.ended_by_user
               or self._version_sum() == self._versions):
             return False
         else:
             why = "the parameters were updated since the step's first forward"
         if not self._warned:
             self._warned = True
-            warnings.warn(UNCLOSED_STEP.format(why=why), UserWarning, stacklevel=4)
+            warnings.warn(UNCLOSED_STEP.format(why=why), UserWarning, stacklevel=user_stacklevel())
         return True
 
     def note_forward(self, grad_enabled: bool, has_optimizer: bool) -> None:
         """A forward starts (after unended()): one with gradients counts, and opens the training step."""
         self.grad_forwards += grad_enabled
+        if has_optimizer and grad_enabled and self.grad_forwards == 1:
+            self._versions = self._version_sum()  # see NOTE: [An optimizer the watch no longer sees]
         if has_optimizer or not grad_enabled or self.training:
             return
         self.training = True
         if not self.ended_by_user:
             self._versions = self._version_sum()
+
+    def _note_updates(self) -> None:
+        """A forward with gradients after the step's first, with an optimizer: counts an in-place update of
+        the parameters since the previous one, and warns at the second (NOTE: [An optimizer the watch no
+        longer sees])."""
+        versions = self._version_sum()
+        if versions == self._versions:
+            return
+        self._versions = versions
+        self._updates += 1
+        if self._updates >= 2 and not self._warned_unseen:
+            self._warned_unseen = True
+            warnings.warn(UNSEEN_OPTIMIZER.format(updates=self._updates), UserWarning, stacklevel=user_stacklevel())
 
     def _version_sum(self) -> int:
         return sum(p._version for p in self._trainable)
