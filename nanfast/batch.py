@@ -12,7 +12,8 @@ import torch
 
 from ._tree import group_by_device, named_leaves
 from .check import may_hold_values, values_tensor
-from .ops import dispatch_subclass, reads_dtype
+from ._nested import shape as shape_of
+from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
 from .intended import MASKS, is_additive_mask
 from .report import NonfiniteCounts, NonFiniteError, first_few, left_out, not_checked
 
@@ -24,7 +25,8 @@ MAX_SAMPLES_IN_MESSAGE = 8
 @dataclasses.dataclass(frozen=True)
 class BadField(NonfiniteCounts):
     """A tensor of a batch that holds non-finite values, and the samples (indices along its first
-    dimension) that hold them; `samples` is empty for a 0-dim tensor."""
+    dimension; a nested tensor's components; the sequences of a PackedSequence's data) that hold them;
+    `samples` is empty for a 0-dim tensor. A nested tensor's ragged dimensions are -1 in `shape`."""
 
     path: str
     shape: tuple[int, ...]
@@ -96,13 +98,11 @@ def _unreadable(t: torch.Tensor) -> Optional[str]:
     """What keeps the kernels from reading a field's samples, or None."""
     if t.is_meta:
         return "a meta tensor (it holds no values)"
-    if t.is_nested:
-        return "a nested tensor"
     if dispatch_subclass(t):
         return f"a {type(t).__name__} (a tensor subclass)"
     if t.is_quantized:
         return "a quantized tensor (check its .dequantize())"
-    if t.layout != torch.strided:
+    if t.layout != torch.strided and not t.is_nested:
         return f"a {t.layout} tensor"
     return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
 
@@ -111,11 +111,36 @@ def _validate(pairs: list[tuple[str, torch.Tensor]]) -> None:
     for name, t in pairs:
         what = _unreadable(t)
         if what:
-            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only strided tensors with values "
-                             "of the dtypes nanfast reads can be checked")
+            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only dense (strided or nested) "
+                             "tensors with values of the dtypes nanfast reads can be checked")
 
 
-def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
+def _packed_samples(path: str, t: torch.Tensor, by_path: dict) -> Optional[torch.Tensor]:
+    """For the `data` of a PackedSequence (its rows ordered by time step, then by sequence), the sample
+    each row belongs to (int64, one per row); None for any other field.
+
+    named_leaves walks a PackedSequence as the named tuple it is: its data's rows are not samples, so a
+    row index named as one pointed at the wrong sample. Its siblings by path tell: `batch_sizes`
+    (sequences at each time step, summing to the rows) and `sorted_indices` (the sample of each
+    position, None when the sequences came sorted)."""
+    prefix = path[:-len("data")]
+    if not path.endswith("data") or (prefix and not prefix.endswith(".")):
+        return None
+    sizes = by_path.get(prefix + "batch_sizes")
+    if (sizes is None or sizes.dim() != 1 or sizes.dtype != torch.int64 or t.dim() == 0
+            or int(sizes.sum()) != t.shape[0]):
+        return None
+    sizes = sizes.cpu()
+    positions = torch.arange(t.shape[0]) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    order = by_path.get(prefix + "sorted_indices")
+    return positions if order is None else order.cpu()[positions]
+
+
+def _bad_samples(t: torch.Tensor, samples: Optional[torch.Tensor] = None) -> tuple[int, ...]:
+    """The indices along `t`'s first dimension of the samples holding non-finite values; with `samples`
+    (the sample of each row: a PackedSequence's data), those samples, sorted."""
+    if t.is_nested:  # its samples are its components, each of its own shape
+        return tuple(i for i, part in enumerate(t.detach().unbind()) if bool(any_nonfinite(part)))
     if t.dim() == 0 or t.shape[0] == 0:
         return ()
     # One reduction over the non-batch dims of this (bad) field: linear in its size, and a fixed number
@@ -126,7 +151,8 @@ def _bad_samples(t: torch.Tensor) -> tuple[int, ...]:
         finite = torch.isfinite(t.float() if t.is_floating_point() and t.element_size() == 1 else t)
     except (RuntimeError, NotImplementedError):  # kinds isfinite lacks: exact in float32
         finite = torch.isfinite(t.float())
-    return tuple((~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().tolist())
+    rows = (~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().cpu()
+    return tuple(rows.tolist() if samples is None else samples[rows].unique().tolist())
 
 
 def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
@@ -148,8 +174,8 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     Raises:
         NonFiniteError: (carrying the BatchReport) something is non-finite and raise_on_nonfinite.
         TypeError: batch is an nn.Module or an optimizer (check_all checks those).
-        ValueError: naming the field, if one cannot be read by sample (sparse, nested, quantized, meta,
-            or of a dtype the kernels do not read)."""
+        ValueError: naming the field, if one cannot be read by sample (sparse, quantized, meta, or of a
+            dtype the kernels do not read)."""
     if isinstance(batch, (torch.nn.Module, torch.optim.Optimizer)):  # its tensors are not a batch's fields
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
                         "optimizer with nanfast.check_all")
@@ -163,16 +189,18 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
+    by_path = dict(pairs)
     for indices in group_by_device([t for _, t in pairs]).values():
         tensors = [pairs[i][1] for i in indices]
-        if not bool(torch.ops.nanfast.any_nonfinite(tensors)):
+        if not bool(any_nonfinite(tensors)):  # nested tensors are read through their components
             continue
-        for i, (nan, posinf, neginf) in zip(indices, torch.ops.nanfast.stats(tensors)[0].tolist()):
+        for i, (nan, posinf, neginf) in zip(indices, stats(tensors).counts.tolist()):
             if nan or posinf or neginf:
                 path, t = pairs[i]
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
-                (masks if mask else bad).append((i, BadField(path, tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                                                             nan, posinf, neginf, () if mask else _bad_samples(t))))
+                (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),
+                                                             nan, posinf, neginf,
+                                                             () if mask else _bad_samples(t, _packed_samples(path, t, by_path)))))
     report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),
                          masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])),
                          unchecked=tuple(unchecked))

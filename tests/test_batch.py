@@ -213,10 +213,39 @@ def test_fields_in_deques_and_sets_are_checked():
 
 @pytest.mark.parametrize("field, what", [
     (torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.quint8), "a quantized tensor"),
-    (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
     (torch.zeros(3, dtype=torch.int16).view(torch.bits16), "of dtype torch.bits16"),
     (torch.empty(3, device="meta"), "a meta tensor"),
 ])
 def test_fields_the_kernels_cannot_read_are_named(field, what):
     with pytest.raises(ValueError, match=f"nanfast.check_batch: field 'x' is {what}"):
         nanfast.check_batch({"ok": torch.ones(3), "x": field})
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_batch_names_its_components_as_samples(layout):
+    """A batch of variable-length sequences as one nested tensor was refused ("a nested tensor"), though
+    check_all reads it; its samples are its components."""
+    rows = [torch.ones(2, 3), torch.tensor([[1.0, NAN, INF]]), torch.ones(4, 3), torch.tensor([[-INF, 0.0, 0.0]])]
+    field = torch.nested.nested_tensor(rows, layout=layout)
+    report = nanfast.check_batch({"ids": torch.arange(4), "x": field}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples, f.nan, f.posinf, f.neginf) for f in report.bad] == [("x", (1, 3), 1, 1, 1)]
+    assert report.bad[0].shape == (4, -1, 3) and report.num_tensors == 2
+    clean = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=layout)
+    assert nanfast.check_batch({"x": clean}).ok
+
+
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_a_packed_sequence_names_the_sequences_not_the_packed_rows(enforce_sorted):
+    """A PackedSequence's data is ordered by time step, then by sequence: its row index was named as the
+    sample ("sample 2" for the second step of sequence 0)."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    seqs = [torch.tensor([[1.0], [2.0], [3.0], [NAN]]), torch.tensor([[1.0], [INF]]), torch.tensor([[4.0]])]
+    if not enforce_sorted:  # the longest not first: sorted_indices maps positions back to samples
+        seqs = [seqs[2], seqs[0], seqs[1]]
+    packed = pack_sequence(seqs, enforce_sorted=enforce_sorted)
+    report = nanfast.check_batch({"x": packed, "y": torch.ones(3)}, raise_on_nonfinite=False)
+    want = (0, 1) if enforce_sorted else (1, 2)
+    assert [(f.path, f.samples) for f in report.bad] == [("x.data", want)], report
+    # Reference: each sequence checked alone.
+    assert tuple(i for i, s in enumerate(seqs) if not torch.isfinite(s).all()) == want
