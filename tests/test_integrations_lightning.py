@@ -250,8 +250,38 @@ def test_a_dirty_validation_batch_skips_no_training_step(tmp_path):
     assert t.global_step == 6 and w.skipped_steps == 0 and w.step_count == 6
     assert w.events and all(e.evaluation and e.phase == "input" for e in w.events)
     assert [e.step for e in w.events] == [2, 4, 6]  # after steps 1, 3 and 5: before the next one began
-    assert "(a forward without gradients before its training forward: an evaluation)" in w.events[0].summary()
+    assert "(an evaluation: a forward in eval mode without gradients)" in w.events[0].summary()
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_dirty_validation_batch_inside_an_accumulation_window_skips_no_training_step(tmp_path):
+    """With accumulate_grad_batches=2 and val_check_interval=3, Lightning validates between the two
+    microbatches of an optimizer step. Its dirty batch was read with that step as "microbatch 2" of a
+    step of two: a skip watch dropped two healthy steps (weights unlike a run without the callback), a
+    raise watch stopped fit(); a clean step's own second microbatch was named "microbatch 3"."""
+    class DirtyValidation(Regression):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    options = dict(steps=6, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0)
+    plain = DirtyValidation()
+    trainer(tmp_path / "plain", [], **options).fit(plain)
+    module, callback = DirtyValidation(), NanfastCallback(action="skip")
+    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
+        trainer(tmp_path / "watched", [callback], **options).fit(module)
+    w = callback.watch
+    assert w.skipped_steps == 0 and w.step_count == 6 and w.events
+    assert all(e.evaluation and e.phase == "input" and e.first.microbatch == 0 for e in w.events)
+    assert [e.step for e in w.events] == [1, 3, 4, 6]  # 1 and 4: inside the window of steps 1 and 4
+    for (name, a), b in zip(module.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name  # bit for bit: every training step was applied as without the watch
 
 
 def test_loss_goes_to_watch_loss(tmp_path):

@@ -474,7 +474,7 @@ def test_an_evaluation_forward_raises_there_in_a_raising_watch():
         F.mse_loss(model(batch()[0]), batch()[1]).backward()
         opt.step()
         x_val = batch(seed=3)[0] * float("inf")
-        with pytest.raises(nanfast.NonFiniteError, match=r"step 1 \(a forward without gradients before its training"):
+        with pytest.raises(nanfast.NonFiniteError, match=r"step 1 \(an evaluation: a forward in eval mode without gradients\)"):
             with torch.inference_mode():
                 model.eval()
                 model(x_val)
@@ -589,3 +589,53 @@ def test_an_optimizer_made_after_watch_is_named_once_and_a_perturbed_forward_is_
     assert unseen[0].category is UserWarning and unseen[0].filename == __file__  # the loop's line
     assert "nanfast.watch(model, new_optimizer)" in str(unseen[0].message) and w.step_count == 4
     w.remove()
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+@pytest.mark.parametrize("dirty", ["evaluation", "microbatch 0", "microbatch 1"])
+def test_an_evaluation_inside_a_step_is_read_alone_and_the_step_goes_on(sync, dirty):
+    """Validation between the two microbatches of one optimizer step (Lightning's val_check_interval inside
+    an accumulation window; NOTE: [An evaluation inside a training step]). A dirty validation batch was
+    read with the step, as its "microbatch 2": the healthy step was skipped. Now it is its own event and
+    the step is applied as without the watch; a dirty training microbatch before or after it still makes
+    the step bad, named by its own microbatch number."""
+    torch.manual_seed(0)
+    model, plain = MLP(), MLP()
+    plain.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, fused=True)
+
+    def microbatch(m, k, s):
+        x, y = batch(seed=10 * s + k)
+        if dirty == f"microbatch {k}" and s == 1 and m is model:
+            x[0, 0] = float("nan")
+        F.mse_loss(m(x), y).backward()
+
+    with warnings.catch_warnings(record=True) as caught, nanfast.watch(model, opt, action="skip", sync=sync) as w:
+        warnings.simplefilter("always")
+        for s in range(3):
+            for m, o in ((model, opt), (plain, plain_opt)):
+                o.zero_grad()
+                microbatch(m, 0, s)
+                if m is model:
+                    x_val = batch(seed=100 + s)[0]
+                    if dirty == "evaluation" and s == 1:
+                        x_val[0, 0] = float("nan")
+                    model.eval()
+                    with torch.no_grad():
+                        w.loss(F.mse_loss(model(x_val), batch(seed=100 + s)[1]))
+                    model.train()
+                microbatch(m, 1, s)
+                o.step()
+            if dirty != "evaluation" and s == 1:
+                plain.load_state_dict(model.state_dict())  # the reference: as the skipped step left it
+        w.flush()
+    event = w.events[0]
+    if dirty == "evaluation":  # the forward's read, then its loss's
+        assert [(e.step, e.phase, e.evaluation) for e in w.events] == [(1, "input", True), (1, "loss_value", True)]
+        assert event.first.microbatch == 0 and w.skipped_steps == 0
+        assert any("an evaluation forward, so no optimizer step to skip" in str(c.message) for c in caught)
+    else:
+        assert len(w.events) == 1 and (event.step, event.evaluation, event.first.microbatch) == (1, False, int(dirty[-1]))
+        assert w.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))

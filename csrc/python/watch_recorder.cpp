@@ -140,15 +140,23 @@ void WatchRecorder::forget() {
   hooked_.clear();
 }
 
-py::tuple WatchRecorder::take() {
+py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<Entry> entries;
   {
     py::gil_scoped_release no_gil;
-    records_->flush();
+    records_->flush();  // entries are split by index below: none may still be deferred
   }
   {
     const std::lock_guard<std::mutex> lock(records_->mutex);
-    entries.swap(records_->entries);
+    if (first_slot == 0) {
+      entries.swap(records_->entries);
+    } else {  // by slot, not position: a backward records earlier slots after later ones
+      auto& kept = records_->entries;
+      const auto tail = std::stable_partition(kept.begin(), kept.end(),
+                                              [first_slot](const Entry& entry) { return entry.slot < first_slot; });
+      entries.assign(std::make_move_iterator(tail), std::make_move_iterator(kept.end()));
+      kept.erase(tail, kept.end());
+    }
   }
   std::vector<std::pair<int64_t, int64_t>> slots;
   std::vector<std::pair<int64_t, double>> limited;
@@ -251,7 +259,7 @@ void bind_watch_recorder(py::module_& m) {
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)
-      .def("take", &WatchRecorder::take)
+      .def("take", &WatchRecorder::take, py::arg("first_slot") = 0)
       .def("clear", &WatchRecorder::clear)
       .def("discard", &WatchRecorder::discard, py::arg("first_slot"))
       .def("backward_failed", &WatchRecorder::backward_failed)

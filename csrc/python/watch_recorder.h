@@ -42,8 +42,10 @@ class NANFAST_HIDDEN WatchRecorder {
   // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
   // device); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
   // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
-  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row.
-  py::tuple take();
+  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row. With
+  // `first_slot`, only the records of slots `first_slot` and later are taken; the earlier ones stay (an
+  // evaluation forward inside a training step: NOTE: [An evaluation inside a training step]).
+  py::tuple take(int64_t first_slot = 0);
 
   // Drops the records; the gradient checks placed so far do nothing from now on.
   void clear();

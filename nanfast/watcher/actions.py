@@ -29,7 +29,7 @@ class Actions:
         agree.wait(read)
         if self._rollback is not None and self._rollback.stale(read.step):
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
-        before_step = read.host is None
+        before_step = read.host is None and not read.within_step
         bad, summary, rows = steps.verdict(read)
         if read.evaluation:  # see NOTE: [Evaluation forwards between optimizer steps]
             places = steps.places(rows, read, False, self.nan_only, self.model.forward) if bad else []

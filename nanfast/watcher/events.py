@@ -144,7 +144,7 @@ class Event:
         if self.kind != "nonfinite":
             return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
-        at = f"step {self.step}" + (" (a forward without gradients before its training forward: an evaluation)"
+        at = f"step {self.step}" + (" (an evaluation: a forward in eval mode without gradients)"
                                     if self.evaluation else "")
         # The parameters' rows, and the gradients', are read together: the ones after `first` are not
         # where its values went, and their order is the optimizer's (see the class docstring).

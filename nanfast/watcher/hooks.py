@@ -234,6 +234,7 @@ class Hooks:
         if self._keeps_losses and value.is_floating_point() and not evaluating:
             # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops])
             self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
+        first = len(self._step.slots)
         if self._check_loss:
             site = self._loss_sites.get(name)
             if site is None:
@@ -242,15 +243,14 @@ class Hooks:
             if tensors and not site.ignored:
                 self._record("loss_value", site, 1, tensors)
         if evaluating and self._step.slots:  # nothing recorded (loss=False, ignored): nothing to read
-            self._end_step(fused_pass=False, evaluation=True)
+            self._end_evaluation(first, None)
         return value
 
     def _evaluating(self) -> bool:
-        """Whether what runs now is an evaluation between optimizer steps (see NOTE: [Evaluation forwards
-        between optimizer steps]): an optimizer, no gradients, the model in eval mode, and no forward with
-        gradients in the step yet."""
-        return (self.optimizer is not None and not torch.is_grad_enabled() and not self.model.training
-                and self._steps.grad_forwards == 0)
+        """Whether what runs now is an evaluation (see NOTE: [Evaluation forwards between optimizer steps]
+        and NOTE: [An evaluation inside a training step]): an optimizer, no gradients, the model in eval
+        mode."""
+        return self.optimizer is not None and not torch.is_grad_enabled() and not self.model.training
 
     # NOTE: [The watch and torch.compile]
     # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
@@ -298,7 +298,7 @@ class Hooks:
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
-        self._steps.end_forward()
+        forward = self._steps.end_forward()
         if self._active:
             if self._check_loss:
                 if self._hooks.check_output("forward", self._root, output):
@@ -312,7 +312,7 @@ class Hooks:
             self._end_step(fused_pass=False)
         elif self._evaluating():
             # NOTE: [Evaluation forwards between optimizer steps]
-            # A forward in eval mode without gradients before the step's first forward with them (a
+            # A forward in eval mode without gradients (a
             # validation pass after optimizer.step(): Lightning and the HF Trainer call model.eval()
             # and run it under inference_mode or no_grad) is not part of the training step that
             # follows: read when it returns, its own event (Event.evaluation). Counted into that step, a
@@ -324,7 +324,7 @@ class Hooks:
             # without gradients in train mode (a GAN's generator for its discriminator's step, PPO's
             # old log-probabilities) is part of the training step, as before, with no read of its own.
             # A loss given to Watch.loss in an evaluation is read the same way.
-            self._end_step(fused_pass=False, evaluation=True)
+            self._end_evaluation(*((forward.first_slot, forward.microbatch) if forward is not None else (0, None)))
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
         forward = self._steps.end_forward()

@@ -47,6 +47,9 @@ class Read:
     # An evaluation forward's own read (see NOTE: [Evaluation forwards between optimizer steps]): not a
     # training step, so no timeline record, spike or headroom sample, and nothing to skip.
     evaluation: bool = False
+    # An evaluation inside a training step (see NOTE: [An evaluation inside a training step]): the buffers
+    # a skip would put back are the training step's, not the evaluation's.
+    within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 

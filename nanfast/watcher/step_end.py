@@ -131,6 +131,39 @@ class StepEnd:
             self._undo.begin()  # see NOTE: [Buffers of compiled forwards]
         return read
 
+    def _end_evaluation(self, first_slot: int, microbatch: Optional[int]) -> None:
+        """Reads an evaluation's checks at once: those of slots `first_slot` on, recorded by the forward
+        of `microbatch` (None: a loss alone) (see NOTE: [Evaluation forwards between optimizer steps])."""
+        if self._steps.grad_forwards == 0:
+            self._end_step(fused_pass=False, evaluation=True)
+            return
+        # NOTE: [An evaluation inside a training step]
+        # Lightning runs its validation loop wherever `val_check_interval` falls, inside a window of
+        # gradient accumulation too: between two microbatches of one optimizer step. Read with the step,
+        # a dirty validation batch was that step's (named its input, microbatch 2 of a step of two),
+        # so a skip dropped a healthy training step and a raise stopped fit(). It is read now, alone:
+        # its records are taken out of the step's (WatchRecorder.take(first_slot)), packed and read as
+        # an evaluation's, and its slots and microbatch number are given back, so the step goes on as if
+        # it had never run (its next microbatch takes the number). Nothing of the training step is put
+        # back for it (`within_step`): in eval mode under no_grad it changed no buffer and no gradient.
+        recorded, recorded_slots, _, _ = self._recorder.take(first_slot)
+        try:
+            if recorded_slots:
+                own = Step()  # none of the step's losses; numbered as an evaluation between steps is: microbatch 0
+                own.slots = self._step.slots[:first_slot] + [(*label[:3], 0) for label in self._step.slots[first_slot:]]
+                own.inputs = {0: self._step.inputs[microbatch]} if microbatch in self._step.inputs else {}
+                read = own.pack(recorded, recorded_slots, None, params=False, grads=False, ignore=self.ignore,
+                                nan_only=self.nan_only, found_inf=None, grad_scale=None, device=self._device,
+                                step=self.step_count, scaler_skipped=False)
+                read.evaluation = read.within_step = True
+                self._evaluate(read)
+        finally:
+            del self._step.slots[first_slot:]
+            if microbatch is not None:
+                self._step.inputs.pop(microbatch, None)
+                self._step.forwards = microbatch
+            self._steps.last = None
+
     def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
         """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
         they add information] decides for this step."""
