@@ -315,3 +315,20 @@ def test_a_hand_written_accelerate_loop_watches_the_prepared_optimizer():
             optimizer.step()
     assert [e.step for e in w.events] == [1] and w.skipped_steps == 1
     w.remove()
+
+
+def test_the_statistics_go_to_training_logs_only(tmp_path):
+    """Added once per step to whichever log came first at it: with evaluations every 2 steps and logs
+    every 3, the evaluation entries of steps 2 and 4 and the end-of-training summary got them, as
+    docs/integrations.md says they do not."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=2, logging_steps=3, eval_strategy="steps", eval_steps=2,
+                             report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    t = Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset(), eval_dataset=dataset(4),
+                callbacks=[NanfastCallback()])
+    t.train()
+    kinds = [("eval" if "eval_loss" in h else "train" if "loss" in h else "summary", h["step"],
+              any(k.startswith("nanfast/") for k in h)) for h in t.state.log_history]
+    # (transformers 5 evaluates at the last step too, 4.46 does not)
+    assert [k for k in kinds if k[2]] == [("train", 3, True)], kinds
+    assert ("eval", 2, False) in kinds and ("eval", 4, False) in kinds and ("summary", 5, False) in kinds, kinds

@@ -70,8 +70,10 @@ class NanfastCallback(OwnsWatch, TrainerCallback):
         self._hook = model.register_forward_hook(self._give_loss)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
-        # Once per logged step: not again into the run's summary or an evaluation's logs at that step.
-        if self.watch is None or logs is None or state.global_step == self._logged_step:
+        # Once per logged step, into the training log alone: not into the run's summary
+        # ("train_runtime"...) or an evaluation's logs ("eval_loss"...), whichever comes first at a step.
+        if (self.watch is None or logs is None or state.global_step == self._logged_step or "loss" not in logs
+                or any(key.startswith("eval_") or key == "train_runtime" for key in logs)):
             return
         self._logged_step = state.global_step
         values = metrics(self.watch)
