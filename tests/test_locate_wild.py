@@ -1,9 +1,11 @@
-"""locate on what probing found in session 37: a training-mode BatchNorm, whose running statistics
-aten.native_batch_norm updates in place without its schema saying so, and a backward fault under
-torch.func (per-sample gradients with vmap(grad), jacrev)."""
+"""locate on what probing found in sessions 37 and 38: a training-mode BatchNorm, whose running statistics
+aten.native_batch_norm updates in place without its schema saying so, a backward fault under
+torch.func (per-sample gradients with vmap(grad), jacrev), and a backward node judged whatever hooks it
+has."""
 
 import inspect
 
+import pytest
 import torch
 
 from nanfast.locator import locate
@@ -66,3 +68,24 @@ def test_a_backward_fault_under_vmap_of_grad_is_located():
     finder = run(lambda: per_sample(w, torch.ones(5, 3)))
     assert [(f.kind, f.op, f.node, f.where.lineno) for f in finder.findings] == [
         ("producer", "aten.div.Tensor", "SqrtBackward0", line_of("# sqrt at 0"))]
+
+
+@pytest.mark.parametrize("users_hook", [False, True])
+def test_a_backward_node_is_judged_the_same_whatever_hooks_it_has(users_hook):
+    """A node's held finding stood only if the gradients it received were finite, asked of a post hook
+    added while the node ran: torch hands such a hook those gradients only when the node had a post hook
+    before, so a user's hook on the same node turned the finding into a masked note and locate found
+    nothing though the weight's gradient was NaN. An inf weight (from outside: allowed, as a mask is)
+    makes inf - inf in the weight's gradient, a producer as in forward."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        lin.weight[0, 0] = float("inf")
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with locate(action="record") as found:
+        out = lin(x)
+        if users_hook:
+            out.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+        torch.nn.functional.mse_loss(out, y).backward()
+    assert lin.weight.grad.isnan().any()
+    assert [(f.op, f.node) for f in found.findings] == [("aten.mm.default", "AddmmBackward0")]

@@ -1,6 +1,5 @@
 """Judging an autograd node by the gradients it returns: locate's findings inside a backward node wait
-until the node has returned, and stand only if a returned gradient is non-finite while the gradients it
-received were finite."""
+until the node has returned, and stand only if a returned gradient is non-finite."""
 
 from __future__ import annotations
 
@@ -17,8 +16,14 @@ __all__ = ["NodeVerdicts"]
 # F.normalize of a zero vector, std of a constant row, atan2(0, 0), cdist(x, x), pow(0, p) with a
 # learnable p, p-norms of pruned weights. An op-by-op check sees a producer there; the model is healthy.
 # So a finding inside a node is held until the node's post hook sees what it returns: a non-finite
-# returned gradient made from finite incoming ones confirms the node's first held finding; otherwise
-# they are notes. AccumulateGrad returns nothing (it writes .grad): it is judged per op, at once.
+# returned gradient confirms the node's first held finding; otherwise they are notes. AccumulateGrad
+# returns nothing (it writes .grad): it is judged per op, at once.
+# What the node received is not asked: a held finding is already a producer by the per-op rules, whose
+# inputs' non-finite values descend from no finding (propagation is never held), so received non-finite
+# gradients can only be infinities from outside, on which inf - inf is a producer as in forward (an
+# inf weight's NaN weight gradient). And it could not be asked reliably: the hook is added while the
+# node runs, and torch hands such a hook the node's incoming gradients only if the node had a post hook
+# before it ran, so the verdict depended on unrelated hooks (a user's on the same node silenced it).
 _JUDGED_PER_OP = frozenset(("AccumulateGrad",))
 
 
@@ -72,9 +77,7 @@ class NodeVerdicts:
         with self._lock:
             items, handle = self._pending.pop(key)
         handle.remove()  # a retained graph run again is judged again, from scratch
-        returned = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-        received = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
-        confirmed = self._any_nonfinite(returned) and not self._any_nonfinite(received)
+        confirmed = self._any_nonfinite([g for g in grad_inputs if isinstance(g, torch.Tensor)])
         for item in items[1:] if confirmed else items:
             self._note(item)
         if confirmed:
