@@ -642,6 +642,22 @@ def test_dump_of_an_in_place_op_holds_the_values_before_it(tmp_path):
     assert nanfast.replay(path).isnan().tolist() == [False, True]
 
 
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_replay_of_an_in_place_op_returning_nothing_gives_the_written_arguments(tmp_path, impl):
+    """Adam with eps=0 on a zero gradient: 0/0 in _foreach_div_/_fused_adam_, which write their arguments
+    and return nothing, so replay returned None (the NaN went into the loaded arguments, thrown away)."""
+    path = tmp_path / "adam.pt"
+    param = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+    param.grad = torch.tensor([0.0, 1.0, 2.0])
+    with nanfast.locate(action="record", dump=path) as found:
+        torch.optim.Adam([param], lr=0.1, eps=0.0, **{impl: True}).step()
+    assert found.finding is not None and found.finding.dump == str(path)
+    written = nanfast.replay(path)
+    assert isinstance(written, dict) and written, written
+    flat = [t for v in written.values() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    assert any(not torch.isfinite(t).all() for t in flat)
+
+
 def test_replay_refuses_what_is_not_a_dump_and_calls_only_operators(tmp_path):
     """A dump shared in a bug report is input from someone else: replay runs no pickled code (weights-only
     loading), calls only an operator of torch.ops by its name, takes only memory formats by name, and

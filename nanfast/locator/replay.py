@@ -58,7 +58,8 @@ def replay(path: Union[str, os.PathLike]) -> Any:
     Args:
         path: the dump's file.
     Returns:
-        The op's outputs.
+        The op's outputs; for an in-place op that returns nothing (`_foreach_*_`, `_fused_adam_`), the
+        arguments it wrote, as a dict by argument name (the NaN is written there).
     Raises:
         OSError: the file cannot be read; pickle.UnpicklingError: it is no torch.save file, or one that asks
         to run code; ValueError: it is not a locate dump (naming what is missing), or names something
@@ -70,5 +71,10 @@ def replay(path: Union[str, os.PathLike]) -> Any:
                          "'op' name and 'arguments' dict")
     func = _resolve_op(saved["op"])
     arguments = {name: _load_value(v) for name, v in saved["arguments"].items()}
-    return func(**arguments)
+    out = func(**arguments)
+    if out is None:
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if written:
+            return {name: arguments[name] for name in written if name in arguments}
+    return out
 
