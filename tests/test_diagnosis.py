@@ -36,24 +36,27 @@ CASES = [
     ("_log_softmax", lambda x=_masked_rows(): F.log_softmax(x, dim=1), "aten._log_softmax.default",
      "row 5 of 32 along dim 1 is fully masked"),
     ("div", lambda: torch.tensor([0.0, 1.0, 2.0]) / torch.tensor([0.0, 0.0, 1.0]), "aten.div.Tensor",
-     "divides by exact zeros: 2 of 3 elements of the divisor `other` are 0 (1 of them 0/0)"),
+     "divides by exact zeros: 2 of 3 elements of the divisor `other` are 0 (0/0 at 1 of the quotient's 3 elements)"),
     ("div_", lambda: torch.tensor([1.0, 2.0]).div_(torch.tensor([1.0, 0.0])), "aten.div_.Tensor",
      "divides by exact zeros: 1 of 2 elements"),
     ("reciprocal", lambda: torch.tensor([0.0, 2.0]).reciprocal(), "aten.reciprocal.default",
-     "1/x of exact zeros: 1 of 2 elements of `self` are 0"),
+     "1/x of exact zeros: 1 of 2 elements of `self` is 0"),
     ("log", lambda: torch.log(torch.tensor([1.0, -2.0, 0.0])), "aten.log.default",
      "log at the edge of its domain: 2 of 3 elements of `self` are <= 0 (min -2, max 0)"),
     ("log2", lambda: torch.log2(torch.tensor([0.0, 1.0])), "aten.log2.default", "log2 at the edge"),
     ("log10", lambda: torch.log10(torch.tensor([-1.0, 1.0])), "aten.log10.default", "log10 at the edge"),
-    ("log1p", lambda: torch.log1p(torch.tensor([-1.0, 1.0])), "aten.log1p.default", "are <= -1"),
+    ("log1p", lambda: torch.log1p(torch.tensor([-1.0, 1.0])), "aten.log1p.default", "is <= -1"),
     ("sqrt", lambda: torch.sqrt(torch.tensor([4.0, -9.0])), "aten.sqrt.default",
-     "sqrt at the edge of its domain: 1 of 2 elements of `self` are < 0 (min -9, max -9)"),
+     "sqrt at the edge of its domain: 1 of 2 elements of `self` is < 0 (min -9, max -9)"),
     ("rsqrt", lambda: torch.rsqrt(torch.tensor([0.0, 4.0])), "aten.rsqrt.default", "rsqrt at the edge"),
     ("acos", lambda: torch.acos(torch.tensor([0.5, 1.5])), "aten.acos.default", "outside [-1, 1] (min 1.5"),
+    # A cosine rounded just past 1 (a probe: "(min 1, max 1)" hid it): the digits of float32 are shown.
+    ("acos", lambda: torch.acos(torch.tensor([0.5, 1.0000001])), "aten.acos.default",
+     "is outside [-1, 1] (min 1.00000012, max 1.00000012)"),
     ("asin", lambda: torch.asin(torch.tensor([-2.0, 0.5])), "aten.asin.default", "outside [-1, 1]"),
     ("atanh", lambda: torch.atanh(torch.tensor([1.0, 0.5])), "aten.atanh.default", "outside (-1, 1)"),
     ("pow", lambda: torch.tensor([0.0, 2.0]).pow(-1), "aten.pow.Tensor_Scalar",
-     "pow of 0 to the negative exponent -1: 1 of 2 elements of `self` are 0"),
+     "pow of 0 to the negative exponent -1: 1 of 2 elements of `self` is 0"),
     ("exp", lambda: torch.exp(torch.tensor([1.0, 100.0])), "aten.exp.default",
      "exp overflow: the largest input 100 exceeds 88.7228, the largest whose exp torch.float32 holds"),
     ("exp_", lambda: torch.tensor([1.0, 100.0]).exp_(), "aten.exp_.default", "exp overflow"),
@@ -112,4 +115,4 @@ def test_a_backward_finding_gets_its_diagnosis():
             torch.sqrt(x).sum().backward()
     finding = raised.value.report
     assert (finding.op, finding.node) == ("aten.div.Tensor", "SqrtBackward0")
-    assert "divides by exact zeros: 1 of 2 elements of the divisor `other` are 0" in finding.diagnosis
+    assert "divides by exact zeros: 1 of 2 elements of the divisor `other` is 0" in finding.diagnosis

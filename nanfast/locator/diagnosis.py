@@ -29,6 +29,15 @@ def _of(n: int, t: torch.Tensor) -> str:
     return f"{n} of {t.numel()} element{'s' if t.numel() != 1 else ''}"
 
 
+def _are(n: int) -> str:
+    return "is" if n == 1 else "are"
+
+
+def _exact(value: float, t: torch.Tensor) -> str:
+    """`value` with the digits that tell apart neighbouring values of `t`'s dtype (1.0000001 is not 1)."""
+    return f"{value:.{17 if t.element_size() > 4 else 9}g}"
+
+
 def _fully_masked_rows(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     x, dim = _tensor(args, "self"), args.get("dim")
     if x is None or not isinstance(dim, int) or x.dim() == 0:
@@ -55,12 +64,13 @@ def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     n = _count(zeros)
     if n == 0:
         return None
-    text = f"divides by exact zeros: {_of(n, divisor)} of the divisor `other` are 0"
+    text = f"divides by exact zeros: {_of(n, divisor)} of the divisor `other` {_are(n)} 0"
     numerator = _tensor(args, "self")
     if numerator is not None and not numerator.is_complex():
-        both = _count(torch.broadcast_tensors(numerator == 0, zeros)[0] & zeros)
-        if both:
-            text += f" ({both} of them 0/0)"
+        numerator_zero, divisor_zero = torch.broadcast_tensors(numerator == 0, zeros)
+        both = _count(numerator_zero & divisor_zero)
+        if both:  # counted over the quotient's elements, which broadcasting may make more than the divisor's
+            text += f" (0/0 at {both} of the quotient's {divisor_zero.numel()} elements)"
     return text
 
 
@@ -69,7 +79,7 @@ def _reciprocal_of_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str
     if x is None or x.is_complex():
         return None
     n = _count(x == 0)
-    return f"1/x of exact zeros: {_of(n, x)} of `self` are 0" if n else None
+    return f"1/x of exact zeros: {_of(n, x)} of `self` {_are(n)} 0" if n else None
 
 
 def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str) -> Callable:
@@ -84,8 +94,8 @@ def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str)
         if n == 0:
             return None
         values = x[outside]
-        return (f"{name} at the edge of its domain: {_of(n, x)} of `self` are {edge} "
-                f"(min {values.min().item():.6g}, max {values.max().item():.6g})")
+        return (f"{name} at the edge of its domain: {_of(n, x)} of `self` {_are(n)} {edge} "
+                f"(min {_exact(values.min().item(), x)}, max {_exact(values.max().item(), x)})")
 
     return diagnose_domain
 
@@ -95,7 +105,8 @@ def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     if base is None or base.is_complex() or not isinstance(exponent, (int, float)):
         return None
     if exponent < 0 and _count(base == 0):
-        return f"pow of 0 to the negative exponent {exponent}: {_of(_count(base == 0), base)} of `self` are 0"
+        zeros = _count(base == 0)
+        return f"pow of 0 to the negative exponent {exponent}: {_of(zeros, base)} of `self` {_are(zeros)} 0"
     if exponent != int(exponent) and _count(base < 0):
         n = _count(base < 0)
         return f"pow of negative values to the fractional exponent {exponent}: {_of(n, base)} of `self` are < 0"
