@@ -639,3 +639,28 @@ def test_an_evaluation_inside_a_step_is_read_alone_and_the_step_goes_on(sync, di
         assert len(w.events) == 1 and (event.step, event.evaluation, event.first.microbatch) == (1, False, int(dirty[-1]))
         assert w.skipped_steps == 1
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_submodules_run_without_the_models_forward_are_named_once():
+    """A loop (a Lightning training_step calling self.net(x)) that runs the watched model's submodules but
+    never its forward: faults are still found and skipped, but calls were numbered on across steps ("call
+    4" at step 3) and the batch went unchecked as the model's input, without a word."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            opt.zero_grad()
+            x, y = batch(seed=s)
+            F.mse_loss(model.l2(model.act(model.l1(x))), y).backward()  # the submodules, not model(x)
+            opt.step()
+        for s in range(2):  # through the model's forward: nothing more is said
+            opt.zero_grad()
+            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+            opt.step()
+    outside = [c for c in caught if "ran but its own forward did not" in str(c.message)]
+    assert len(outside) == 1 and len(caught) == 1 and "step 0: submodules of the watched MLP" in str(outside[0].message)
+    assert outside[0].filename == __file__ and w.events == []
+    w.remove()

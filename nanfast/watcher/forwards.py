@@ -38,6 +38,13 @@ UNSEEN_OPTIMIZER = ("nanfast.watch: the parameters were updated in place between
                     "without optimizer.step() of the optimizer given to watch(), so no step has ended: is another "
                     "optimizer stepping them (one made after watch())? Watch that one instead (w.remove(); "
                     "nanfast.watch(model, new_optimizer)); until a step ends, nothing this watch records is read.")
+# A step whose module hooks recorded while the model's own forward never ran: the loop (a Lightning
+# training_step) calls a submodule. Detection and skips still work, but calls are numbered on across
+# steps (a new forward resets them) and the batch is not checked as the model's input.
+OUTSIDE_FORWARD = ("nanfast.watch: step {step}: submodules of the watched {model} ran but its own forward did not "
+                   "(the loop, or a Lightning training_step, calls a submodule, as self.net(x)): their calls are "
+                   "numbered on across steps and the batch is not checked as the model's input. Watch the module "
+                   "whose forward runs (nanfast.watch(model.net, ...); in Lightning, NanfastCallback(module=\"net\")).")
 UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
                  "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "
                  "call w.step() at the end of each step, or pass the optimizer (nanfast.watch(model, optimizer)). "
@@ -66,6 +73,7 @@ class StepState:
         self._updates = 0  # forwards of this step that found the parameters updated since the previous one
         self._warned = False
         self._warned_unseen = False
+        self._warned_outside = False
 
     def reset(self) -> None:
         """The step ended (or was dropped)."""
@@ -111,6 +119,15 @@ class StepState:
         self.training = True
         if not self.ended_by_user:
             self._versions = self._version_sum()
+
+    def step_ends(self, forwards: int, slots: list, step: int, model: torch.nn.Module) -> None:
+        """At a step's end: warns once if module hooks recorded (phases forward, backward) while none of
+        the model's own forwards ran (`forwards`, the Step's count)."""
+        if forwards or self._warned_outside or not any(label[0] in ("forward", "backward") for label in slots):
+            return
+        self._warned_outside = True
+        warnings.warn(OUTSIDE_FORWARD.format(step=step, model=type(model).__name__), UserWarning,
+                      stacklevel=user_stacklevel())
 
     def _note_updates(self) -> None:
         """A forward with gradients after the step's first, with an optimizer: counts an in-place update of

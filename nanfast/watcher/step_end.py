@@ -91,6 +91,7 @@ class StepEnd:
         self._drop_failed_backward()
         forward_began_undo, self._undo_by_forward = self._undo_by_forward, False
         read = None
+        self._steps.step_ends(self._step.forwards, self._step.slots, self.step_count, self.model)
         if self._active:
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
