@@ -664,3 +664,34 @@ def test_submodules_run_without_the_models_forward_are_named_once():
     assert len(outside) == 1 and len(caught) == 1 and "step 0: submodules of the watched MLP" in str(outside[0].message)
     assert outside[0].filename == __file__ and w.events == []
     w.remove()
+
+
+def test_a_validation_pass_without_no_grad_is_named_as_such():
+    """A validation loop in eval mode that forgot torch.no_grad() is, for the watch, training (fine-tuning
+    in eval mode trains so): its dirty batch makes the next step bad. The event said nothing of it."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="skip")  # the parameters stay finite: each event is its step's input
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for s in range(2):
+            model.train()
+            opt.zero_grad()
+            x, y = batch(seed=s)
+            if s == 1:  # a dirty training batch in train mode: no hint
+                x[0, 0] = float("nan")
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        model.eval()
+        x_val = batch(seed=9)[0]
+        x_val[0, 0] = float("nan")
+        model(x_val)  # validation without no_grad
+        model.train()
+        opt.zero_grad()
+        F.mse_loss(model(batch(seed=3)[0]), batch(seed=3)[1]).backward()
+        opt.step()
+    assert [(e.step, e.evaluation, e.eval_mode_with_grad) for e in w.events] == [(1, False, False), (2, False, True)]
+    assert "run it under torch.no_grad()" in w.events[1].summary()
+    assert "no_grad" not in w.events[0].summary()
+    w.remove()

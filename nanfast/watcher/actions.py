@@ -53,6 +53,9 @@ class Actions:
                                 self.process_group)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
+        if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
+                and event.first.phase not in ("param", "grad"):
+            event = dataclasses.replace(event, eval_mode_with_grad=True)
         if event is not None and self.on_event == "locate":
             located = self._locate()
             differs = None if located is None else disagreement(

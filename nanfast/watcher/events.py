@@ -111,9 +111,12 @@ class Event:
     located_differs: Optional[str] = None
     kind: str = "nonfinite"  # one of KINDS
     detail: Optional[str] = None  # kinds headroom and spike: what was seen, in words
-    # Seen in a forward without gradients between two optimizer steps (a validation pass), read when it
-    # returned; `step` is the training step that had not begun yet.
+    # Seen in an evaluation forward (eval mode, no gradients: a validation pass), read when it returned;
+    # `step` is the training step it came before or in.
     evaluation: bool = False
+    # The first place's forward ran in eval mode with gradients enabled: a training forward for the watch
+    # (fine-tuning with frozen BatchNorm statistics trains so), or a validation pass without no_grad.
+    eval_mode_with_grad: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -177,11 +180,14 @@ class Event:
         later = [p for p in self.later[together:] if p.phase != "input"]
         for dirty in (p for p in self.later[together:] if p.phase == "input"):
             head += f"; {dirty.where()} was dirty too: {dirty.dirty_text()}"
+        hint = (" (its forward ran in eval mode with gradients enabled: if it was a validation pass, run it "
+                "under torch.no_grad() so that it is read as an evaluation, not as part of the training step)"
+                if self.eval_mode_with_grad else "")
         if not later:
-            return f"nanfast.watch: {head}"
+            return f"nanfast.watch: {head}{hint}"
         named = first_few([p.where() for p in later], _MAX_NAMED_IN_SUMMARY, "; ")
         places = "1 place" if len(later) == 1 else f"{len(later)} places"
-        return f"nanfast.watch: {head}; then propagated to {places}: {named}"
+        return f"nanfast.watch: {head}; then propagated to {places}: {named}{hint}"
 
     __str__ = summary
 

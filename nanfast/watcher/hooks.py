@@ -277,6 +277,8 @@ class Hooks:
         hooks.forward_id += 1
         hooks.microbatch = step.forwards
         step.forwards += 1
+        if grad and not model.training:
+            step.eval_mode_with_grad.add(hooks.microbatch)
         if self._model_changed and hooks.microbatch == 0:  # see NOTE: [A model changed after watch()]
             self._follow_model()
             if self._undo is not None:

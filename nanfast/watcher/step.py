@@ -51,6 +51,7 @@ class Read:
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
+    eval_mode_with_grad: frozenset = frozenset()  # Step.eval_mode_with_grad
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
@@ -87,7 +88,8 @@ class Step:
     recorder]; `ModuleHooks.slot` appends to `slots`, NOTE: [Module hooks in C++]) and the forwards so
     far. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread", "inputs")
+    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread", "inputs",
+                 "eval_mode_with_grad")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -97,6 +99,7 @@ class Step:
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
         self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
+        self.eval_mode_with_grad: set[int] = set()  # microbatches whose forward ran in eval mode with gradients
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
@@ -124,7 +127,7 @@ class Step:
                     params=fused is not None and fused.n_params > 0)
         pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
         return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
-                    scaler_skipped, tail=tail, inputs=self.inputs)
+                    scaler_skipped, tail=tail, inputs=self.inputs, eval_mode_with_grad=frozenset(self.eval_mode_with_grad))
 
 
 def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
