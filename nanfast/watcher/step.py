@@ -51,7 +51,7 @@ class Read:
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
-    eval_mode_with_grad: frozenset = frozenset()  # Step.eval_mode_with_grad
+    eval_mode_with_grad: frozenset = frozenset()  # Step.eval_mode_with_grad (its set: a new Step makes a new one)
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
@@ -127,7 +127,7 @@ class Step:
                     params=fused is not None and fused.n_params > 0)
         pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
         return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
-                    scaler_skipped, tail=tail, inputs=self.inputs, eval_mode_with_grad=frozenset(self.eval_mode_with_grad))
+                    scaler_skipped, tail=tail, inputs=self.inputs, eval_mode_with_grad=self.eval_mode_with_grad)
 
 
 def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
