@@ -51,7 +51,7 @@ class Read:
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
-    eval_mode_with_grad: frozenset = frozenset()  # Step.eval_mode_with_grad (its set: a new Step makes a new one)
+    eval_mode_with_grad: set = dataclasses.field(default_factory=set)  # Step.eval_mode_with_grad (a new Step makes a new one)
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
