@@ -29,6 +29,19 @@ def _half(value, *shape):
     return torch.full(shape, value, dtype=torch.float16)
 
 
+def _fast_attention(kind: str) -> None:
+    """Eval mode under no_grad: torch's fused path, with sequence 1 all padding."""
+    torch.manual_seed(0)
+    x, padding = torch.randn(2, 4, 8), torch.zeros(2, 4, dtype=torch.bool)
+    padding[1] = True
+    with torch.no_grad():
+        if kind == "mha":
+            torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()(x, x, x, key_padding_mask=padding,
+                                                                       need_weights=False)
+        else:
+            torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()(x, src_key_padding_mask=padding)
+
+
 CASES = [
     # (op packet, what runs under locate, the op reported, words the diagnosis holds)
     ("_softmax", lambda x=_masked_rows(): F.softmax(x, dim=-1), "aten._softmax.default",
@@ -82,6 +95,20 @@ CASES = [
      "float16 overflow in a matmul"),
     ("baddbmm", lambda: torch.baddbmm(_half(0, 1, 2, 2), _half(300, 1, 2, 4), _half(300, 1, 4, 2)),
      "aten.baddbmm.default", "float16 overflow in a matmul"),
+    # Found without a diagnosis by a probe (session 38): LayerNorm(eps=0), std of one sample, the fused
+    # attention of MultiheadAttention and TransformerEncoderLayer in eval mode with a row all padding.
+    ("native_layer_norm", lambda: torch.nn.LayerNorm(4, eps=0.0)(torch.tensor([[1.0, 2, 3, 4], [5.0, 5, 5, 5]])),
+     "aten.native_layer_norm.default", "layer norm with eps=0 over constant rows: 1 of 2 rows is constant"),
+    ("std", lambda: torch.randn(1, 5).std(dim=0), "aten.std.correction",
+     "a variance over 1 element with correction 1: 1 - 1 = 0 degrees of freedom"),
+    ("var", lambda: torch.tensor([2.0, 3.0]).var(correction=2), "aten.var.correction",
+     "a variance over 2 elements with correction 2"),
+    ("std_mean", lambda: torch.std_mean(torch.tensor([2.0]))[0], "aten.std_mean.correction", "0 degrees of freedom"),
+    ("var_mean", lambda: torch.var_mean(torch.ones(1, 3), dim=0), "aten.var_mean.correction", "over 1 element"),
+    ("_native_multi_head_attention", lambda: _fast_attention("mha"), "aten._native_multi_head_attention.default",
+     "row 1 of the attention mask masks every one of its 4 keys"),
+    ("_transformer_encoder_layer_fwd", lambda: _fast_attention("encoder"),
+     "aten._transformer_encoder_layer_fwd.default", "row 1 of the attention mask masks every one of its 4 keys"),
 ]
 
 

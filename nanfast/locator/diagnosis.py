@@ -172,6 +172,52 @@ def _impossible_alignments(args: Args, outputs: list[torch.Tensor]) -> Optional[
             f"{repeats} repeated) but its input length is {t_in}{more}")
 
 
+def _constant_rows_without_eps(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x, shape, eps = _tensor(args, "input"), args.get("normalized_shape"), args.get("eps")
+    if x is None or eps != 0 or not isinstance(shape, (list, tuple)) or not shape or x.is_complex():
+        return None
+    rows = x.reshape(-1, math.prod(int(d) for d in shape))
+    constant = (rows == rows[:, :1]).all(dim=-1)
+    n = _count(constant)
+    if n == 0:
+        return None
+    return (f"layer norm with eps=0 over constant rows: {n} of {rows.shape[0]} row{'s' if rows.shape[0] != 1 else ''} "
+            f"{_are(n)} constant (variance 0), so (x - mean) / sqrt(0 + eps) is 0/0")
+
+
+def _no_degrees_of_freedom(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    x = _tensor(args, "self")
+    if x is None:
+        return None
+    correction = args.get("correction")
+    if correction is None:  # the .dim and default overloads: unbiased (Bessel's correction) by default
+        correction = 1 if args.get("unbiased", True) else 0
+    dim = args.get("dim")
+    dims = range(x.dim()) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else \
+        ([dim] if isinstance(dim, int) else list(dim))
+    n = math.prod(int(x.shape[d]) for d in dims) if x.dim() else 1
+    if n - float(correction) > 0:
+        return None
+    return (f"a variance over {n} element{'s' if n != 1 else ''} with correction {correction}: "
+            f"{n} - {correction} = {n - float(correction):g} degrees of freedom (one sample with Bessel's correction)")
+
+
+def _fully_masked_keys(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    mask = _tensor(args, "mask")
+    if mask is None or mask.dim() < 1 or mask.is_complex():
+        return None
+    # True masks a key out in a boolean mask; -inf in an additive one (what MultiheadAttention passes)
+    out = mask if mask.dtype == torch.bool else mask == -math.inf
+    full = out.reshape(-1, mask.shape[-1]).all(dim=-1)
+    n = _count(full)
+    if n == 0:
+        return None
+    first = int(full.nonzero()[0, 0].item())
+    more = f" ({n} rows in all)" if n > 1 else ""
+    return (f"row {first} of the attention mask masks every one of its {mask.shape[-1]} keys{more}: the fused "
+            f"attention's softmax of it is 0/0 (a padding mask with a sequence of padding alone)")
+
+
 # (matmul, linear and einsum reach ATen as these)
 _MATMUL_INPUTS = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", "mat2"),
                   "baddbmm": ("batch1", "batch2")}
@@ -219,6 +265,10 @@ DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "mean": _mean_of_nothing,
     "_ctc_loss": _impossible_alignments,
     "_to_copy": _cast_overflow,
+    "native_layer_norm": _constant_rows_without_eps,
+    "std": _no_degrees_of_freedom, "var": _no_degrees_of_freedom, "std_mean": _no_degrees_of_freedom,
+    "var_mean": _no_degrees_of_freedom,
+    "_native_multi_head_attention": _fully_masked_keys, "_transformer_encoder_layer_fwd": _fully_masked_keys,
     **{packet: (lambda args, outputs, packet=packet: _matmul_overflow(args, outputs, packet))
        for packet in _MATMUL_INPUTS},
 }
