@@ -225,22 +225,25 @@ def test_validation_and_bf16_during_fit(tmp_path):
     assert any("val_loss" in r for r in logged(t))
 
 
+class DirtyValidation(Regression):
+    """Its second validation batch holds a NaN."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
 def test_a_dirty_validation_batch_skips_no_training_step(tmp_path):
     """Validation runs under inference_mode between optimizer steps. A NaN in a validation batch is that
     forward's own event (evaluation), read when it returns: it used to count into the next training
     step, which a skip watch then skipped though it was healthy (and a raise watch stopped at its
     optimizer step, naming its input batch)."""
-    class DirtyValidation(Regression):
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            if batch_idx == 1:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
-
-        def val_dataloader(self):
-            return self.train_dataloader()
-
     module = DirtyValidation()
     callback = NanfastCallback(action="skip")
     t = trainer(tmp_path, [callback], steps=6, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0)
@@ -259,17 +262,6 @@ def test_a_dirty_validation_batch_inside_an_accumulation_window_skips_no_trainin
     microbatches of an optimizer step. Its dirty batch was read with that step as "microbatch 2" of a
     step of two: a skip watch dropped two healthy steps (weights unlike a run without the callback), a
     raise watch stopped fit(); a clean step's own second microbatch was named "microbatch 3"."""
-    class DirtyValidation(Regression):
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            if batch_idx == 1:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
-
-        def val_dataloader(self):
-            return self.train_dataloader()
-
     options = dict(steps=6, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0)
     plain = DirtyValidation()
     trainer(tmp_path / "plain", [], **options).fit(plain)

@@ -44,14 +44,22 @@ def _fully_masked_rows(args: Args, outputs: list[torch.Tensor]) -> Optional[str]
         return None
     dim %= x.dim()
     rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
-    full = (rows == -math.inf).all(dim=-1)
+    found = _first_full_row(rows == -math.inf)
+    if found is None:
+        return None
+    first, more = found
+    return (f"row {first} of {rows.shape[0]} along dim {dim} is fully masked (every entry -inf){more}: "
+            f"softmax of it is 0/0")
+
+
+def _first_full_row(masked: torch.Tensor) -> Optional[tuple[int, str]]:
+    """The first row of `masked` (bool [rows, n]) that is True throughout, and " (N rows in all)" when
+    there are several; None when there is none."""
+    full = masked.all(dim=-1)
     n = _count(full)
     if n == 0:
         return None
-    first = int(full.nonzero()[0, 0].item())
-    more = f" ({n} rows in all)" if n > 1 else ""
-    return (f"row {first} of {rows.shape[0]} along dim {dim} is fully masked (every entry -inf){more}: "
-            f"softmax of it is 0/0")
+    return int(full.nonzero()[0, 0].item()), f" ({n} rows in all)" if n > 1 else ""
 
 
 def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
@@ -208,12 +216,10 @@ def _fully_masked_keys(args: Args, outputs: list[torch.Tensor]) -> Optional[str]
         return None
     # True masks a key out in a boolean mask; -inf in an additive one (what MultiheadAttention passes)
     out = mask if mask.dtype == torch.bool else mask == -math.inf
-    full = out.reshape(-1, mask.shape[-1]).all(dim=-1)
-    n = _count(full)
-    if n == 0:
+    found = _first_full_row(out.reshape(-1, mask.shape[-1]))
+    if found is None:
         return None
-    first = int(full.nonzero()[0, 0].item())
-    more = f" ({n} rows in all)" if n > 1 else ""
+    first, more = found
     return (f"row {first} of the attention mask masks every one of its {mask.shape[-1]} keys{more}: the fused "
             f"attention's softmax of it is 0/0 (a padding mask with a sequence of padding alone)")
 
