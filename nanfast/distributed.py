@@ -69,6 +69,16 @@ def all_reduce_flag_async(flag: torch.Tensor, group: Any) -> Any:
     return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
+def any_rank(value: bool, group: Any) -> bool:
+    """Whether `value` is true on any rank of `group`: a host collective (one small all-reduce and its
+    read), for a decision that a rank's own state would make differently from the others' (see NOTE:
+    [Decisions that only one rank can see]); every rank must call it at the same point."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def gather_objects(obj: Any, group: Any) -> list:
     """Every rank's `obj`, in group-rank order. A host collective: only for a bad step, which every
     rank knows to be bad from the reduced flag, so all of them call it.

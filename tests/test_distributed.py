@@ -222,6 +222,68 @@ def ddp_watch_rollback(rank, mesh):
     return _ddp_training(rank, "rollback", fault_rank=1, fault_step=2, fault="param")
 
 
+class RoutedNet(torch.nn.Module):
+    """A branch with a BatchNorm that a rank runs only when told (MoE-like routing under DDP with
+    find_unused_parameters): its buffers change on that rank alone, first seen changing then."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 16)
+        self.expert = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+        self.b = torch.nn.Linear(16, 3)
+        self.routed = False
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h + self.expert(h) if self.routed else h)
+
+
+def _routed_training(rank, action, steps, dirty=None, nan_weight=None, **options):
+    """DDP on RoutedNet: rank 1 routes through the branch at step 2 only; rank 0's batch is dirty at step
+    `dirty`; rank 1's copy of a.weight goes NaN before step `nan_weight`. Returns what each rank did."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = RoutedNet()
+    model = DistributedDataParallel(net, find_unused_parameters=True, broadcast_buffers=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    record = {"raised": [], "params_equal_across_ranks": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = nanfast.watch(model, optimizer, action=action, **options)
+        for step in range(steps):
+            x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            if rank == 0 and step == dirty:
+                x[0, 0] = float("nan")
+            if rank == 1 and step == nan_weight:
+                with torch.no_grad():
+                    net.a.weight[0, 0] = float("nan")
+            net.routed = rank == 1 and step == 2
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            try:
+                optimizer.step()
+            except nanfast.NonFiniteError as e:
+                record["raised"].append((step, str(e)))
+                break
+            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, flat)
+            record["params_equal_across_ranks"].append(all(torch.equal(g, gathered[0]) for g in gathered))
+        w.remove()
+    record["skipped_steps"], record["last_rollback"] = w.skipped_steps, w.last_rollback
+    return record
+
+
+def ddp_skip_a_rank_cannot_undo(rank, mesh):
+    return _routed_training(rank, "skip", steps=4, dirty=2)
+
+
+def ddp_rollback_after_one_rank_routed(rank, mesh):
+    return _routed_training(rank, "rollback", steps=7, nan_weight=5, rollback_every=2)
+
+
 def fsdp2_dcp_save(rank, mesh):
     """A fully_shard model and its optimizer saved with torch.distributed.checkpoint (each rank writes its
     shards), rank 1's shard of 0.weight holding a NaN: the checkpoint the scan reads (its directory)."""
@@ -244,7 +306,8 @@ def fsdp2_dcp_save(rank, mesh):
 
 
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
-             ddp_watch_rollback, fsdp2_watch_skip, fsdp2_dcp_save]
+             ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
+             fsdp2_dcp_save]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
 _TMP = ""  # the spawn's directory, set in each rank's process
@@ -419,8 +482,32 @@ def test_ddp_watch_ranks_roll_back_together(ranks):
         assert all(r["params_equal_across_ranks"])
         [(step, rank, seen_by, phase, name, _)] = r["events"]
         assert (step, rank, phase, name) == (2, 1, "param", "module.inner.weight")
-        assert [r["host_reads"][i] for i in (0, 1, 3)] == [1, 1, 1]
+        # Step 0 takes the snapshot: the ranks agree that each can (one more read; NOTE: [Decisions that
+        # only one rank can see]); the other healthy steps read once.
+        assert [r["host_reads"][i] for i in (0, 1, 3)] == [2, 1, 1]
     assert results[0]["events"] == results[1]["events"]
+
+
+def test_a_step_one_rank_cannot_undo_is_raised_by_every_rank(ranks):
+    """Rank 0's batch is dirty in the step where rank 1 first runs a BatchNorm branch (no copy of its
+    buffers yet, so rank 1 cannot undo its forward): rank 1 raised while rank 0 skipped and waited in the
+    next collective, a hang (a probe, session 38). Now the ranks decide together: both raise, in that
+    step (NOTE: [Decisions that only one rank can see])."""
+    results = _results(ranks, ddp_skip_a_rank_cannot_undo)
+    assert [step for step, _ in results[0]["raised"]] == [2] and [step for step, _ in results[1]["raised"]] == [2]
+    assert "another rank's forward changed buffers in place" in results[0]["raised"][0][1]
+    assert "module.expert.1.num_batches_tracked" in results[1]["raised"][0][1]
+    assert all(r["skipped_steps"] == 0 and all(r["params_equal_across_ranks"]) for r in results)
+
+
+def test_ranks_take_rollback_snapshots_at_the_same_steps(ranks):
+    """A healthy step 2 ran a BatchNorm branch on rank 1 alone: rank 1 could not take step 2's snapshot
+    (its buffers' starting values unknown) and took step 3's, rank 0 took 2 and 4; a NaN weight at step 5
+    rolled the ranks back to different states, and training went on with replicas that differed. Now a
+    snapshot is taken only where every rank can."""
+    results = _results(ranks, ddp_rollback_after_one_rank_routed)
+    assert results[0]["last_rollback"] == results[1]["last_rollback"] == (5, 3)
+    assert all(r["raised"] == [] and all(r["params_equal_across_ranks"]) for r in results)
 
 
 @needs_fsdp2_training

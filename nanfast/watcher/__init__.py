@@ -4,6 +4,7 @@ first place, in execution order, where it appeared."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterable
@@ -14,7 +15,7 @@ import torch
 from .. import _C, distributed
 from ..check import uncompiled
 from ..recompute import recomputation
-from . import scaler_hook
+from . import agree, scaler_hook
 from .actions import Actions
 from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
@@ -158,7 +159,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._undo_by_forward = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
-        self._rollback = Rollback(optimizer, self._undo, *rollback) if rollback is not None else None
+        self._rollback = Rollback(optimizer, self._undo, *rollback, any_rank=functools.partial(
+            agree.any_rank, process_group=process_group)) if rollback is not None else None
         self._reset_step()
         self._pending: Optional[Read] = None
         self._summary_values: Optional[list[float]] = None

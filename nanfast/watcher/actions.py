@@ -174,6 +174,10 @@ class Actions:
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
         else:
             missed = self._undo.restore() if before_step and self._undo is not None else []
+            # A rank that cannot skip makes every rank raise (NOTE: [Decisions that only one rank can see]);
+            # event.rank is set when the ranks agreed on the event: all of them are here.
+            elsewhere = (event.rank is not None and event.kind == "nonfinite" and not event.evaluation
+                         and self.action != "raise" and agree.any_rank(bool(missed), self.process_group) and not missed)
             if event.evaluation and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
                 warnings.warn(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
@@ -190,6 +194,10 @@ class Actions:
                 raise NonFiniteError(event, f"{event.summary()}: a step cannot be skipped once the parameters are non-finite")
             if missed:
                 raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped{unrestored}")
+            if elsewhere:
+                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: another rank's forward "
+                                     "changed buffers in place that could not be restored, and all ranks skip or "
+                                     "raise together")
             # The GradScaler already skipped it, or (lagged) the optimizer skips it on the device (found_inf).
             self._skip_now = not scaler_skipped and before_step
             self.skipped_steps += 1

@@ -31,6 +31,24 @@ def wait(read: Read) -> None:
         read.agreeing = None
 
 
+def any_rank(value: bool, process_group: Optional[Any]) -> bool:
+    """`value` on any rank (a host collective, every rank at the same point); `value` itself in a single
+    process.
+
+    NOTE: [Decisions that only one rank can see]
+    The flag's all-reduce makes every rank see the same bad step, but what a rank does about it may
+    also hang on its own state: whether its forward changed a buffer in place with no copy to restore
+    (a DDP branch with a BatchNorm that only this rank routed through), so that the step cannot be
+    skipped; whether the buffers' starting values are known, so that a rollback snapshot can be taken.
+    Decided rank by rank, one rank raised while the others skipped and waited in the next collective
+    (a hang), or the ranks took snapshots at different steps and a rollback put back different states
+    (replicas diverged, silently). Such decisions are made here, over all ranks: on a bad step (which
+    every rank reaches together) and at a snapshot's step (every `rollback_every` checked steps), so a
+    healthy step pays nothing."""
+    group = distributed.default_group(process_group)
+    return value if group is None else distributed.any_rank(value, group)
+
+
 def event(step: int, places: list, process_group: Optional[Any]) -> Optional[Event]:
     """The event of a bad step, the same on every rank: each rank's places gathered, the first place the
     earliest over the ranks (ties: the lowest rank). In a single process, the first of `places`. None

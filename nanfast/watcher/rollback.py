@@ -6,7 +6,7 @@ back]."""
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -68,8 +68,10 @@ class Rollback:
     finite), the pending one (a lagged watch, until its step's read), and the storage of a dropped or
     superseded one, kept for reuse."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, undo: BufferUndo, every: int, device: torch.device):
+    def __init__(self, optimizer: torch.optim.Optimizer, undo: BufferUndo, every: int, device: torch.device,
+                 any_rank: Callable[[bool], bool] = bool):
         self.optimizer = optimizer
+        self._any_rank = any_rank  # over the ranks that must agree (NOTE: [Decisions that only one rank can see])
         self.every = every
         self.device = device
         self._undo = undo
@@ -123,8 +125,8 @@ class Rollback:
                 and not self._regrouped(self._confirmed):
             return
         buffers = self._undo.as_found()
-        if buffers is None:
-            return  # a buffer's value at the step's start is unknown: wait for a step that knows it
+        if self._any_rank(buffers is None):
+            return  # a buffer's value at the step's start is unknown (on some rank): wait for a step that knows it
         if proven:
             self._confirmed = self._capture(step, buffers, self._confirmed.twins if self._confirmed else None)
         else:
