@@ -324,3 +324,50 @@ def test_a_place_crossing_several_thresholds_in_one_step_warns_once_for_all():
     assert "at 95% of float16's max (threshold 90%)" in events[1].detail
     messages = [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
     assert messages == [e.summary() for e in events]
+
+
+class _MaskedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24).bfloat16()
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return ((q @ k.transpose(-1, -2)) / 8 ** 0.5 + attention_mask).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_additive_mask_of_finfo_min_is_no_headroom_alarm(fuse):
+    """HF's additive masks hold torch.finfo(dtype).min where they mask: the watch does not count a mask's
+    -inf, but its headroom read the same mask's max |x| and warned "the input batch at 100% of bfloat16's
+    max" at step 0 of a healthy run (a probe, session 38). A mask row's magnitude is a sentinel; the
+    same values in an entry not named as a mask still warn (the headroom still looks at inputs)."""
+    torch.manual_seed(0)
+    model = _MaskedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mask = torch.zeros(6, 6, dtype=torch.bfloat16).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1),
+                                                                torch.finfo(torch.bfloat16).min)
+    w = nanfast.watch(model, opt, fuse=fuse)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 6, 8, dtype=torch.bfloat16), attention_mask=mask).float().square().mean().backward()
+            opt.step()
+    assert w.events == [] and [str(c.message) for c in caught] == []
+    w.remove()
+
+    class Biased(_MaskedAttention):
+        def forward(self, x, bias):
+            return super().forward(x, bias)
+
+    model = Biased()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    w = nanfast.watch(model, opt, fuse=fuse)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        model(torch.randn(2, 6, 8, dtype=torch.bfloat16), mask).float().square().mean().backward()
+        opt.step()
+    assert [(e.kind, e.first.phase) for e in w.events] == [("headroom", "input")]
+    w.remove()

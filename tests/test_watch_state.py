@@ -695,3 +695,21 @@ def test_a_validation_pass_without_no_grad_is_named_as_such():
     assert "run it under torch.no_grad()" in w.events[1].summary()
     assert "no_grad" not in w.events[0].summary()
     w.remove()
+
+
+def test_the_watchs_warnings_point_at_the_loops_line():
+    """They pointed at nanfast/watcher/actions.py (or step_end.py), so a filter by module or line could
+    not select them, and the line shown was not the user's."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="skip")
+    x, y = batch()
+    x[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    [skipped] = [c for c in caught if "skipped the optimizer step" in str(c.message)]
+    assert skipped.filename == __file__ and skipped.category is RuntimeWarning
+    w.remove()

@@ -165,10 +165,13 @@ struct Records {
     if (limits.empty()) {
       return;
     }
-    const auto first = limits.begin() + row, last = first + rows;
-    if (std::any_of(first, last, [](double limit) { return limit > 0; })) {
+    std::vector<double> kept(limits.begin() + row, limits.begin() + row + rows);
+    for (const int64_t mask : entry.masks) {
+      kept[mask] = 0.0;  // a mask's magnitude is a sentinel (finfo.min), not values growing toward overflow
+    }
+    if (std::any_of(kept.begin(), kept.end(), [](double limit) { return limit > 0; })) {
       entry.absmax = absmax;
-      entry.limits.assign(first, last);
+      entry.limits = std::move(kept);
     }
   }
 

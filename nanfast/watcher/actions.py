@@ -14,6 +14,7 @@ import torch
 from .located_agrees import disagreement
 from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
+from ..locator.source import user_stacklevel
 from .events import Event
 from .options import SKIPPING
 from .restore import lacks_state
@@ -93,7 +94,7 @@ class Actions:
         elif action == "skip":
             self._act(event, scaler_skipped=False, before_step=before_step)
         elif action == "warn":
-            warnings.warn(event.summary(), RuntimeWarning, stacklevel=3)
+            warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
             if callable(self.action):
                 self.action(event)
 
@@ -171,7 +172,7 @@ class Actions:
         if callable(self.action):
             self.action(event)
         elif self.action == "warn":
-            warnings.warn(event.summary(), RuntimeWarning, stacklevel=2)
+            warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
         else:
             missed = self._undo.restore() if before_step and self._undo is not None else []
             # A rank that cannot skip makes every rank raise (NOTE: [Decisions that only one rank can see]);
@@ -181,7 +182,7 @@ class Actions:
             if event.evaluation and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
                 warnings.warn(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=user_stacklevel())
                 return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
             unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
@@ -202,7 +203,7 @@ class Actions:
             self._skip_now = not scaler_skipped and before_step
             self.skipped_steps += 1
             warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
-                          "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=2)
+                          "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _roll_back(self, event: Event) -> None:
         """action="rollback" with non-finite parameters: puts back the last snapshot proven finite and
@@ -226,4 +227,4 @@ class Actions:
         undone = f"step {restored}" if restored == event.step - 1 else f"steps {restored} to {event.step - 1}"
         warnings.warn(f"{event.summary()}: rolled back to the state step {restored} began with (parameters, "
                       f"optimizer state and module buffers; the updates of {undone} are undone) and skipped the "
-                      "optimizer step", RuntimeWarning, stacklevel=2)
+                      "optimizer step", RuntimeWarning, stacklevel=user_stacklevel())
