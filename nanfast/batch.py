@@ -115,7 +115,7 @@ def _validate(pairs: list[tuple[str, torch.Tensor]]) -> None:
                              "tensors with values of the dtypes nanfast reads can be checked")
 
 
-def _packed_samples(path: str, t: torch.Tensor, by_path: dict) -> Optional[torch.Tensor]:
+def _packed_samples(path: str, t: torch.Tensor, pairs: list[tuple[str, torch.Tensor]]) -> Optional[torch.Tensor]:
     """For the `data` of a PackedSequence (its rows ordered by time step, then by sequence), the sample
     each row belongs to (int64, one per row); None for any other field.
 
@@ -126,6 +126,7 @@ def _packed_samples(path: str, t: torch.Tensor, by_path: dict) -> Optional[torch
     prefix = path[:-len("data")]
     if not path.endswith("data") or (prefix and not prefix.endswith(".")):
         return None
+    by_path = dict(pairs)  # a bad field's, only
     sizes = by_path.get(prefix + "batch_sizes")
     if (sizes is None or sizes.dim() != 1 or sizes.dtype != torch.int64 or t.dim() == 0
             or int(sizes.sum()) != t.shape[0]):
@@ -189,7 +190,6 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
-    by_path = dict(pairs)
     for indices in group_by_device([t for _, t in pairs]).values():
         tensors = [pairs[i][1] for i in indices]
         if not bool(any_nonfinite(tensors)):  # nested tensors are read through their components
@@ -200,7 +200,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
                 (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),
                                                              nan, posinf, neginf,
-                                                             () if mask else _bad_samples(t, _packed_samples(path, t, by_path)))))
+                                                             () if mask else _bad_samples(t, _packed_samples(path, t, pairs)))))
     report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),
                          masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])),
                          unchecked=tuple(unchecked))

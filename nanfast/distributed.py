@@ -69,11 +69,16 @@ def all_reduce_flag_async(flag: torch.Tensor, group: Any) -> Any:
     return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
+def _collective_device(group: Any) -> torch.device:
+    """Where the tensors of a host collective over `group` live: the current CUDA device on NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def any_rank(value: bool, group: Any) -> bool:
     """Whether `value` is true on any rank of `group`: a host collective (one small all-reduce and its
     read), for a decision that a rank's own state would make differently from the others' (see NOTE:
     [Decisions that only one rank can see]); every rank must call it at the same point."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = _collective_device(group)
     flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
@@ -85,7 +90,7 @@ def gather_objects(obj: Any, group: Any) -> list:
 
     Pickled bytes travel in uint8 tensors (sizes first, then the padded payloads): torch's
     all_gather_object converts them back through numpy, which a user of nanfast may not have."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = _collective_device(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]

@@ -64,7 +64,7 @@ class NodeVerdicts:
             items, key = [item], id(node)
 
             def judge(grad_inputs: tuple, grad_outputs: tuple) -> None:  # holds the key, not the node
-                self._judge(key, grad_inputs, grad_outputs)
+                self._judge(key, grad_inputs)
 
             try:
                 handle = node.register_hook(judge)
@@ -73,7 +73,7 @@ class NodeVerdicts:
             self._pending[key] = (items, handle)
         return True
 
-    def _judge(self, key: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    def _judge(self, key: int, grad_inputs: tuple) -> None:
         with self._lock:
             items, handle = self._pending.pop(key)
         handle.remove()  # a retained graph run again is judged again, from scratch

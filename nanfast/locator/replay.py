@@ -7,6 +7,8 @@ from typing import Any, Union
 
 import torch
 
+from .schema import _op_info
+
 def _dump_value(value: Any, before: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return before.get(id(value), value).detach().clone()
@@ -73,8 +75,10 @@ def replay(path: Union[str, os.PathLike]) -> Any:
     arguments = {name: _load_value(v) for name, v in saved["arguments"].items()}
     out = func(**arguments)
     if out is None:
-        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        info = _op_info(func)  # the arguments it writes, as locate reads them
+        written = {name: arguments[name] for name in info.arg_names
+                   if name in arguments and (name in info.read_write_args or name in info.out_args)}
         if written:
-            return {name: arguments[name] for name in written if name in arguments}
+            return written
     return out
 
