@@ -1,6 +1,7 @@
 """When the watch reads the parameters (NOTE: [Parameters read when they add information]): every
-`params_every` checked steps, at every step whose forward output was not checked, in a lagged watch, at
-a due rollback snapshot, and on a bad step to name them; a non-finite parameter is still found at the
+`params_every` checked steps, at every step whose forward output was not checked, at a due rollback
+snapshot, in a lagged watch with a step whose records are not finite (or not known to be), and on an
+eager watch's bad step to name them; a non-finite parameter is still found at the
 step it would have been found at, named first, and the skip, raise and rollback actions see it."""
 
 from __future__ import annotations
@@ -98,15 +99,49 @@ def test_an_embedding_row_no_step_looks_up_is_found_by_the_periodic_read():
                                                                     (4, "param", "0.weight", 4)]
 
 
-@pytest.mark.parametrize("options", [dict(loss=False), dict(ignore="*"), dict(sync="lagged")],
-                         ids=["output-unchecked", "model-ignored", "lagged"])
+@pytest.mark.parametrize("options", [dict(loss=False), dict(ignore="*"), dict(sync="lagged", fuse=True)],
+                         ids=["output-unchecked", "model-ignored", "lagged-records-deferred"])
 def test_every_step_reads_them_when_no_checked_output_stands_for_them(options):
+    # A lagged watch whose records are not numbers on the host yet (deferred to the pass) cannot tell.
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanfast.watch(model, opt, params_every=1000, **options) as w:
         for _ in range(3):
             step(model, opt, w)
     assert param_reads(w) == [True, True, True]
+
+
+def test_a_lagged_cpu_watch_reads_them_with_a_step_whose_records_are_not_finite():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, sync="lagged", params_every=1000) as w:
+        for _ in range(3):
+            step(model, opt, w)
+        with torch.no_grad():
+            model[2].weight[1, 4] = float("inf")  # as a bad update would leave it
+        step(model, opt, w)  # its verdict comes at the next read, after opt.step() moved the weights
+        with pytest.raises(nanfast.NonFiniteError) as raised:
+            w.flush()
+    event = raised.value.report
+    assert (event.step, event.phase, event.name, event.first.posinf) == (3, "param", "2.weight", 1)
+    # The first read, then the healthy steps' gradients alone, then the bad step's parameters with it.
+    assert param_reads(w) == [True, False, False, True]
+
+
+def test_a_lagged_watch_names_a_gradient_without_reading_the_moved_parameters():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, sync="lagged", action="warn", params_every=1000) as w:
+        step(model, opt, w)
+        handle = model[0].bias.register_hook(lambda g: torch.full_like(g, float("nan")))
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            step(model, opt, w)  # a finite forward; the SGD update makes the bias NaN
+            handle.remove()
+            w.flush()
+    assert not torch.isfinite(model[0].bias).any()
+    # Read again now, the parameters would be NaN and named first; the step found them finite.
+    assert (w.last.step, w.last.phase, w.last.name) == (1, "grad", "0.bias")
+    assert w.last.first.nan == 16 and not any(p.phase == "param" for p in w.last.places)
 
 
 def test_a_step_with_no_forward_through_the_model_reads_them():

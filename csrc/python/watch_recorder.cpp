@@ -202,6 +202,11 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
 }
 
+py::object WatchRecorder::finite() {
+  const std::optional<bool> finite = records_->finite();
+  return finite.has_value() ? py::object(py::bool_(*finite)) : py::object(py::none());
+}
+
 void WatchRecorder::clear() {
   std::vector<Deferred> dropped;
   const std::lock_guard<std::mutex> lock(records_->mutex);
@@ -260,6 +265,7 @@ void bind_watch_recorder(py::module_& m) {
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)
       .def("take", &WatchRecorder::take, py::arg("first_slot") = 0)
+      .def("finite", &WatchRecorder::finite)
       .def("clear", &WatchRecorder::clear)
       .def("discard", &WatchRecorder::discard, py::arg("first_slot"))
       .def("backward_failed", &WatchRecorder::backward_failed)

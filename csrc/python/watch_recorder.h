@@ -47,6 +47,10 @@ class NANFAST_HIDDEN WatchRecorder {
   // evaluation forward inside a training step: NOTE: [An evaluation inside a training step]).
   py::tuple take(int64_t first_slot = 0);
 
+  // Whether the step's records so far count nothing; None where that is not known on the host without
+  // a read from the device (an accelerator's recorder, deferred records).
+  py::object finite();
+
   // Drops the records; the gradient checks placed so far do nothing from now on.
   void clear();
 

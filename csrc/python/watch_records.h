@@ -183,6 +183,25 @@ struct Records {
     return nbytes;
   }
 
+  // Whether every record so far counts nothing: known on the host only while each record's counts are
+  // numbers there (a CPU recorder, nothing deferred); nullopt otherwise, where knowing would need a
+  // read from the device. See NOTE: [Parameters read when they add information] (fused_pass.py).
+  std::optional<bool> finite() {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!deferred.empty()) {
+      return std::nullopt;
+    }
+    for (const Entry& entry : entries) {
+      if (entry.counts.defined()) {
+        return std::nullopt;
+      }
+      if (std::any_of(entry.host.begin(), entry.host.end(), [](int64_t count) { return count != 0; })) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   // A profiled watch's accounting of one fused call (under `mutex`).
   void count_call(Clock::time_point start, int64_t nbytes, bool grad_check) {
     const auto spent = Clock::now() - start;

@@ -80,7 +80,8 @@ def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[
     return Pass(names, grad_names, grads, counts, norm, absmax, len(params), limits)
 
 
-def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool, snapshot_due: bool) -> bool:
+def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool, snapshot_due: bool,
+                 records_finite: Optional[bool] = None) -> bool:
     """Whether this step's pass reads the parameters, or only their gradients.
 
     Args:
@@ -89,6 +90,9 @@ def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool
         eager: the watch reads each step's verdict before the optimizer step (sync="eager").
         forward_checked: a forward of the model ran this step with its output checked.
         snapshot_due: action="rollback" takes a snapshot at this step's end (it must be proven finite).
+        records_finite: every record of this step so far counts nothing (known on the host: a CPU
+            watch's records, ``WatchRecorder.finite``), or None where that is not known without a read
+            from the device.
 
     Returns:
         True to read them."""
@@ -102,7 +106,15 @@ def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool
     # What a parameter that no checked value depends on would hide (an embedding row not looked up,
     # an unused or masked branch) is found by the full read every `params_every` checked steps, which
     # also gives the timeline its parameter norm. Every step reads them when the forward's output was
-    # not checked (activations or loss off, ignored, no forward or a compiled one this step), in a
-    # lagged watch (its verdict comes after the optimizer changed them), and when a rollback snapshot
-    # is due (it must be proven finite).
-    return checked % every == 0 or not (eager and forward_checked) or snapshot_due
+    # not checked (activations or loss off, ignored, no forward or a compiled one this step), and when
+    # a rollback snapshot is due (it must be proven finite).
+    # A lagged watch reads its verdict after the optimizer changed the parameters, so a bad step cannot
+    # read them again as it found them: it reads them with the step unless its records are known on the
+    # host to be finite (a CPU watch: its records are numbers there, no read from a device). Finite
+    # records with the output among them say the parameters are finite as well (the argument above), so
+    # a bad verdict of such a step comes from the gradients, and its event names them without the
+    # parameters (Actions._evaluate reads them again only before the optimizer step). On an accelerator
+    # the records are on the device: the lagged watch reads the parameters every step (the gate would
+    # have to be read by the pass's kernel itself: not built).
+    return (checked % every == 0 or not forward_checked or snapshot_due
+            or not (eager or records_finite is True))

@@ -173,10 +173,12 @@ class StepEnd:
         else:
             gathered = self._params.gather(list(self.model.parameters()), groups=False)
         if read_params is None:
+            eager = self.sync == "eager"
             read_params = reads_params(
-                self.step_count // self.every, self._params_every, eager=self.sync == "eager",
+                self.step_count // self.every, self._params_every, eager=eager,
                 forward_checked=self._step.output_checked,
-                snapshot_due=self._rollback is not None and self._rollback.due(self.step_count))
+                snapshot_due=self._rollback is not None and self._rollback.due(self.step_count),
+                records_finite=None if eager else self._recorder.finite())
             self._step.params_unread = self._check_params and not read_params
         return run_fused_pass(gathered, self._sharded, self._device, self._profile,
                               headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
