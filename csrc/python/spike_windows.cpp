@@ -21,10 +21,20 @@ namespace {
 // describes. Each series keeps its last `window` finite values twice: in arrival order, and sorted
 // (median and quartiles by index; an update is one erase and one insert into a vector of at most
 // `window` doubles).
+//
+// NOTE: [Vanishing as a share]
+// A module's gradient vanishes when it falls far below the other modules', not below its own past: a
+// run that converges (a loss going to 1e-10) takes every gradient down together, 10x below its running
+// median and further, and judged on its own each module's norm "vanished" there (a probe's healthy run
+// warned so). So a vanishing series is judged on its share: its value over the median of the step's
+// values of all vanishing series (the modules' gradient norms), against that share's running median.
+// A layer cut off (dead units, a detached branch) drops its share; a converging run keeps the shares.
+// What it gives up: every module vanishing together (and a model of one module) is no module's alarm;
+// a loss that stays high while the total gradient norm falls is what tells that.
 struct Series {
   std::deque<double> recent;    // the last `window` finite values, oldest first
   std::vector<double> ordered;  // the same values, sorted
-  bool can_vanish = false;      // a module's gradient norm: also alarms when it stays low
+  bool vanishing = false;       // judged for vanishing on its share (not for spikes on its value)
   int64_t low = 0;              // checked steps in a row below median / factor
   bool alarmed_up = false;      // in an excursion above the threshold: no new alarm until it is back
   bool alarmed_down = false;
@@ -41,32 +51,41 @@ class SpikeWindows {
                 factor);
   }
 
-  // A new series; returns its id (0, 1, ...).
-  int64_t add(bool can_vanish) {
+  // A new series; returns its id (0, 1, ...). `vanishing`: a module's gradient norm judged for vanishing
+  // (see NOTE: [Vanishing as a share]); otherwise a series judged for spikes.
+  int64_t add(bool vanishing) {
     series_.emplace_back();
-    series_.back().can_vanish = can_vanish;
+    series_.back().vanishing = vanishing;
     return static_cast<int64_t>(series_.size()) - 1;
   }
 
-  // Judges one healthy step: values[i] of series ids[i], against each window as it was before the value
-  // joins it (a non-finite value is judged by nothing and joins nothing). Returns the alarms that fire,
-  // (position in ids, "up" or "down", the running median), in input order.
+  // Judges one healthy step: values[i] of series ids[i] (a vanishing series': its share of the median of
+  // the step's vanishing values), against each window as it was before the value joins it (a
+  // non-finite value is judged by nothing and joins nothing). Returns the alarms that fire, (position in
+  // ids, "up" for a spike or "down" for a vanishing, the running median), in input order.
   std::vector<std::tuple<int64_t, std::string, double>> observe(const std::vector<int64_t>& ids,
                                                                 const std::vector<double>& values) {
     TORCH_CHECK(ids.size() == values.size(), "nanfast._C.SpikeWindows.observe: ", ids.size(), " ids for ",
                 values.size(), " values");
-    std::vector<std::tuple<int64_t, std::string, double>> fired;
+    std::vector<double> vanishing_values;
     for (size_t i = 0; i < ids.size(); ++i) {
       TORCH_CHECK(ids[i] >= 0 && ids[i] < static_cast<int64_t>(series_.size()), "nanfast._C.SpikeWindows.observe: ids[",
                   i, "]=", ids[i], " is not a series (", series_.size(), " added)");
+      if (series_[ids[i]].vanishing && std::isfinite(values[i])) {
+        vanishing_values.push_back(values[i]);
+      }
+    }
+    const double reference = median_of(vanishing_values);  // NaN without any: every share is then NaN
+    std::vector<std::tuple<int64_t, std::string, double>> fired;
+    for (size_t i = 0; i < ids.size(); ++i) {
       Series& s = series_[ids[i]];
-      const double x = values[i];
+      const double x = s.vanishing ? (reference > 0 ? values[i] / reference : std::numeric_limits<double>::quiet_NaN())
+                                   : values[i];
       const bool finite = std::isfinite(x);
       const auto [above, below, median] = judge(s, x, finite);
       s.low = below ? s.low + 1 : 0;
-      const bool vanished = s.can_vanish && s.low >= vanishing_steps_;
-      alarm(s.alarmed_up, above, finite, i, "up", median, fired);
-      alarm(s.alarmed_down, vanished, finite, i, "down", median, fired);
+      alarm(s.alarmed_up, above && !s.vanishing, finite, i, "up", median, fired);
+      alarm(s.alarmed_down, s.vanishing && s.low >= vanishing_steps_, finite, i, "down", median, fired);
     }
     return fired;
   }
@@ -107,6 +126,16 @@ class SpikeWindows {
     return {above, below, median};
   }
 
+  // The median of `values` (sorted in place), as a window's: the mean of the two middle ones when even.
+  static double median_of(std::vector<double>& values) {
+    if (values.empty()) {
+      return std::numeric_limits<double>::quiet_NaN();
+    }
+    std::sort(values.begin(), values.end());
+    const size_t n = values.size();
+    return (values[(n - 1) / 2] + values[n / 2]) / 2;
+  }
+
   // One alarm per excursion: fires when crossed and not already in alarm; re-armed by a finite value
   // back within the threshold.
   static void alarm(bool& alarmed, bool crossed, bool finite, size_t position, const char* direction, double median,
@@ -133,8 +162,10 @@ void bind_spike_windows(py::module_& m) {
                            "The running windows of the watch's spike alarms (see NOTE: [Spike windows in C++]).")
       .def(py::init<int64_t, double, int64_t, int64_t>(), py::arg("window"), py::arg("factor"), py::arg("warmup"),
            py::arg("vanishing_steps"))
-      .def("add", &SpikeWindows::add, "A new series (can_vanish: a module's gradient norm); returns its id.",
-           py::arg("can_vanish"))
+      .def("add", &SpikeWindows::add,
+           "A new series (vanishing: a module's gradient norm judged for vanishing, on its share of the "
+           "step's median; otherwise judged for spikes); returns its id.",
+           py::arg("vanishing"))
       .def("observe", &SpikeWindows::observe,
            "Judges one healthy step's values of the series `ids`; returns the alarms that fire, (position, "
            "'up' or 'down', running median).",

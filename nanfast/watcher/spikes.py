@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
@@ -35,9 +36,10 @@ class SpikeOptions:
     A series (each loss given to ``Watch.loss``, the total gradient norm, each module's gradient norm)
     spikes at a step when its value is more than ``factor`` times its running median over its last
     ``window`` finite values (checked steps), once it has ``warmup`` of them; a module's gradient norm
-    vanishes when it stays below that median divided by ``factor`` for ``vanishing_steps`` checked
-    steps in a row (one step is noise: a small layer's gradient over a small batch can dip that low
-    now and then). (A series that can be negative,
+    vanishes when its share of the step's median module gradient norm stays below its running median
+    share divided by ``factor`` for ``vanishing_steps`` checked steps in a row (one step is noise: a
+    small layer's gradient over a small batch can dip that low now and then; a converging run, whose
+    gradients all fall together, keeps its shares). (A series that can be negative,
     or whose interquartile range exceeds two thirds of its level, is judged by its excess over the
     median: more than ``factor - 1`` times max(|median|, 1.5 x its interquartile range), or, where both
     are 0, its largest |value|; a window of zeros judges no spike.) An alarm fires once per
@@ -163,18 +165,23 @@ class Spikes:
                  tuple(modules) if opts.modules else ())
         if names != self._names:  # the series keys and ids, made again only when the names change
             self._names = names
+            # A module's norm is two series: its spikes, and its share for vanishing (NOTE: [Vanishing as a
+            # share] in csrc/python/spike_windows.cpp).
             self._keys = [*(("loss", name) for name in names[0]), *((("grad_norm", ""),) if names[1] else ()),
-                          *(("module", name) for name in names[2])]
+                          *(("module", name) for name in names[2]), *(("module share", name) for name in names[2])]
             self._key_ids = [self._id(key) for key in self._keys]
         if not self._keys:
             return None
-        values = [*(losses.values() if opts.loss else ()), *((grad_norm,) if names[1] else ()),
-                  *(modules.values() if opts.modules else ())]
+        module_values = tuple(modules.values()) if opts.modules else ()
+        values = [*(losses.values() if opts.loss else ()), *((grad_norm,) if names[1] else ()), *module_values,
+                  *module_values]
         fired = self._windows.observe(self._key_ids, values)
         if not fired:
             return None
-        found = [self._describe(self._keys[i], direction, values[i], median) for i, direction, median in fired]
         vanishing = any(direction == "down" for _, direction, _ in fired)
+        # A vanishing is judged on shares of the modules' median norm, computed as the windows do.
+        reference = statistics.median(v for v in module_values if math.isfinite(v)) if vanishing else math.nan
+        found = [self._describe(self._keys[i], direction, values[i], median, reference) for i, direction, median in fired]
         rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
                 + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)" if vanishing else ")"))
         return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
@@ -183,10 +190,10 @@ class Spikes:
     def _id(self, key: tuple) -> int:
         """The window of series `key`, made at its first value (a module's can also vanish)."""
         if key not in self._ids:
-            self._ids[key] = self._windows.add(key[0] == "module")
+            self._ids[key] = self._windows.add(key[0] == "module share")
         return self._ids[key]
 
-    def _describe(self, key: tuple, direction: str, value: float, median: float) -> tuple[Place, str]:
+    def _describe(self, key: tuple, direction: str, value: float, median: float, reference: float) -> tuple[Place, str]:
         kind, name = key
         if kind == "loss":
             place, what = Place("loss_value", name, "", 0, 0, 0), f"loss {name!r}"
@@ -196,9 +203,11 @@ class Spikes:
             cls = self.groups.module_class(name)
             place = Place("grad", name, cls, 0, 0, 0)
             what = f"the gradient norm of {name or MODEL}" + (f" ({cls})" if cls else "")
-        if direction == "down":
-            ratio = f"1/{median / value:.3g} of" if value > 0 else "against"
-            return place, f"{what} vanished to {value:.4g} ({ratio} its running median {median:.4g})"
+        if direction == "down":  # judged on its share of the modules' median gradient norm, `reference`
+            share = value / reference
+            ratio = f"1/{median / share:.3g} of" if share > 0 else "against"
+            return place, (f"{what} vanished to {value:.4g}, {share:.3g} of the modules' median gradient norm "
+                           f"({ratio} its running median share {median:.3g})")
         ratio = f"{value / median:.3g}x" if median > 0 else f"{value - median:.4g} above"
         label = "exploded" if kind == "module" else "spiked"
         return place, f"{what} {label} to {value:.4g} ({ratio} its running median {median:.4g})"
