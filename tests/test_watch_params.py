@@ -144,6 +144,27 @@ def test_a_lagged_watch_names_a_gradient_without_reading_the_moved_parameters():
     assert w.last.first.nan == 16 and not any(p.phase == "param" for p in w.last.places)
 
 
+def test_a_lagged_watch_skipping_on_the_device_reads_them_again_at_the_verdict():
+    """Its optimizer skips a bad step on the device, so the parameters are still as the bad step found
+    them when the verdict comes a step later: read then, not at every step, even where its records are
+    not known on the host (fuse=True defers them to the pass, as an accelerator's stay on the device)."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    w = nanfast.watch(model, opt, sync="lagged", action="skip", fuse=True, params_every=1000)
+    for _ in range(3):
+        step(model, opt, w)
+    with torch.no_grad():
+        model[2].weight[1, 4] = float("inf")  # as a bad update would leave it
+    found = [p.detach().clone() for p in model.parameters()]
+    step(model, opt, w)  # skipped on the device; its verdict comes with the next step's read
+    assert all(torch.equal(p, f) for p, f in zip(model.parameters(), found))
+    with pytest.raises(nanfast.NonFiniteError, match="cannot be skipped once the parameters are non-finite"):
+        step(model, opt, w)  # (the watch is left on: its pending read of this bad step would raise too)
+    event = w.events[0]
+    assert (event.step, event.phase, event.name, event.first.posinf) == (3, "param", "2.weight", 1)
+    assert param_reads(w)[:4] == [True, False, False, False]
+
+
 def test_a_step_with_no_forward_through_the_model_reads_them():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

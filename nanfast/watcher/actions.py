@@ -39,9 +39,9 @@ class Actions:
                 self.events.append(event)
                 self._act(event, False, before_step)
             return
-        # The parameters are read again only before the optimizer step: a lagged read comes after it
-        # moved them (see NOTE: [Parameters read when they add information]).
-        if bad and read.params_unread and before_step:
+        # The parameters are read again only while they are as the step found them (see NOTE: [Parameters
+        # read when they add information]).
+        if bad and read.params_unread and (before_step or self._params_as_found()):
             rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
         self._summary_values, self._summary_step, self._summary_params = summary, read.step, read.tail.params
         headroom = self._headroom.observe(read.step, read.headroom) if self._headroom is not None else []

@@ -80,14 +80,16 @@ def run(gathered: tuple, sharded: bool, device: torch.device, profile: Optional[
     return Pass(names, grad_names, grads, counts, norm, absmax, len(params), limits)
 
 
-def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool, snapshot_due: bool,
+def reads_params(checked: int, every: int, *, as_found: bool, forward_checked: bool, snapshot_due: bool,
                  records_finite: Optional[bool] = None) -> bool:
     """Whether this step's pass reads the parameters, or only their gradients.
 
     Args:
         checked: the number of checked steps before this one.
         every: ``params_every``.
-        eager: the watch reads each step's verdict before the optimizer step (sync="eager").
+        as_found: a bad verdict of this step is read while the parameters are still as the step found
+            them: an eager watch (its read comes before the optimizer step), or a lagged one whose
+            optimizer skips a bad step on the device (the next step's read comes before its update).
         forward_checked: a forward of the model ran this step with its output checked.
         snapshot_due: action="rollback" takes a snapshot at this step's end (it must be proven finite).
         records_finite: every record of this step so far counts nothing (known on the host: a CPU
@@ -108,13 +110,15 @@ def reads_params(checked: int, every: int, *, eager: bool, forward_checked: bool
     # also gives the timeline its parameter norm. Every step reads them when the forward's output was
     # not checked (activations or loss off, ignored, no forward or a compiled one this step), and when
     # a rollback snapshot is due (it must be proven finite).
-    # A lagged watch reads its verdict after the optimizer changed the parameters, so a bad step cannot
-    # read them again as it found them: it reads them with the step unless its records are known on the
-    # host to be finite (a CPU watch: its records are numbers there, no read from a device). Finite
-    # records with the output among them say the parameters are finite as well (the argument above), so
-    # a bad verdict of such a step comes from the gradients, and its event names them without the
-    # parameters (Actions._evaluate reads them again only before the optimizer step). On an accelerator
-    # the records are on the device: the lagged watch reads the parameters every step (the gate would
-    # have to be read by the pass's kernel itself: not built).
+    # A lagged watch reads its verdict a step late. Where its optimizer skips a bad step on the device
+    # (action="skip" with a found_inf optimizer), the parameters are still as the bad step found them
+    # when that verdict is read (the next step's read comes before the next update), so they are read
+    # again then, as in an eager watch. Otherwise the optimizer has moved them by then: such a watch
+    # reads them with the step unless its records are known on the host to be finite (a CPU watch: its
+    # records are numbers there, no read from a device). Finite records with the output among them say
+    # the parameters are finite as well (the argument above), so a bad verdict of such a step comes from
+    # the gradients, and its event names them without the parameters. On an accelerator the records
+    # are on the device: that watch reads the parameters every step (a gate read by the pass's kernel
+    # itself would lift it: not built).
     return (checked % every == 0 or not forward_checked or snapshot_due
-            or not (eager or records_finite is True))
+            or not (as_found or records_finite is True))

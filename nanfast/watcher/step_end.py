@@ -165,6 +165,11 @@ class StepEnd:
                 self._step.forwards = microbatch
             self._steps.last = None
 
+    def _params_as_found(self) -> bool:
+        """Whether a bad verdict is read while the parameters are still as the step found them: eager,
+        or lagged with the skip on the device (see NOTE: [Parameters read when they add information])."""
+        return self.sync == "eager" or self._skip_on_device
+
     def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
         """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
         they add information] decides for this step."""
@@ -173,12 +178,12 @@ class StepEnd:
         else:
             gathered = self._params.gather(list(self.model.parameters()), groups=False)
         if read_params is None:
-            eager = self.sync == "eager"
+            as_found = self._params_as_found()
             read_params = reads_params(
-                self.step_count // self.every, self._params_every, eager=eager,
+                self.step_count // self.every, self._params_every, as_found=as_found,
                 forward_checked=self._step.output_checked,
                 snapshot_due=self._rollback is not None and self._rollback.due(self.step_count),
-                records_finite=None if eager else self._recorder.finite())
+                records_finite=None if as_found else self._recorder.finite())
             self._step.params_unread = self._check_params and not read_params
         return run_fused_pass(gathered, self._sharded, self._device, self._profile,
                               headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
