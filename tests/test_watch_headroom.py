@@ -35,9 +35,9 @@ def capture_fractions(w) -> list:
     seen = []
     observe = w._headroom.observe
 
-    def spy(step, pending):
-        seen.append(None if pending is None else pending.fractions())
-        return observe(step, pending)
+    def spy(step, pending, input_names):
+        seen.append(None if pending is None else {key: found[:3] for key, found in pending.fractions().items()})
+        return observe(step, pending, input_names)
 
     w._headroom.observe = spy
     return seen
@@ -371,3 +371,33 @@ def test_an_additive_mask_of_finfo_min_is_no_headroom_alarm(fuse):
         opt.step()
     assert [(e.kind, e.first.phase) for e in w.events] == [("headroom", "input")]
     w.remove()
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_an_input_entry_near_the_max_is_named(keyword):
+    """The input's headroom event names the entry whose max |x| it is, as a dirty input's event does
+    (a probe, session 38: it said only "the input batch"), whether the input is a tuple of tensors (the
+    C++ fast path) or has keyword arguments (the container walker)."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8).bfloat16()
+
+        def forward(self, x, offsets, scale):
+            return self.proj(x) * scale + offsets.clamp(-1, 1)
+
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, scale = torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(2, 8, dtype=torch.bfloat16)
+    offsets = torch.full((2, 8), 0.6 * torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with nanfast.watch(model, opt) as w:
+            opt.zero_grad()
+            out = model(x, offsets, scale=scale) if keyword else model(x, offsets, scale)
+            out.float().mean().backward()
+            opt.step()
+    (event,) = w.events
+    assert (event.kind, event.first.phase, [e.name for e in event.first.entries]) == ("headroom", "input", ["offsets"])
+    assert event.detail.startswith("the input batch (offsets) at 60% of bfloat16's max")

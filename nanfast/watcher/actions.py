@@ -16,6 +16,7 @@ from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
 from ..locator.source import user_stacklevel
 from .events import Event
+from .inputs import entry_names
 from .options import SKIPPING
 from .restore import lacks_state
 from .spikes import SpikeError
@@ -44,7 +45,9 @@ class Actions:
         if bad and read.params_unread and (before_step or self._params_as_found()):
             rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
         self._summary_values, self._summary_step, self._summary_params = summary, read.step, read.tail.params
-        headroom = self._headroom.observe(read.step, read.headroom) if self._headroom is not None else []
+        headroom = [] if self._headroom is None else self._headroom.observe(
+            read.step, read.headroom, lambda microbatch, rows: entry_names(read.inputs.get(microbatch), rows,
+                                                                             self.model.forward))
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:
             self.scaler_skipped_steps += 1

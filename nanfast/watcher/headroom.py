@@ -5,15 +5,16 @@ with its growth trend. Read with the step's one read (see NOTE: [Headroom withou
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import torch
 
 from ..ops import reads_dtype
 from .host_copy import HostCopy
-from .events import Event, Place
+from .events import Event, InputEntry, Place
 from .options import ignored
 
 # NOTE: [Default headroom thresholds]
@@ -104,31 +105,34 @@ def thresholds(value: Union[None, float, Iterable[float]]) -> tuple[float, ...]:
 
 class Pending:
     """One step's max |x| of its low-precision places, on its way to the host: `values` (a HostCopy)
-    and, per value, (place key, largest finite value, scaled by the GradScaler) or None; the loss scale
-    is the value at `scale_index`."""
+    and, per value, (place key, largest finite value, scaled by the GradScaler, and for a row of the
+    input's record (slot, microbatch, row) to name its entry, else None) or None; the loss scale is the
+    value at `scale_index`."""
 
-    __slots__ = ("values", "keys", "scale_index")
+    __slots__ = ("values", "keys", "scale_index", "input_rows")
 
-    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int]):
+    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int]):
         self.values = HostCopy(values)
         self.keys = keys
         self.scale_index = scale_index
+        self.input_rows = input_rows  # slot of an input record -> its rows
 
-    def fractions(self) -> dict[tuple, tuple[float, float, bool]]:
-        """Per place key: (largest fraction this step, the dtype's largest finite value, measured at scale 1)."""
+    def fractions(self) -> dict[tuple, tuple[float, float, bool, Optional[tuple[int, int, int]]]]:
+        """Per place key: (largest fraction this step, the dtype's largest finite value, measured at scale 1,
+        and for the input (slot, microbatch, row) of the row with that fraction, else None)."""
         values = self.values.tolist()  # enqueued before the step's read, which waited for it: no wait here
         scale = values[self.scale_index] if self.scale_index is not None else None
-        found: dict[tuple, tuple[float, float, bool]] = {}
+        found: dict[tuple, tuple] = {}
         for entry, value in zip(self.keys, values):
             if entry is None:
                 continue
-            key, limit, scaled = entry
+            key, limit, scaled, row = entry
             fraction = value / limit
             unscaled = scaled and scale is not None and scale > 0
             if unscaled:
                 fraction /= scale
             if key not in found or fraction > found[key][0]:
-                found[key] = (fraction, limit, unscaled)
+                found[key] = (fraction, limit, unscaled, row)
         return found
 
 
@@ -162,10 +166,15 @@ class Headroom:
             The Pending copy, or None when the step checked no low-precision place."""
         keys: list = []
         parts: list[torch.Tensor] = []
+        input_rows: dict[int, int] = {}  # input slot -> its rows (every row of a record is in `limited`)
         if absmax is not None:
             for slot, limit in limited:
-                phase, site, call, _ = step_slots[slot]
-                keys.append(((phase, site.name, site.module_class, call), limit, phase in _SCALED_PHASES)
+                phase, site, call, microbatch = step_slots[slot]
+                row = None
+                if phase == "input":  # its entry is named if it warns (see NOTE: [Naming the input's entries])
+                    row = (slot, microbatch, input_rows.get(slot, 0))
+                    input_rows[slot] = row[2] + 1
+                keys.append(((phase, site.name, site.module_class, call), limit, phase in _SCALED_PHASES, row)
                             if limit else None)
             parts.append(absmax)
         if fused is not None and any(fused.limits):
@@ -173,7 +182,7 @@ class Headroom:
             for (phase, name), limit in zip(names, fused.limits):
                 wanted = params if phase == "param" else grads
                 keep = limit and wanted and not ignored(ignore, name)
-                keys.append(((phase, name, "", 1), limit, phase == "grad" and grads_scaled) if keep else None)
+                keys.append(((phase, name, "", 1), limit, phase == "grad" and grads_scaled, None) if keep else None)
             parts.append(fused.absmax)
         if not any(keys):
             return None
@@ -183,14 +192,17 @@ class Headroom:
             parts.append(scale.detach().reshape(1).to(device=device, dtype=torch.float64))
         with torch.no_grad():
             values = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts])
-        return Pending(values, keys, scale_index)
+        return Pending(values, keys, scale_index, input_rows)
 
-    def observe(self, step: int, pending: Optional[Pending]) -> list[Event]:
+    def observe(self, step: int, pending: Optional[Pending],
+                input_names: Callable[[int, int], Optional[list[str]]] = lambda microbatch, rows: None) -> list[Event]:
         """Takes a step's fractions (read with the step: see NOTE: [Headroom without a host read]).
 
         Args:
             step: the step's number.
             pending: what start() returned for it.
+            input_names: the names of the entries of a microbatch's input record of `rows` rows (None:
+                they cannot be named), for an event at the input.
 
         Returns:
             The headroom events of this step: one per place that crossed thresholds it had not crossed
@@ -200,7 +212,7 @@ class Headroom:
             return []
         events = []
         found = pending.fractions()
-        for key, (fraction, limit, unscaled) in found.items():
+        for key, (fraction, limit, unscaled, row) in found.items():
             samples = self._samples.get(key)
             if samples is None:
                 samples = self._samples[key] = collections.deque(maxlen=WINDOW)
@@ -210,10 +222,12 @@ class Headroom:
             while crossed < len(self.thresholds) and fraction >= self.thresholds[crossed]:
                 crossed += 1
             if crossed > before:  # one event for every threshold this step crossed at once
-                events.append(self._event(step, key, fraction, limit, unscaled, self.thresholds[before:crossed]))
+                names = None if row is None else input_names(row[1], pending.input_rows[row[0]])
+                entry = names[row[2]] if names is not None else None
+                events.append(self._event(step, key, fraction, limit, unscaled, self.thresholds[before:crossed], entry))
             self._crossed[key] = crossed
         if found:
-            key, (fraction, _, _) = max(found.items(), key=lambda item: item[1][0])
+            key, (fraction, *_) = max(found.items(), key=lambda item: item[1][0])
             self.last = (fraction, _place(key))
         else:
             self.last = None
@@ -234,10 +248,14 @@ class Headroom:
         return 1.0 / slope if slope > 0 else math.inf
 
     def _event(self, step: int, key: tuple, fraction: float, limit: float, unscaled: bool,
-               thresholds: tuple[float, ...]) -> Event:
+               thresholds: tuple[float, ...], entry: Optional[str] = None) -> Event:
         place = _place(key)
         dtype = _NAMES.get(limit, f"its dtype ({limit:g})")
-        text = f"{place.where()} at {_percent(fraction)} of {dtype}'s max"
+        where = place.where()
+        if entry is not None:  # the input's entry, named as a dirty input's are
+            place = dataclasses.replace(place, entries=(InputEntry(entry, 0, 0, 0),))
+            where += f" ({entry})"
+        text = f"{where} at {_percent(fraction)} of {dtype}'s max"
         if unscaled:
             # See NOTE: [Headroom under a GradScaler]: the largest scale at which these values still fit.
             text += f" before loss scaling (the largest GradScaler scale that fits is ~{1 / fraction:.3g})"
