@@ -239,6 +239,7 @@ def located(report, op: str, phase: str, node, marker: str):
     assert (finding.op, finding.phase, finding.node) == (op, phase, node)
     assert finding.where is not None and finding.where.filename == __file__
     assert _SOURCE[finding.where.lineno - 1].endswith(f"# <{marker}>")
+    assert finding.where.called_from is None  # the user's own line: no library line to look past
     return finding
 
 
@@ -268,3 +269,21 @@ def test_backward_findings_name_the_forward_line_without_node_creation_hook(
     monkeypatch.delattr(torch.autograd.graph, "node_creation_hook", raising=False)
     located(report, op, phase, node, marker)
     assert not torch.is_anomaly_enabled()
+
+
+def test_a_fault_inside_a_library_adds_the_users_line_that_called_it():
+    """transformers' own causal-LM loss (loss_utils.fixed_cross_entropy) divides the summed loss by
+    num_items_in_batch, which is 0 when every label of the accumulation window is -100: 0/0, the pattern
+    of NVIDIA-NeMo/Automodel#3796. The op's line is the library's; the finding adds the line of the
+    user's code that called into it (a probe, session 38: only the library line was given)."""
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.full((2, 5), -100)
+    with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():
+        loss_utils.ForCausalLMLoss(logits, labels, vocab_size=11, num_items_in_batch=torch.tensor(0))  # <hf-loss>
+    finding = raised.value.report
+    assert (finding.op, finding.phase) == ("aten.div.Tensor", "forward")
+    assert (finding.where.filename, finding.where.function) == (loss_utils.__file__, "fixed_cross_entropy")
+    caller = finding.where.called_from
+    assert caller is not None and caller.filename == __file__ and _SOURCE[caller.lineno - 1].endswith("# <hf-loss>")
+    assert f"(called from {caller})" in finding.summary() and finding.to_dict()["source"] == str(finding.where)

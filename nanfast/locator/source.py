@@ -1,12 +1,15 @@
 """Where an op ran: the innermost line of the user's code (outside torch and nanfast), and, for a
-backward op, the line where its autograd node's forward op ran."""
+backward op, the line where its autograd node's forward op ran; for a line in an installed library,
+the line of the user's own code that called into it."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import site
 import sys
+import sysconfig
 from typing import NamedTuple, Optional
 
 import torch
@@ -15,15 +18,19 @@ _FORWARD_SOURCE_KEY = "nanfast.forward_source"
 
 
 class SourceLine(NamedTuple):
-    """A line of the user's code: the innermost frame outside torch and nanfast. (A NamedTuple, not a
-    dataclass: one is made per op, and a tuple is the cheapest object to make.)"""
+    """A line of the user's code: the innermost frame outside torch and nanfast; when that line is in an
+    installed library (transformers' loss functions), `called_from` is the innermost line outside every
+    library, the user's own. (A NamedTuple, not a dataclass: one is made per op, and a tuple is the
+    cheapest object to make.)"""
 
     filename: str
     lineno: int
     function: str
+    called_from: Optional["SourceLine"] = None
 
     def __str__(self) -> str:
-        return f"{self.filename}:{self.lineno} in {self.function}"
+        line = f"{self.filename}:{self.lineno} in {self.function}"
+        return line if self.called_from is None else f"{line} (called from {self.called_from})"
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -33,6 +40,11 @@ _NANFAST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 # point at, so it is the one nanfast file that user_frame does not skip.
 _USER_FILES_IN_PACKAGE = (os.path.join(_NANFAST_DIR, "cli", "demo.py"),)
 _internal_by_filename: dict[str, bool] = {}
+# Where installed libraries live (site-packages, the standard library): a line there is not the user's.
+_LIBRARY_DIRS = tuple({os.path.abspath(d) + os.sep for d in (
+    *site.getsitepackages(), site.getusersitepackages(), sysconfig.get_paths()["purelib"],
+    sysconfig.get_paths()["platlib"], sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]) if d})
+_library_by_filename: dict[str, bool] = {}
 
 
 def _is_internal(filename: str) -> bool:
@@ -42,9 +54,23 @@ def _is_internal(filename: str) -> bool:
     return internal
 
 
+def _internal(filename: str) -> bool:
+    internal = _internal_by_filename.get(filename)
+    return _is_internal(filename) if internal is None else internal
+
+
+def _in_library(filename: str) -> bool:
+    library = _library_by_filename.get(filename)
+    if library is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        library = _library_by_filename[filename] = path.startswith(_LIBRARY_DIRS)
+    return library
+
+
 def user_frame() -> Optional[SourceLine]:
-    """The innermost frame of the calling thread outside torch and nanfast. Walks frames, never formats
-    a traceback: it runs per op.
+    """The innermost frame of the calling thread outside torch and nanfast, and, when that frame is in an
+    installed library, the innermost one outside every library as its `called_from`. Walks frames,
+    never formats a traceback: it runs per op.
 
     Returns:
         That frame's line, or None on threads that run no user code (the CUDA autograd workers).
@@ -53,7 +79,14 @@ def user_frame() -> Optional[SourceLine]:
     if frame is None:
         return None
     code = frame.f_code
-    return SourceLine(code.co_filename, frame.f_lineno, code.co_name)
+    caller = None
+    if _in_library(code.co_filename):
+        outer = frame.f_back
+        while outer is not None and (_in_library(outer.f_code.co_filename) or _internal(outer.f_code.co_filename)):
+            outer = outer.f_back
+        if outer is not None:
+            caller = SourceLine(outer.f_code.co_filename, outer.f_lineno, outer.f_code.co_name)
+    return SourceLine(code.co_filename, frame.f_lineno, code.co_name, caller)
 
 
 def user_stacklevel() -> int:
@@ -67,13 +100,9 @@ def user_stacklevel() -> int:
 def _first_user_frame(frame) -> tuple:
     """The first frame from `frame` outward outside torch and nanfast (None if none), and its depth
     counted from `frame` as 1."""
-    internal_by_filename = _internal_by_filename
     level = 1
     while frame is not None:
-        internal = internal_by_filename.get(frame.f_code.co_filename)
-        if internal is None:
-            internal = _is_internal(frame.f_code.co_filename)
-        if not internal:
+        if not _internal(frame.f_code.co_filename):
             return frame, level
         frame, level = frame.f_back, level + 1
     return None, level
@@ -113,9 +142,12 @@ def forward_source(node) -> Optional[SourceLine]:
     source = metadata.get(_FORWARD_SOURCE_KEY)
     if source is not None or "traceback_" not in metadata:
         return source
-    for entry in reversed(metadata["traceback_"]):  # innermost frame last
-        frame = _ANOMALY_FRAME.match(entry)
-        if frame is not None and not _is_internal(frame[1]):
-            source = metadata[_FORWARD_SOURCE_KEY] = SourceLine(frame[1], int(frame[2]), frame[3])
-            return source
+    frames = [frame for frame in map(_ANOMALY_FRAME.match, reversed(metadata["traceback_"]))  # innermost first
+              if frame is not None and not _internal(frame[1])]
+    if frames:
+        first = frames[0]
+        caller = next((SourceLine(f[1], int(f[2]), f[3]) for f in frames if not _in_library(f[1])), None)
+        source = SourceLine(first[1], int(first[2]), first[3], caller if _in_library(first[1]) else None)
+        metadata[_FORWARD_SOURCE_KEY] = source
+        return source
     return None
