@@ -292,3 +292,38 @@ def test_a_dirty_input_the_model_made_in_an_earlier_step_is_not_said_to_come_fro
     assert (first.step, first.phase, first.posinf) == (1, "forward", 8)
     assert (second.step, second.phase) == (2, "input")
     assert "; the model did not produce it in this step" in second.summary()
+
+
+def test_a_lagged_cpu_watch_names_a_parameter_reaching_the_loss_outside_the_forward():
+    """An inf in an embedding row no batch looks up, with an L2 term written in the loop: the forward and
+    every record stay finite, the row's gradient is inf. Eager names the parameter (its bad step reads
+    them again); a lagged CPU watch, whose verdict comes after the update, read them at once when the
+    pass's gradient counts showed it (a probe of session 39 found it named the gradient)."""
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(100, 16), torch.nn.Linear(16, 3)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    found = {}
+    for sync in ("eager", "lagged"):
+        torch.manual_seed(0)
+        model = Bag()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with pytest.warns(RuntimeWarning, match="non-finite"):
+            with nanfast.watch(model, opt, sync=sync, action="warn", params_every=1000) as w:
+                for i in range(4):
+                    if i == 2:
+                        with torch.no_grad():
+                            model.emb.weight[99] = float("inf")  # batches look up ids < 50
+                    ids, y = torch.randint(0, 50, (8, 10)), torch.randint(0, 3, (8,))
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(model(ids), y)
+                    (loss + 1e-4 * sum(p.square().sum() for p in model.parameters())).backward()
+                    opt.step()
+        event = w.events[0]
+        found[sync] = (event.step, event.phase, event.name, [(p.phase, p.name) for p in event.later])
+    assert found["eager"] == found["lagged"] == (2, "param", "emb.weight", [("grad", "emb.weight")])

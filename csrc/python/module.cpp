@@ -249,6 +249,19 @@ std::tuple<bool, py::list> read_summary(const at::Tensor& summary) {
   return {flag > 0, std::move(out)};
 }
 
+// Whether counts ([rows, 3] int64, as nanfast.stats gives them) count nothing, read where they lie on
+// the host; None for counts on an accelerator, where knowing would take a read from the device.
+py::object counts_zero(const at::Tensor& counts) {
+  TORCH_CHECK(counts.scalar_type() == at::kLong, "nanfast._C.counts_zero: counts must be int64, got ",
+              counts.scalar_type());
+  if (!counts.is_cpu()) {
+    return py::none();
+  }
+  const at::Tensor host = counts.contiguous();
+  const int64_t* values = host.const_data_ptr<int64_t>();
+  return py::bool_(std::all_of(values, values + host.numel(), [](int64_t count) { return count == 0; }));
+}
+
 }  // namespace
 
 }  // namespace nanfast::python
@@ -273,6 +286,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("read_summary", &read_summary,
         "A step's summary on the host: (flag > 0, its values); the flag's item() is the one host sync.",
         py::arg("summary"));
+  m.def("counts_zero", &counts_zero,
+        "Whether counts (int64, as nanfast.stats gives them) count nothing, read on the host; None on an "
+        "accelerator (a read would sync).",
+        py::arg("counts"));
   bind_buffer_slots(m);
   bind_param_grads(m);
   bind_spike_windows(m);

@@ -116,8 +116,10 @@ def reads_params(checked: int, every: int, *, as_found: bool, forward_checked: b
     # again then, as in an eager watch. Otherwise the optimizer has moved them by then: such a watch
     # reads them with the step unless its records are known on the host to be finite (a CPU watch: its
     # records are numbers there, no read from a device). Finite records with the output among them say
-    # the parameters are finite as well (the argument above), so a bad verdict of such a step comes from
-    # the gradients, and its event names them without the parameters. On an accelerator the records
+    # the parameters are finite as well (the argument above), except for one that reaches the loss
+    # outside the forward (an L2 term the loop adds, over an embedding row no batch looked up): its
+    # gradient is then non-finite, which the pass's counts show on the host too, and the parameters are
+    # read at once, still as the step found them (StepEnd._fused_pass). On an accelerator the records
     # are on the device: that watch reads the parameters every step (a gate read by the pass's kernel
     # itself would lift it: not built).
     return (checked % every == 0 or not forward_checked or snapshot_due

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..clip import check_norm_type, norm_dtype, scale_grads_, total_norm
+from .. import _C
 from . import agree, step as steps
 from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .step import Read, Step
@@ -177,13 +178,25 @@ class StepEnd:
             gathered = self._params.gather(self.optimizer.param_groups, groups=True)
         else:
             gathered = self._params.gather(list(self.model.parameters()), groups=False)
-        if read_params is None:
+        decided, gated = read_params is None, False
+        if decided:
             as_found = self._params_as_found()
+            records_finite = None if as_found else self._recorder.finite()
             read_params = reads_params(
                 self.step_count // self.every, self._params_every, as_found=as_found,
                 forward_checked=self._step.output_checked,
                 snapshot_due=self._rollback is not None and self._rollback.due(self.step_count),
-                records_finite=None if as_found else self._recorder.finite())
+                records_finite=records_finite)
+            gated = not read_params and records_finite is True
+        fused = run_fused_pass(gathered, self._sharded, self._device, self._profile,
+                               headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
+        if gated and fused is not None and _C.counts_zero(fused.counts) is False:
+            # A non-finite gradient with finite records (a parameter reached the loss outside the forward,
+            # as an L2 term): read the parameters while they are as the step found them (see NOTE:
+            # [Parameters read when they add information]).
+            read_params = True
+            fused = run_fused_pass(gathered, self._sharded, self._device, self._profile,
+                                   headroom=self._headroom is not None, read_params=True, op=self._pass_op)
+        if decided:
             self._step.params_unread = self._check_params and not read_params
-        return run_fused_pass(gathered, self._sharded, self._device, self._profile,
-                              headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
+        return fused
