@@ -198,6 +198,32 @@ def test_one_layer_shrinking_1000x_says_its_share():
     assert 5e-4 < share / usual < 2e-3  # the share fell by the hook's 1000x, give or take the step's noise
 
 
+def test_dead_units_that_cut_off_most_layers_below_them_fire():
+    """Every ReLU unit of the 5th of 6 hidden layers dies at step 100 (its bias set to -1000): every
+    module below it, most of the model, gets exactly zero gradient. They vanish as shares of the median
+    of the positive norms (a median over every module, zeros included, was 0 and judged nothing: a
+    probe of session 39)."""
+    torch.manual_seed(0)
+    layers = []
+    for i in range(6):
+        layers += [torch.nn.Linear(16 if i == 0 else 32, 32), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
+    with nanfast.watch(model, opt, spikes=dict(action="record")) as w:
+        for step in range(120):
+            if step == 100:
+                with torch.no_grad():
+                    model[8].bias.fill_(-1e3)
+            x = torch.randn(32, 16)
+            opt.zero_grad()
+            F.mse_loss(model(x), x @ target).backward()
+            opt.step()
+    (event,) = spikes_of(w)
+    assert event.step == 109 and "vanished to 0, 0 of the modules' median gradient norm" in event.detail
+    assert [p.name for p in event.places] == ["0", "2", "4", "6", "8"]
+
+
 class SplitLinear(torch.nn.Module):
     """A linear model of 12 features as three Linear modules, one per group of 4 (summed)."""
 
@@ -409,8 +435,8 @@ def test_the_windows_fire_as_the_rule_on_random_series(seed):
             x = [x, x * 100, x / 100, math.nan, math.inf, -math.inf, -x, 2.0][int(u * 8)] if u < 0.2 else x
             x = 0.0 if (step // 30) % 4 == 3 and u < 0.8 else x  # stretches mostly exactly 0
             values.append(round(x, 1) if u > 0.9 else x)  # rounded: ties in the window
-        # A vanishing series is judged on its share of the median of the step's vanishing values.
-        finite = [v for ref, v in zip(refs, values) if ref.vanishing and math.isfinite(v)]
+        # A vanishing series is judged on its share of the median of the step's positive vanishing values.
+        finite = [v for ref, v in zip(refs, values) if ref.vanishing and math.isfinite(v) and v > 0]
         median = statistics.median(finite) if finite else math.nan
         judged = [(v / median if median > 0 else math.nan) if ref.vanishing else v for ref, v in zip(refs, values)]
         expected = [(i, d, m) for i, ref in enumerate(refs) for d, m in ref.observe(judged[i])]

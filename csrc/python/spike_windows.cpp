@@ -27,8 +27,10 @@ namespace {
 // run that converges (a loss going to 1e-10) takes every gradient down together, 10x below its running
 // median and further, and judged on its own each module's norm "vanished" there (a probe's healthy run
 // warned so). So a vanishing series is judged on its share: its value over the median of the step's
-// values of all vanishing series (the modules' gradient norms), against that share's running median.
-// A layer cut off (dead units, a detached branch) drops its share; a converging run keeps the shares.
+// positive values of all vanishing series (the modules' gradient norms), against that share's running
+// median. A layer cut off (dead units, a detached branch) drops its share; a converging run keeps the
+// shares. Positive: a layer whose units all die zeroes the gradient of every module below it, often
+// most of them, and a median of zeros would judge nothing.
 // What it gives up: every module vanishing together (and a model of one module) is no module's alarm;
 // a loss that stays high while the total gradient norm falls is what tells that.
 struct Series {
@@ -60,7 +62,7 @@ class SpikeWindows {
   }
 
   // Judges one healthy step: values[i] of series ids[i] (a vanishing series': its share of the median of
-  // the step's vanishing values), against each window as it was before the value joins it (a
+  // the step's positive vanishing values), against each window as it was before the value joins it (a
   // non-finite value is judged by nothing and joins nothing). Returns the alarms that fire, (position in
   // ids, "up" for a spike or "down" for a vanishing, the running median), in input order.
   std::vector<std::tuple<int64_t, std::string, double>> observe(const std::vector<int64_t>& ids,
@@ -71,11 +73,11 @@ class SpikeWindows {
     for (size_t i = 0; i < ids.size(); ++i) {
       TORCH_CHECK(ids[i] >= 0 && ids[i] < static_cast<int64_t>(series_.size()), "nanfast._C.SpikeWindows.observe: ids[",
                   i, "]=", ids[i], " is not a series (", series_.size(), " added)");
-      if (series_[ids[i]].vanishing && std::isfinite(values[i])) {
+      if (series_[ids[i]].vanishing && std::isfinite(values[i]) && values[i] > 0) {
         vanishing_values.push_back(values[i]);
       }
     }
-    const double reference = median_of(vanishing_values);  // NaN without any: every share is then NaN
+    const double reference = median_of(vanishing_values);  // NaN without any: no share is judged
     std::vector<std::tuple<int64_t, std::string, double>> fired;
     for (size_t i = 0; i < ids.size(); ++i) {
       Series& s = series_[ids[i]];

@@ -1,5 +1,6 @@
 """Spike alarms (events of kind "spike"): a loss or the total gradient norm jumping far above its running
-median, and a module's gradient norm exploding above or vanishing below its own. Judged on the host from
+median, a module's gradient norm exploding above its own, or its share of the modules' falling far below
+its usual one (vanishing). Judged on the host from
 the values the step's one read brought back (see NOTE: [Spikes]); no host read of their own."""
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ class SpikeOptions:
     A series (each loss given to ``Watch.loss``, the total gradient norm, each module's gradient norm)
     spikes at a step when its value is more than ``factor`` times its running median over its last
     ``window`` finite values (checked steps), once it has ``warmup`` of them; a module's gradient norm
-    vanishes when its share of the step's median module gradient norm stays below its running median
-    share divided by ``factor`` for ``vanishing_steps`` checked steps in a row (one step is noise: a
-    small layer's gradient over a small batch can dip that low now and then; a converging run, whose
-    gradients all fall together, keeps its shares). (A series that can be negative,
+    vanishes when its share of the median of the step's positive module gradient norms stays below its
+    running median share divided by ``factor`` for ``vanishing_steps`` checked steps in a row (one step
+    is noise: a small layer's gradient over a small batch can dip that low now and then; a converging
+    run, whose gradients all fall together, keeps its shares). (A series that can be negative,
     or whose interquartile range exceeds two thirds of its level, is judged by its excess over the
     median: more than ``factor - 1`` times max(|median|, 1.5 x its interquartile range), or, where both
     are 0, its largest |value|; a window of zeros judges no spike.) An alarm fires once per
@@ -180,7 +181,7 @@ class Spikes:
             return None
         vanishing = any(direction == "down" for _, direction, _ in fired)
         # A vanishing is judged on shares of the modules' median norm, computed as the windows do.
-        reference = statistics.median(v for v in module_values if math.isfinite(v)) if vanishing else math.nan
+        reference = statistics.median(v for v in module_values if math.isfinite(v) and v > 0) if vanishing else math.nan
         found = [self._describe(self._keys[i], direction, values[i], median, reference) for i, direction, median in fired]
         rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
                 + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)" if vanishing else ")"))
