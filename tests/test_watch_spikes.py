@@ -221,7 +221,37 @@ def test_dead_units_that_cut_off_most_layers_below_them_fire():
             opt.step()
     (event,) = spikes_of(w)
     assert event.step == 109 and "vanished to 0, 0 of the modules' median gradient norm" in event.detail
-    assert [p.name for p in event.places] == ["0", "2", "4", "6", "8"]
+    # In backward order: the dead layer, nearest the output, first.
+    assert [p.name for p in event.places] == ["8", "6", "4", "2", "0"]
+
+
+def test_unfreezing_a_backbone_is_no_spike():
+    """Fine-tuning's freeze-then-unfreeze: torchvision's mobilenet_v3_small (random init) trains its
+    classifier alone for 100 steps, then the whole model. The backbone's gradients join the total norm,
+    a step up of about 10x that is no spike: the total starts a new window when modules never seen with
+    a gradient join (it warned at 5 steps after the unfreeze: a probe of session 39)."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v3_small(num_classes=10)
+    backbone = [p for name, p in model.named_parameters() if not name.startswith("classifier")]
+    for p in backbone:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a healthy run neither warns nor raises
+        with nanfast.watch(model, opt) as w:
+            for step in range(130):
+                if step == 100:
+                    for p in backbone:
+                        p.requires_grad_(True)
+                x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+    norms = [r.grad_norm for r in w.history]
+    assert statistics.median(norms[100:]) > 5 * statistics.median(norms[:100])  # the step up is real
+    assert spikes_of(w) == []
 
 
 class SplitLinear(torch.nn.Module):

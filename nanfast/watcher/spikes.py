@@ -146,6 +146,8 @@ class Spikes:
         self._names: Optional[tuple] = None  # the last step's series names, and for them:
         self._keys: list[tuple] = []  # each series' key, in judging order
         self._key_ids: list[int] = []  # and its window id
+        self._seen: set[str] = set()  # every module that has had a gradient
+        self._total_windows = 0  # the total gradient norm's windows so far, less one
 
     def observe(self, step: int, losses: Mapping[str, float], grad_norm: Optional[float],
                 modules: Mapping[str, float]) -> Optional[Event]:
@@ -166,14 +168,23 @@ class Spikes:
                  tuple(modules) if opts.modules else ())
         if names != self._names:  # the series keys and ids, made again only when the names change
             self._names = names
+            # Modules with gradients never seen before (a backbone unfrozen, a head added) add their norms
+            # to the total from now on: a step up that is no spike. The total starts a new window.
+            if not self._seen.issuperset(names[2]):
+                self._total_windows += bool(self._seen)
+                self._seen.update(names[2])
             # A module's norm is two series: its spikes, and its share for vanishing (NOTE: [Vanishing as a
-            # share] in csrc/python/spike_windows.cpp).
-            self._keys = [*(("loss", name) for name in names[0]), *((("grad_norm", ""),) if names[1] else ()),
-                          *(("module", name) for name in names[2]), *(("module share", name) for name in names[2])]
+            # share] in csrc/python/spike_windows.cpp); modules in backward order (the model's reversed),
+            # so that the one nearest the output, where a cut-off gradient starts, is named first.
+            modules_backward = names[2][::-1]
+            self._keys = [*(("loss", name) for name in names[0]),
+                          *((("grad_norm", "", self._total_windows),) if names[1] else ()),
+                          *(("module", name) for name in modules_backward),
+                          *(("module share", name) for name in modules_backward)]
             self._key_ids = [self._id(key) for key in self._keys]
         if not self._keys:
             return None
-        module_values = tuple(modules.values()) if opts.modules else ()
+        module_values = tuple(modules.values())[::-1] if opts.modules else ()
         values = [*(losses.values() if opts.loss else ()), *((grad_norm,) if names[1] else ()), *module_values,
                   *module_values]
         fired = self._windows.observe(self._key_ids, values)
@@ -195,7 +206,7 @@ class Spikes:
         return self._ids[key]
 
     def _describe(self, key: tuple, direction: str, value: float, median: float, reference: float) -> tuple[Place, str]:
-        kind, name = key
+        kind, name = key[:2]
         if kind == "loss":
             place, what = Place("loss_value", name, "", 0, 0, 0), f"loss {name!r}"
         elif kind == "grad_norm":
