@@ -4,6 +4,7 @@ an independent tracer (tests/grounding.py, no nanfast code) grounds the op, phas
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -287,3 +288,17 @@ def test_a_fault_inside_a_library_adds_the_users_line_that_called_it():
     caller = finding.where.called_from
     assert caller is not None and caller.filename == __file__ and _SOURCE[caller.lineno - 1].endswith("# <hf-loss>")
     assert f"(called from {caller})" in finding.summary() and finding.to_dict()["source"] == str(finding.where)
+
+
+def test_frozen_modules_are_library_code_and_the_demo_is_not(monkeypatch):
+    """Run as `python -m nanfast demo` from an installed package, the demo's own line (user code by
+    design) was said to be "called from <frozen runpy>:88": the package sits in site-packages, and a frozen
+    standard-library module was taken for the user's. Both are told apart now."""
+    from nanfast.locator import source
+
+    installed = os.path.dirname(source._NANFAST_DIR.rstrip(os.sep)) + os.sep  # as if in site-packages
+    monkeypatch.setattr(source, "_LIBRARY_DIRS", (installed,))
+    monkeypatch.setattr(source, "_library_by_filename", {})
+    assert source._in_library("<frozen runpy>") and source._in_library(os.path.join(installed, "pkg", "mod.py"))
+    assert not source._in_library(source._USER_FILES_IN_PACKAGE[0])
+    assert not source._in_library("<stdin>") and not source._in_library(os.path.join(os.sep, "home", "me", "train.py"))

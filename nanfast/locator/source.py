@@ -60,10 +60,17 @@ def _internal(filename: str) -> bool:
 
 
 def _in_library(filename: str) -> bool:
+    """Whether `filename` is an installed library's: under site-packages or the standard library, or one
+    of the standard library's frozen modules ("<frozen runpy>"); the demo, user code inside the package
+    (NOTE: [demo code is user code]), is not, wherever the package is installed."""
     library = _library_by_filename.get(filename)
     if library is None:
-        path = os.path.abspath(filename) if not filename.startswith("<") else filename
-        library = _library_by_filename[filename] = path.startswith(_LIBRARY_DIRS)
+        if filename.startswith("<"):
+            library = filename.startswith("<frozen ")
+        else:
+            path = os.path.abspath(filename)
+            library = path.startswith(_LIBRARY_DIRS) and path not in _USER_FILES_IN_PACKAGE
+        _library_by_filename[filename] = library
     return library
 
 
