@@ -471,8 +471,9 @@ def test_the_windows_fire_as_the_rule_on_random_series(seed):
         judged = [(v / median if median > 0 else math.nan) if ref.vanishing else v for ref, v in zip(refs, values)]
         expected = [(i, d, m) for i, ref in enumerate(refs) for d, m in ref.observe(judged[i])]
         fired = windows.observe(ids, values)
-        assert [(i, d) for i, d, _ in fired] == [(i, d) for i, d, _ in expected], step
-        assert all(m == e or (math.isnan(m) and math.isnan(e)) for (_, _, m), (_, _, e) in zip(fired, expected))
+        assert [(i, d) for i, d, _, _ in fired] == [(i, d) for i, d, _ in expected], step
+        assert all(m == e or (math.isnan(m) and math.isnan(e)) for (_, _, m, _), (_, _, e) in zip(fired, expected))
+        assert all(x == judged[i] for i, _, _, x in fired)  # the value judged: a vanishing series' share
         total += len(fired)
     assert len(windows) == len(refs) == 5 and total > 10, total  # alarms did fire
 

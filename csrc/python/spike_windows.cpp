@@ -42,6 +42,10 @@ struct Series {
   bool alarmed_down = false;
 };
 
+// An alarm that fired: (position in ids, "up" or "down", the running median, the value judged: a
+// vanishing series' share, as NOTE: [Vanishing as a share] computes it, else the value itself).
+using Alarm = std::tuple<int64_t, std::string, double, double>;
+
 class SpikeWindows {
  public:
   SpikeWindows(int64_t window, double factor, int64_t warmup, int64_t vanishing_steps)
@@ -63,10 +67,9 @@ class SpikeWindows {
 
   // Judges one healthy step: values[i] of series ids[i] (a vanishing series': its share of the median of
   // the step's positive vanishing values), against each window as it was before the value joins it (a
-  // non-finite value is judged by nothing and joins nothing). Returns the alarms that fire, (position in
-  // ids, "up" for a spike or "down" for a vanishing, the running median), in input order.
-  std::vector<std::tuple<int64_t, std::string, double>> observe(const std::vector<int64_t>& ids,
-                                                                const std::vector<double>& values) {
+  // non-finite value is judged by nothing and joins nothing). Returns the alarms that fire, in input
+  // order.
+  std::vector<Alarm> observe(const std::vector<int64_t>& ids, const std::vector<double>& values) {
     TORCH_CHECK(ids.size() == values.size(), "nanfast._C.SpikeWindows.observe: ", ids.size(), " ids for ",
                 values.size(), " values");
     std::vector<double> vanishing_values;
@@ -78,7 +81,7 @@ class SpikeWindows {
       }
     }
     const double reference = median_of(vanishing_values);  // NaN without any: no share is judged
-    std::vector<std::tuple<int64_t, std::string, double>> fired;
+    std::vector<Alarm> fired;
     for (size_t i = 0; i < ids.size(); ++i) {
       Series& s = series_[ids[i]];
       const double x = s.vanishing ? (reference > 0 ? values[i] / reference : std::numeric_limits<double>::quiet_NaN())
@@ -86,8 +89,8 @@ class SpikeWindows {
       const bool finite = std::isfinite(x);
       const auto [above, below, median] = judge(s, x, finite);
       s.low = below ? s.low + 1 : 0;
-      alarm(s.alarmed_up, above && !s.vanishing, finite, i, "up", median, fired);
-      alarm(s.alarmed_down, s.vanishing && s.low >= vanishing_steps_, finite, i, "down", median, fired);
+      alarm(s.alarmed_up, above && !s.vanishing, finite, i, "up", median, x, fired);
+      alarm(s.alarmed_down, s.vanishing && s.low >= vanishing_steps_, finite, i, "down", median, x, fired);
     }
     return fired;
   }
@@ -141,12 +144,12 @@ class SpikeWindows {
   // One alarm per excursion: fires when crossed and not already in alarm; re-armed by a finite value
   // back within the threshold.
   static void alarm(bool& alarmed, bool crossed, bool finite, size_t position, const char* direction, double median,
-                    std::vector<std::tuple<int64_t, std::string, double>>& fired) {
+                    double judged, std::vector<Alarm>& fired) {
     if (!crossed) {
       alarmed = alarmed && !finite;
     } else if (!alarmed) {
       alarmed = true;
-      fired.emplace_back(static_cast<int64_t>(position), direction, median);
+      fired.emplace_back(static_cast<int64_t>(position), direction, median, judged);
     }
   }
 
@@ -170,7 +173,7 @@ void bind_spike_windows(py::module_& m) {
            py::arg("vanishing"))
       .def("observe", &SpikeWindows::observe,
            "Judges one healthy step's values of the series `ids`; returns the alarms that fire, (position, "
-           "'up' or 'down', running median).",
+           "'up' or 'down', running median, the value judged: a vanishing series' share).",
            py::arg("ids"), py::arg("values"))
       .def("__len__", &SpikeWindows::size);
 }

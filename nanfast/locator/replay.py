@@ -9,6 +9,7 @@ import torch
 
 from .schema import _op_info
 
+
 def _dump_value(value: Any, before: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return before.get(id(value), value).detach().clone()

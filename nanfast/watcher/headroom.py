@@ -195,7 +195,7 @@ class Headroom:
         return Pending(values, keys, scale_index, input_rows)
 
     def observe(self, step: int, pending: Optional[Pending],
-                input_names: Callable[[int, int], Optional[list[str]]] = lambda microbatch, rows: None) -> list[Event]:
+                input_names: Callable[[int, int], Optional[list[str]]]) -> list[Event]:
         """Takes a step's fractions (read with the step: see NOTE: [Headroom without a host read]).
 
         Args:

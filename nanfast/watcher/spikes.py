@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
@@ -190,10 +189,9 @@ class Spikes:
         fired = self._windows.observe(self._key_ids, values)
         if not fired:
             return None
-        vanishing = any(direction == "down" for _, direction, _ in fired)
-        # A vanishing is judged on shares of the modules' median norm, computed as the windows do.
-        reference = statistics.median(v for v in module_values if math.isfinite(v) and v > 0) if vanishing else math.nan
-        found = [self._describe(self._keys[i], direction, values[i], median, reference) for i, direction, median in fired]
+        vanishing = any(direction == "down" for _, direction, _, _ in fired)
+        found = [self._describe(self._keys[i], direction, values[i], median, judged)
+                 for i, direction, median, judged in fired]
         rule = (f" (running medians of the last {opts.window} checked steps at most; threshold {opts.factor:g}x"
                 + (f", vanishing: below 1/{opts.factor:g} for {opts.vanishing_steps} steps in a row)" if vanishing else ")"))
         return Event(step, found[0][0], tuple(p for p, _ in found[1:]), kind="spike",
@@ -205,7 +203,7 @@ class Spikes:
             self._ids[key] = self._windows.add(key[0] == "module share")
         return self._ids[key]
 
-    def _describe(self, key: tuple, direction: str, value: float, median: float, reference: float) -> tuple[Place, str]:
+    def _describe(self, key: tuple, direction: str, value: float, median: float, judged: float) -> tuple[Place, str]:
         kind, name = key[:2]
         if kind == "loss":
             place, what = Place("loss_value", name, "", 0, 0, 0), f"loss {name!r}"
@@ -215,8 +213,8 @@ class Spikes:
             cls = self.groups.module_class(name)
             place = Place("grad", name, cls, 0, 0, 0)
             what = f"the gradient norm of {name or MODEL}" + (f" ({cls})" if cls else "")
-        if direction == "down":  # judged on its share of the modules' median gradient norm, `reference`
-            share = value / reference
+        if direction == "down":  # judged on its share of the modules' median gradient norm
+            share = judged
             ratio = f"1/{median / share:.3g} of" if share > 0 else "against"
             return place, (f"{what} vanished to {value:.4g}, {share:.3g} of the modules' median gradient norm "
                            f"({ratio} its running median share {median:.3g})")

@@ -4,6 +4,7 @@ Step, and what the loop calls there: `step()` without an optimizer, `flush()`, `
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -188,15 +189,15 @@ class StepEnd:
                 snapshot_due=self._rollback is not None and self._rollback.due(self.step_count),
                 records_finite=records_finite)
             gated = not read_params and records_finite is True
-        fused = run_fused_pass(gathered, self._sharded, self._device, self._profile,
-                               headroom=self._headroom is not None, read_params=read_params, op=self._pass_op)
+        run = functools.partial(run_fused_pass, gathered, self._sharded, self._device, self._profile,
+                                headroom=self._headroom is not None, op=self._pass_op)
+        fused = run(read_params=read_params)
         if gated and fused is not None and _C.counts_zero(fused.counts) is False:
             # A non-finite gradient with finite records (a parameter reached the loss outside the forward,
             # as an L2 term): read the parameters while they are as the step found them (see NOTE:
             # [Parameters read when they add information]).
             read_params = True
-            fused = run_fused_pass(gathered, self._sharded, self._device, self._profile,
-                                   headroom=self._headroom is not None, read_params=True, op=self._pass_op)
+            fused = run(read_params=True)
         if decided:
             self._step.params_unread = self._check_params and not read_params
         return fused
