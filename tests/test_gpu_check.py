@@ -33,12 +33,13 @@ def test_plan_covers_every_check(tmp_path):
     steps = dict(line.split(": ", 1) for line in done.stdout.splitlines())
     assert list(steps) == ["install", "version", "cuda-tests", "sanitizer-memcheck", "sanitizer-racecheck",
                            "sanitizer-synccheck", "sync-debug-watched-step", "cuda-graph", "bench-core",
-                           "ncu-kernels", "bench-watch", "watch-cost-parts"]
+                           "ncu-kernels", "small-tensors-timeline", "bench-watch", "watch-cost-parts"]
     for tool in ("memcheck", "racecheck", "synccheck"):
         assert f"--tool {tool} --error-exitcode 1" in steps[f"sanitizer-{tool}"]
         assert steps[f"sanitizer-{tool}"].endswith("gpu_check_cases.py hard-cases")
     assert "bench --device cuda" in steps["bench-core"]
     assert "--profile-from-start off" in steps["ncu-kernels"] and steps["ncu-kernels"].endswith("cuda_kernel_profile.py")
+    assert steps["small-tensors-timeline"].endswith("--timeline --workload 5000x1024-fp32")
     assert "--suite watch" in steps["bench-watch"] and "--device cuda" in steps["watch-cost-parts"]
     assert Path(steps["watch-cost-parts"].split()[1]).exists()  # the script the step runs is in the checkout
 
