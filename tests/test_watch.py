@@ -888,6 +888,31 @@ def test_watch_clip_grad_norm_reuses_the_step_pass():
     w.remove()
 
 
+@pytest.mark.parametrize("change", ["divided in place", "replaced"])
+def test_gradients_changed_after_the_watchs_clip_are_read_again(change):
+    """A loop that clips, then normalises the gradients by a token count that was 0 (or sets one anew):
+    the step reused the clip's pass, so the inf and NaN went into the weights unseen (a probe's repro)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    w = nanfast.watch(model, opt, action="skip")
+    F.mse_loss(model(batch()[0]), batch()[1]).backward()
+    w.clip_grad_norm_(1.0)
+    if change == "divided in place":
+        for p in model.parameters():
+            p.grad.div_(0)
+    else:
+        model.l2.bias.grad = torch.full_like(model.l2.bias, NAN)
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        opt.step()
+    assert w.skipped_steps == 1 and w.last.phase == "grad"
+    assert "l2.bias" in w.last.summary()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    w.remove()
+
+
 # ---- CUDA ----
 
 

@@ -88,13 +88,14 @@ class Step:
     recorder]; `ModuleHooks.slot` appends to `slots`, NOTE: [Module hooks in C++]) and the forwards so
     far. A new step is a new Step."""
 
-    __slots__ = ("slots", "forwards", "clipped", "losses", "output_checked", "params_unread", "inputs",
-                 "eval_mode_with_grad")
+    __slots__ = ("slots", "forwards", "clipped", "clipped_versions", "losses", "output_checked", "params_unread",
+                 "inputs", "eval_mode_with_grad")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
         self.forwards = 0
         self.clipped: Optional[Pass] = None  # the fused pass Watch.clip_grad_norm_ made
+        self.clipped_versions: tuple[int, ...] = ()  # its gradients' versions once clipped
         self.losses: dict[str, list[torch.Tensor]] = {}  # Watch.loss: name -> each call's mean (float64, device)
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)

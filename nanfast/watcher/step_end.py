@@ -54,7 +54,8 @@ class StepEnd:
         torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
         the step's check makes anyway: call it right before optimizer.step(). No host sync; norms are of
         the finite elements (finite gradients never become NaN); non-finite gradients are reported by
-        the watch (phase grad).
+        the watch (phase grad). Gradients changed after it (replaced, or scaled in place: divided by a
+        token count of 0) are read again at the step.
 
         Args:
             max_norm: the largest total norm kept.
@@ -80,7 +81,21 @@ class StepEnd:
             total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
             scale_grads_(fused.grads, total, max_norm)
         self._step.clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
+        self._step.clipped_versions = tuple(g._version for g in fused.grads)
         return total.to(norm_dtype(fused.grads))
+
+    def _clipped_pass(self) -> Optional[Pass]:
+        """The pass clip_grad_norm_ made this step, if its gradients are still the ones the optimizer will
+        apply: the same tensors, not written since (a loop that normalises them after the clip, by a
+        token count of 0, made inf that no check saw); else None, and the step reads them again."""
+        clipped = self._step.clipped
+        if clipped is None:
+            return None
+        _, _, grads, _ = self._gathered()
+        if len(grads) == len(clipped.grads) and all(
+                g is c and g._version == v for g, c, v in zip(grads, clipped.grads, self._step.clipped_versions)):
+            return clipped
+        return None
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
                   scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False) -> Optional[Read]:
@@ -97,7 +112,7 @@ class StepEnd:
         if self._active:
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
-                fused = self._step.clipped or self._fused_pass()
+                fused = self._clipped_pass() or self._fused_pass()
             # The scale this step's loss was multiplied by, a tensor on the device (get_scale() would sync).
             scale = getattr(self.scaler, "_scale", None)
             groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
@@ -172,13 +187,16 @@ class StepEnd:
         or lagged with the skip on the device (see NOTE: [Parameters read when they add information])."""
         return self.sync == "eager" or self._skip_on_device
 
+    def _gathered(self) -> tuple:
+        """_C.ParamGrads.gather's parameters (the optimizer's, else the model's), gradients and names."""
+        if self.optimizer is not None:
+            return self._params.gather(self.optimizer.param_groups, groups=True)
+        return self._params.gather(list(self.model.parameters()), groups=False)
+
     def _fused_pass(self, read_params: Optional[bool] = None) -> Optional[Pass]:
         """The pass over parameters and gradients; `read_params` None: as NOTE: [Parameters read when
         they add information] decides for this step."""
-        if self.optimizer is not None:
-            gathered = self._params.gather(self.optimizer.param_groups, groups=True)
-        else:
-            gathered = self._params.gather(list(self.model.parameters()), groups=False)
+        gathered = self._gathered()
         decided, gated = read_params is None, False
         if decided:
             as_found = self._params_as_found()
