@@ -19,9 +19,14 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # How a container names a child: by key (mapping key, field name), by position in a sequence, or by
 # position in a set's iteration order.
 _KEY, _POSITION, _MEMBER = range(3)
-# A path as a link to its parent's: (parent, key, how). Built into a string only for a leaf, so deep
-# nesting costs memory linear in its size, not in the sum of its path lengths.
-_Node = Optional[tuple[Any, Any, int]]
+# A path as a link to its parent's: (parent, key, how, depth, anchor), anchor being its ancestor at
+# depth _PATH_ENDS (None above it). Built into a string only for a leaf, and a path deeper than twice
+# _PATH_ENDS keeps only its steps at each end ("a[0][0]<4968-levels>[0][7]": no space, for columns),
+# found through the anchor: a crafted checkpoint's thousands of leaves thousands of levels deep are
+# named in time and memory linear in its size, not in the sum of its path lengths.
+_Node = Optional[tuple[Any, Any, int, int, Any]]
+_PATH_ENDS = 16
+_ELIDED = 3  # how an elided middle is named
 # On the walk's stack, in place of a node: the container below has been walked, and may be entered again.
 _LEAVE = object()
 
@@ -54,7 +59,8 @@ def _pairs(items: Iterable) -> list[tuple[Any, int, Any]]:
 
 
 def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False, name_pairs: bool = False,
-                 shared_once: bool = False, tensor_attributes: bool = False) -> Iterator[tuple[str, Any]]:
+                 shared_once: bool = False, tensor_attributes: bool = False,
+                 leaves_once: bool = False) -> Iterator[tuple[str, Any]]:
     """Every leaf of nested containers, with its path, depth first in container order.
 
     Containers: Mappings (named by key), named tuples and dataclass instances (by field name), lists,
@@ -74,18 +80,26 @@ def named_leaves(obj: Any, prefix: str = "", *, brackets: bool = False, name_pai
             (a crafted checkpoint) is walked in time linear in its size; else it is walked at each.
         tensor_attributes: after a plain tensor or parameter, walk the attributes set on it ("w.scale"),
             which torch.save keeps.
+        leaves_once: a leaf object reached by two paths (one tensor, array or float a pickle names many
+            times) is yielded at the first only, before its second path is built.
 
     Returns:
         An iterator of (path, leaf); paths join keys and field names with ".".
     """
+    yielded: dict[int, Any] = {}  # leaves_once: the leaves yielded, kept alive so that no id is reused
     for node, leaf in _walk(obj, name_pairs, shared_once, tensor_attributes):
+        if leaves_once:
+            if id(leaf) in yielded:
+                continue
+            yielded[id(leaf)] = leaf
         yield _path(node, prefix, brackets), leaf
 
 
-def leaves(obj: Any) -> Iterator[Any]:
-    """The leaves `named_leaves(obj)` yields, in the same order, without building their paths (for
-    hooks that run at every step and need only the tensors)."""
-    return (leaf for _, leaf in leaves_with_nodes(obj))
+def leaves(obj: Any, shared_once: bool = False) -> Iterator[Any]:
+    """The leaves `named_leaves(obj, shared_once=shared_once)` yields, in the same order, without
+    building their paths (for hooks that run at every step and need only the tensors; shared_once for a
+    crafted checkpoint's, as named_leaves says)."""
+    return (leaf for _, leaf in _walk(obj, False, shared_once, False))
 
 
 def leaves_with_nodes(obj: Any) -> Iterator[tuple[_Node, Any]]:
@@ -94,20 +108,37 @@ def leaves_with_nodes(obj: Any) -> Iterator[tuple[_Node, Any]]:
     return _walk(obj, False, False, False)
 
 
-def path_steps(node: _Node) -> list[tuple[Any, int]]:
-    """The steps from the root to `node`, root first: (key, how it names) each."""
+def _child(node: _Node, key: Any, how: int) -> tuple[Any, Any, int, int, Any]:
+    if node is None:
+        return (None, key, how, 1, None)
+    return (node, key, how, node[3] + 1, node if node[3] == _PATH_ENDS else node[4])
+
+
+def _steps_up(node: _Node, limit: int) -> list[tuple[Any, int]]:
+    """Up to `limit` steps from `node` towards the root, `node`'s first."""
     steps = []
-    while node is not None:
-        node, key, how = node
-        steps.append((key, how))
-    steps.reverse()
+    while node is not None and len(steps) < limit:
+        steps.append((node[1], node[2]))
+        node = node[0]
     return steps
+
+
+def path_steps(node: _Node) -> list[tuple[Any, int]]:
+    """The steps from the root to `node`, root first: (key, how it names) each; for a path deeper than
+    twice _PATH_ENDS, the steps at each end and one for the levels between."""
+    if node is None:
+        return []
+    depth = node[3]
+    if depth <= 2 * _PATH_ENDS:
+        return _steps_up(node, depth)[::-1]
+    middle = (f"<{depth - 2 * _PATH_ENDS}-levels>", _ELIDED)
+    return _steps_up(node[4], _PATH_ENDS)[::-1] + [middle] + _steps_up(node, _PATH_ENDS)[::-1]
 
 
 def path_of(steps: Sequence[tuple[Any, int]], prefix: str = "", brackets: bool = False) -> str:
     """The path of `steps` (path_steps) under `prefix`, written as named_leaves writes it."""
-    parts = [f".{key}" if how == _KEY or not brackets else f"[{key}]" if how == _POSITION else f"{{{key}}}"
-             for key, how in steps]
+    parts = [key if how == _ELIDED else f".{key}" if how == _KEY or not brackets
+             else f"[{key}]" if how == _POSITION else f"{{{key}}}" for key, how in steps]
     path = prefix + "".join(parts)
     return path if prefix else path.removeprefix(".")
 
@@ -124,7 +155,7 @@ def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool
     stack: list[tuple[Any, Any]] = [(None, obj)]  # (node or _LEAVE, value)
     if name_pairs:
         entered[id(obj)] = obj
-        stack = [((None, key, how), value) for key, how, value in reversed(_pairs(obj))]
+        stack = [(_child(None, key, how), value) for key, how, value in reversed(_pairs(obj))]
     while stack:
         node, value = stack.pop()
         if node is _LEAVE:
@@ -143,7 +174,7 @@ def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool
         entered[id(value)] = value
         if not shared_once:
             stack.append((_LEAVE, value))
-        stack.extend(((node, key, how), child) for key, how, child in reversed(_children(value)))
+        stack.extend((_child(node, key, how), child) for key, how, child in reversed(_children(value)))
 
 
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

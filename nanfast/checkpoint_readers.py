@@ -189,18 +189,29 @@ def _holds_objects(e: ValueError) -> bool:
 # stored loss) are checked as anywhere else; the names are listed with the scan's result. A file that
 # names anything of a module whose objects run code (os, subprocess, builtins, ...) is refused as
 # before: no checkpoint needs them, and a hostile pickle does. Legacy (non-zip) files are not listed
-# this way (torch cannot list their globals) and stay refused.
+# this way (torch cannot list their globals) and stay refused. The list below is of the modules known
+# to load, run or compile code; a name it does not hold is read as data and listed with the result,
+# which is what to read before loading the file with weights_only=False (a class's own __setstate__
+# runs then, which no list can vouch for).
 _CODE_MODULES = frozenset({
-    "os", "posix", "nt", "sys", "subprocess", "builtins", "__builtin__", "shutil", "socket", "importlib", "runpy",
-    "pty", "code", "codeop", "ctypes", "pickle", "_pickle", "marshal", "types", "webbrowser", "pdb", "timeit",
-    "platform", "io", "_io", "operator", "tempfile", "glob", "signal", "multiprocessing", "threading", "asyncio",
-    "urllib", "http", "ftplib", "smtplib", "telnetlib", "requests"})
+    "os", "posix", "nt", "sys", "subprocess", "_posixsubprocess", "builtins", "__builtin__", "shutil", "socket",
+    "importlib", "imp", "zipimport", "pkgutil", "runpy", "site", "sysconfig", "pty", "code", "codeop", "ctypes",
+    "pickle", "_pickle", "shelve", "marshal", "types", "webbrowser", "pydoc", "pdb", "bdb",
+    "trace", "timeit", "profile", "cProfile", "platform", "io", "_io", "operator", "tempfile", "glob", "tarfile",
+    "zipfile", "signal", "multiprocessing", "threading", "_thread", "concurrent", "asyncio", "urllib", "http",
+    "ftplib", "smtplib", "telnetlib", "xmlrpc", "requests", "distutils", "setuptools", "pip", "dill",
+    "cloudpickle", "joblib", "yaml", "IPython", "sympy", "numexpr"})
 # And the parts of other packages that load or run code (torch.hub.load, cpp_extension.load_inline,
-# numpy.testing's runstring, torch.load itself), by dotted prefix.
-_CODE_PREFIXES = ("torch.hub", "torch.utils.cpp_extension", "torch._dynamo", "torch.jit", "torch.package",
-                  "torch.serialization", "torch.load", "torch.save", "torch.ops", "torch._ops", "torch.distributed",
-                  "torch.multiprocessing", "torch.compile", "torch._C", "numpy.testing", "numpy.f2py",
-                  "numpy.distutils", "numpy.load", "numpy.lib.format", "numpy.ctypeslib")
+# numpy.testing's runstring, torch.load itself and torch.storage._load_from_bytes, which calls it without
+# weights_only; torch.fx's GraphModule, rebuilt by executing its source; the compilers), by dotted prefix.
+_CODE_PREFIXES = ("torch.hub", "torch.utils.cpp_extension", "torch._dynamo", "torch._inductor", "torch.fx",
+                  "torch.jit", "torch.package", "torch.export", "torch._export", "torch.library",
+                  "torch.serialization", "torch.load", "torch.save", "torch.storage._load_from_bytes", "torch.ops",
+                  "torch._ops", "torch.distributed", "torch.multiprocessing", "torch.compile", "torch._C",
+                  "torch.utils.collect_env", "torch.utils.data.datapipes", "numpy.testing", "numpy.f2py",
+                  "numpy.distutils", "numpy.load", "numpy.lib.format", "numpy.lib.npyio", "numpy.lib._npyio_impl",
+                  "numpy.ctypeslib", "pandas.read_pickle", "pandas.io", "uuid._get_command_stdout",
+                  "logging.config", "transformers.dynamic_module_utils", "huggingface_hub")
 
 
 def _runs_code(name: str) -> bool:
@@ -307,7 +318,7 @@ def _records_fit(path: str, records: list[zipfile.ZipInfo]) -> bool:
     reader = torch._C.PyTorchFileReader(path)
     sizes = {reader.get_record_offset(name): (name, size_of.get(name, -1))
              for name in reader.get_all_records() if name.startswith("data/")}
-    for leaf in _tree.leaves(meta):
+    for leaf in _tree.leaves(meta, shared_once=True):  # linear in the file's size, as the scan's own walk
         if not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested:
             continue  # a sparse or nested tensor's parts are strided tensors of their own records
         storage = leaf.untyped_storage()

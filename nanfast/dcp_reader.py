@@ -4,6 +4,7 @@ through an unpickler that knows only DCP's own record classes, then each stored 
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import pathlib
@@ -101,6 +102,13 @@ def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
                                 "does not read")
             continue
         yield name, _item(path, where)
+    # An item described with no entry saying where its data is (a rank's entries lost in a merge) would
+    # otherwise be left out unsaid; DCP's own load fails on it.
+    stored = collections.Counter(index.fqn for index in items)
+    for fqn in described:
+        if stored[fqn] < max(chunks[fqn], 1):
+            yield fqn, NotRead(f"its {METADATA} describes {max(chunks[fqn], 1)} chunk(s) of it but says where only "
+                                f"{stored[fqn]} are stored")
 
 
 def _item(path: str, where: Any) -> Any:

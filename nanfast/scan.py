@@ -92,9 +92,22 @@ def _leaves(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         if isinstance(obj, NotRead):
             yield prefix, obj
             continue
-        for name, leaf in named_leaves(obj, prefix, brackets=True, shared_once=True, tensor_attributes=True):
+        for name, leaf in named_leaves(obj, prefix, brackets=True, shared_once=True, tensor_attributes=True,
+                                       leaves_once=True):
             if isinstance(leaf, (torch.Tensor, float, complex)) or is_numpy(leaf):
                 yield name, leaf
+
+
+def _view_key(leaf: Any) -> Optional[tuple]:
+    """What a dense tensor's values are (its storage's address, offset, shape, strides, dtype), so that
+    a scan reads them once however many times a file names them: as one object (leaves_once) or as as
+    many tensors over one storage, which torch.save writes once and a pickle names in ~70 bytes each (a
+    1 MB file can name one 256 MB storage 15,000 times). None for other leaves, and for tensors with no
+    values to read (empty, meta), which share address 0."""
+    if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested or leaf.is_quantized
+            or leaf.is_meta or leaf.numel() == 0):
+        return None
+    return (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.stride(), leaf.dtype)
 
 
 def _check(chunk: list[tuple[str, torch.Tensor]], entries: list[Entry], not_checked: list[tuple[str, str]]) -> None:
@@ -143,15 +156,15 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             else:
                 obj, stand_ins = torch_load(path)
                 found = _leaves([("", obj)])
-        seen: set[int] = set()  # the tensors read: one a pickle references many times is read once
+        seen: set[tuple] = set()  # the views read (see _view_key)
         for name, leaf in found:
             if isinstance(leaf, NotRead):
                 not_checked.append((name, leaf.reason))
                 continue
-            if isinstance(leaf, torch.Tensor):
-                if id(leaf) in seen:  # (a file can name one 256 MB tensor 200,000 times in 1 MB)
+            if (key := _view_key(leaf)) is not None:
+                if key in seen:
                     continue
-                seen.add(id(leaf))
+                seen.add(key)
             t = values_tensor(leaf)
             if t is None and not may_hold_values(leaf):  # an array of strings or dates, as check_all skips it
                 continue

@@ -1,0 +1,111 @@
+"""Crafted checkpoints a probe of the scan made (stop 40): small files that cost exponential time or
+memory out of proportion to their size, and pickles naming code the deny-list did not hold. Each was
+scanned clean, or hung; none is a file a tool writes by accident."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import threading
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from test_scan import NAN, run_scan
+
+
+def scan_within(capsys, path, seconds=60):
+    """run_scan in a thread: a regression to exponential time fails instead of hanging the suite."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(run_scan(capsys, path)), daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert result, f"the scan of {path} did not end in {seconds} s"
+    return result[0]
+
+
+def test_lists_sharing_sublists_are_walked_once_before_the_mapped_load(capsys, tmp_path):
+    """L_i = [L_(i-1), L_(i-1)], 40 deep: a 1.9 KB file of 2^40 paths to one tensor. The scan's walk took
+    each list once, but the check of the records' sizes before the memory-mapped load walked every path."""
+    node = [torch.tensor([1.0, NAN])]
+    for _ in range(40):
+        node = [node, node]
+    path = tmp_path / "dag.pt"
+    torch.save({"x": node}, path)
+    code, out = scan_within(capsys, path)
+    assert code == 1 and out.startswith(f"{path}: 1 tensor, 2 elements: 1 of them hold non-finite values")
+
+
+def test_views_of_one_storage_are_read_once(capsys, tmp_path):
+    """torch.save writes a storage once and names each view of it in ~70 bytes: 300 identical views of a
+    4 MB storage were read 300 times (a 100 MB storage named 2000 times took 17 s)."""
+    base = torch.zeros(1_000_000)
+    base[-1] = NAN
+    path = tmp_path / "views.pt"
+    torch.save({"views": [base.view(-1) for _ in range(300)], "other": base[10:20]}, path)
+    code, out = run_scan(capsys, path)
+    # the 300 views are one (the first named), the slice another
+    assert code == 1 and out.startswith(f"{path}: 2 tensors, 1,000,010 elements: 1 of them hold non-finite values")
+    assert out.splitlines()[2].split()[0] == "views[0]"
+
+
+def test_an_array_named_many_times_is_read_and_named_once(capsys, tmp_path):
+    """The pickle's memo names one numpy array again in a few bytes: a 100 MB array named 5000 times took
+    37 s (tensors were read once already; arrays were not)."""
+    array = np.zeros(1000, dtype=np.float32)
+    array[5] = np.inf
+    path = tmp_path / "refs.pt"
+    torch.save({"arrays": [array] * 500}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and out.startswith(f"{path}: 1 tensor, 1,000 elements: 1 of them hold non-finite values")
+    assert out.splitlines()[2].split()[0] == "arrays[0]"
+
+
+def _pickle_calling(module: str, name: str, argument: str) -> bytes:
+    """A protocol-2 pickle of {"lr": 0.1, "x": module.name(argument)}, written by hand (nothing imported)."""
+    def text(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s.encode())) + s.encode()
+
+    return (b"\x80\x02}(" + text("lr") + b"G" + struct.pack(">d", 0.1) + text("x")
+            + b"c" + module.encode() + b"\n" + name.encode() + b"\n(" + text(argument) + b"tRu.")
+
+
+# Each runs code when the file is loaded with weights_only=False; each was given an inert stand-in and
+# the file called clean (torch.storage._load_from_bytes is torch.load without weights_only).
+CODE_GLOBALS = [("torch.storage", "_load_from_bytes"), ("torch.fx.graph_module", "reduce_graph_module"),
+                ("torch._inductor.codecache", "PyCodeCache"), ("torch.utils.collect_env", "run"),
+                ("_posixsubprocess", "fork_exec"), ("pydoc", "pipepager"), ("cProfile", "run"), ("profile", "run"),
+                ("pkgutil", "resolve_name"), ("distutils.spawn", "spawn"), ("dill._dill", "_create_code"),
+                ("cloudpickle.cloudpickle", "_make_function"), ("joblib.numpy_pickle", "load"), ("bdb", "Bdb"),
+                ("trace", "Trace")]
+
+
+@pytest.mark.parametrize("module, name", CODE_GLOBALS, ids=[f"{m}.{n}" for m, n in CODE_GLOBALS])
+def test_a_pickle_naming_code_the_list_lacked_is_refused(capsys, tmp_path, module, name):
+    path = tmp_path / "evil.pt"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("evil/data.pkl", _pickle_calling(module, name, "echo pwned"))
+        z.writestr("evil/byteorder", "little")
+        z.writestr("evil/version", "3\n")
+    code, out = run_scan(capsys, path)
+    assert code == 2 and out.startswith(f"{path}: refused: its pickle asks to run {module}.{name};")
+
+
+def test_a_distributed_checkpoint_item_described_but_not_stored_is_not_checked(capsys, tmp_path):
+    """A DCP .metadata describing tensor 'w' with no storage entry for it (a rank's entries lost in a
+    merge): the scan read what was stored and called the checkpoint clean; DCP's load fails on it."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.tensor([1.0, NAN]), "b": torch.ones(3)}, checkpoint_id=str(path))
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != "w"}
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    code, out = run_scan(capsys, path)
+    assert code == 2 and out.strip() == (f"{path}: 1 tensor, 3 elements checked: no NaN/inf; 1 not checked: 'w' "
+                                         "(its .metadata describes 1 chunk(s) of it but says where only 0 are stored)")
