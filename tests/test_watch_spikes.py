@@ -426,7 +426,7 @@ class ReferenceSeries:
         above = below = False
         if n >= self.warmup and math.isfinite(x):
             spread = max(abs(median), 1.5 * (o[(3 * n) // 4] - o[n // 4])) or max(abs(o[0]), abs(o[-1]))
-            above = spread > 0 and x - median > (self.factor - 1) * spread
+            above = spread > 0 and x - median > (self.factor - 1) * spread and x - median > 2 * (o[-1] - median)
             below = median > 0 and x < median / self.factor
         if math.isfinite(x):
             self.recent = (self.recent + [x])[-self.window:]

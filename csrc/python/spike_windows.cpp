@@ -33,6 +33,10 @@ namespace {
 // most of them, and a median of zeros would judge nothing.
 // What it gives up: every module vanishing together (and a model of one module) is no module's alarm;
 // a loss that stays high while the total gradient norm falls is what tells that.
+// A spike's excess over the median is also more than this many times the window's largest (see the
+// rule in SpikeWindows::judge).
+constexpr double kBeyondLargest = 2.0;
+
 struct Series {
   std::deque<double> recent;    // the last `window` finite values, oldest first
   std::vector<double> ordered;  // the same values, sorted
@@ -119,7 +123,10 @@ class SpikeWindows {
       if (spread == 0) {
         spread = std::max(std::abs(o.front()), std::abs(o.back()));
       }
-      above = spread > 0 && x - median > (factor_ - 1) * spread;
+      // And beyond twice the window's largest excess over its median: a converged classifier's loss is
+      // ~0.01 with a batch holding a hard or mislabelled example at 0.3 now and then (26x its median),
+      // which fired 62 times in 564 healthy steps; a blow-up leaves its window's own tail far behind.
+      above = spread > 0 && x - median > (factor_ - 1) * spread && x - median > kBeyondLargest * (o.back() - median);
       below = median > 0 && x < median / factor_;
     }
     if (static_cast<int64_t>(s.recent.size()) == window_) {

@@ -35,7 +35,9 @@ class SpikeOptions:
 
     A series (each loss given to ``Watch.loss``, the total gradient norm, each module's gradient norm)
     spikes at a step when its value is more than ``factor`` times its running median over its last
-    ``window`` finite values (checked steps), once it has ``warmup`` of them; a module's gradient norm
+    ``window`` finite values (checked steps), once it has ``warmup`` of them, and its excess over that
+    median is more than twice the largest in the window (a converged classifier's loss jumps 26x at a
+    hard batch now and then: those recur, so the window holds them); a module's gradient norm
     vanishes when its share of the median of the step's positive module gradient norms stays below its
     running median share divided by ``factor`` for ``vanishing_steps`` checked steps in a row (one step
     is noise: a small layer's gradient over a small batch can dip that low now and then; a converging
