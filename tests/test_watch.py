@@ -380,6 +380,17 @@ def test_invalid_options_are_refused():
     assert nanfast.watch(model, ignore=(p for p in ["l1"])).ignore == ("l1",)
 
 
+def test_loss_refuses_what_it_cannot_check_by_name():
+    """An integer loss (a count, a .long()) was neither checked nor recorded, without a word; a Python
+    number was refused already."""
+    w = nanfast.watch(MLP())
+    with pytest.raises(TypeError, match="Watch.loss: value must be a floating tensor .* got one of torch.int64"):
+        w.loss(torch.tensor(3))
+    with pytest.raises(TypeError, match="Watch.loss: value must be a torch.Tensor, got float"):
+        w.loss(0.5)
+    w.remove()
+
+
 def test_a_watch_that_would_check_nothing_is_refused():
     """Every check off: the watch would look at nothing and its timeline would read as clean steps (nan=0).
     A switch that is not a bool ("no" is true) is refused too. Hooks are left as they were."""

@@ -225,9 +225,13 @@ class Hooks:
             ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
 
         Raises:
-            TypeError: value is not a tensor."""
+            TypeError: value is not a floating (or complex) tensor: an integer one cannot be non-finite
+                and has no mean to record, and was ignored without a word."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if not (value.is_floating_point() or value.is_complex()):
+            raise TypeError(f"Watch.loss: value must be a floating tensor (the loss before .item() or .long()), "
+                            f"got one of {value.dtype}")
         if not self._active or torch.compiler.is_compiling():
             return value
         evaluating = self._evaluating()  # a validation loss: its own read, not the next step's (see the NOTE)
