@@ -7,6 +7,7 @@ unreadable, or some of its tensors not checked)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -183,8 +184,14 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             _check(chunk, entries, not_checked)
     except Refused as e:
         return FileScan(path, "refused", error=str(e))
-    except (Unreadable, OSError) as e:
+    except Unreadable as e:
         return FileScan(path, "unreadable", error=str(e))
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # the file itself could not be opened or read: said as the system says it
+            return FileScan(path, "unreadable", error=str(e))
+        # torch's zip reader seeks before a truncated file's start: "[Errno 22] Invalid argument" alone
+        return FileScan(path, "unreadable", error=f"damaged or truncated: its zip directory points outside the "
+                                                  f"file ({e})")
     except MemoryError:  # not a damaged file: a record too large for this machine's memory
         return FileScan(path, "unreadable", error="this machine's memory is too small to read it (MemoryError)")
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)

@@ -109,3 +109,16 @@ def test_a_distributed_checkpoint_item_described_but_not_stored_is_not_checked(c
     code, out = run_scan(capsys, path)
     assert code == 2 and out.strip() == (f"{path}: 1 tensor, 3 elements checked: no NaN/inf; 1 not checked: 'w' "
                                          "(its .metadata describes 1 chunk(s) of it but says where only 0 are stored)")
+
+
+def test_a_torch_save_cut_short_anywhere_says_it_is_damaged(capsys, tmp_path):
+    """Cut within its zip directory, torch's reader raised "[Errno 22] Invalid argument", which the scan
+    printed alone."""
+    whole = tmp_path / "whole.pt"
+    torch.save({"a": torch.zeros(1000), "w": torch.tensor([1.0, NAN])}, whole)
+    data = whole.read_bytes()
+    for cut in (len(data) - 1, len(data) - 22, len(data) - 100, len(data) - 200, len(data) // 2, 100):
+        path = tmp_path / f"cut{cut}.pt"
+        path.write_bytes(data[:cut])
+        code, out = run_scan(capsys, path)
+        assert code == 2 and out.startswith(f"{path}: unreadable: damaged or truncated"), out
