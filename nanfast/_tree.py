@@ -108,12 +108,6 @@ def leaves_with_nodes(obj: Any) -> Iterator[tuple[_Node, Any]]:
     return _walk(obj, False, False, False)
 
 
-def _child(node: _Node, key: Any, how: int) -> tuple[Any, Any, int, int, Any]:
-    if node is None:
-        return (None, key, how, 1, None)
-    return (node, key, how, node[3] + 1, node if node[3] == _PATH_ENDS else node[4])
-
-
 def _steps_up(node: _Node, limit: int) -> list[tuple[Any, int]]:
     """Up to `limit` steps from `node` towards the root, `node`'s first."""
     steps = []
@@ -155,7 +149,7 @@ def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool
     stack: list[tuple[Any, Any]] = [(None, obj)]  # (node or _LEAVE, value)
     if name_pairs:
         entered[id(obj)] = obj
-        stack = [(_child(None, key, how), value) for key, how, value in reversed(_pairs(obj))]
+        stack = [((None, key, how, 1, None), value) for key, how, value in reversed(_pairs(obj))]
     while stack:
         node, value = stack.pop()
         if node is _LEAVE:
@@ -174,7 +168,9 @@ def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool
         entered[id(value)] = value
         if not shared_once:
             stack.append((_LEAVE, value))
-        stack.extend((_child(node, key, how), child) for key, how, child in reversed(_children(value)))
+        # The children's depth and anchor (see _Node), once per container.
+        depth, anchor = (1, None) if node is None else (node[3] + 1, node if node[3] == _PATH_ENDS else node[4])
+        stack.extend(((node, key, how, depth, anchor), child) for key, how, child in reversed(_children(value)))
 
 
 def group_by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
