@@ -122,3 +122,21 @@ def test_a_torch_save_cut_short_anywhere_says_it_is_damaged(capsys, tmp_path):
         path.write_bytes(data[:cut])
         code, out = run_scan(capsys, path)
         assert code == 2 and out.startswith(f"{path}: unreadable: damaged or truncated"), out
+
+
+def test_compressed_records_larger_than_the_memory_are_refused_by_name(capsys, tmp_path, monkeypatch):
+    """A re-zipped checkpoint's records are read whole: a 3.9 MB file inflating to 4 GB peaked at 4.4 GB,
+    and a larger one would have the process killed without a word. (The memory is made small here.)"""
+    from nanfast import checkpoint_readers
+    from test_scan import rezip_deflated
+
+    stored, deflated = tmp_path / "stored.pt", tmp_path / "deflated.pt"
+    torch.save({"w": torch.zeros(2_000_000)}, stored)  # 8 MB of zeros: a few KB compressed
+    rezip_deflated(stored, deflated)
+    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 4 << 20)
+    code, out = run_scan(capsys, deflated)
+    assert code == 2 and out.startswith(f"{deflated}: unreadable: its compressed records inflate to 8 MiB (")
+    assert "x the file), more than the 4 MiB of memory available: nothing was checked" in out
+    assert run_scan(capsys, stored)[0] == 0  # stored, it is mapped: no memory asked
+    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 64 << 20)
+    assert run_scan(capsys, deflated)[0] == 0
