@@ -44,9 +44,7 @@ def main(argv: list[str]) -> int:
         return 0
     for name in args.ops.split(","):
         op = ops[name]
-        for _ in range(3):
-            op(tensors)
-        torch.cuda.synchronize()
+        warm_up(op, tensors)
         torch.cuda.profiler.start()
         op(tensors)
         torch.cuda.synchronize()
@@ -54,11 +52,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def timeline(name: str, op, tensors: list[torch.Tensor], calls: int) -> str:
-    """One line: the op's wall and host time per call, its kernels per call and their GPU time."""
+def warm_up(op, tensors: list[torch.Tensor]) -> None:
+    """Three calls of `op` and a sync, so that what is measured next is a warm call."""
     for _ in range(3):
         op(tensors)
     torch.cuda.synchronize()
+
+
+def timeline(name: str, op, tensors: list[torch.Tensor], calls: int) -> str:
+    """One line: the op's wall and host time per call, its kernels per call and their GPU time."""
+    warm_up(op, tensors)
     wall, host = [], []
     for _ in range(calls):
         start = time.perf_counter()

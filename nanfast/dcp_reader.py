@@ -106,8 +106,9 @@ def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
     # otherwise be left out unsaid; DCP's own load fails on it.
     stored = collections.Counter(index.fqn for index in items)
     for fqn in described:
-        if stored[fqn] < max(chunks[fqn], 1):
-            yield fqn, NotRead(f"its {METADATA} describes {max(chunks[fqn], 1)} chunk(s) of it but says where only "
+        expected = max(chunks[fqn], 1)  # a non-tensor item is one entry
+        if stored[fqn] < expected:
+            yield fqn, NotRead(f"its {METADATA} describes {expected} chunk(s) of it but says where only "
                                 f"{stored[fqn]} are stored")
 
 

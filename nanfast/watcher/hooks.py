@@ -225,8 +225,8 @@ class Hooks:
             ``value`` itself, so that ``w.loss(criterion(out, y)).backward()`` reads naturally.
 
         Raises:
-            TypeError: value is not a floating (or complex) tensor: an integer one cannot be non-finite
-                and has no mean to record, and was ignored without a word."""
+            TypeError: value is not a floating (or complex) tensor (an integer one cannot be non-finite
+                and has no mean to record)."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
         if not (value.is_floating_point() or value.is_complex()):
