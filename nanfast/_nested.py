@@ -1,12 +1,15 @@
-"""Nested tensors (`torch.nested`, strided and jagged layouts): the kernels take plain strided tensors,
-so a nested entry is read through the strided tensors that hold exactly its elements, and its rows
-are merged back into one. Reached only once the op has refused a list (the fast path pays nothing)."""
+"""Nested tensors (`torch.nested`, strided and jagged layouts), and for check_all tensor subclasses that
+wrap plain tensors: the kernels take plain strided tensors, so such an entry is read through the
+strided tensors that hold exactly its values, and its rows are merged back into one. Reached only once
+the op has refused a list, or check_all has met a subclass (the fast path pays nothing)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from . import _C
 
 
 def any_nested(tensors: Sequence[torch.Tensor]) -> bool:
@@ -15,15 +18,26 @@ def any_nested(tensors: Sequence[torch.Tensor]) -> bool:
 
 def parts(t: torch.Tensor) -> list[torch.Tensor]:
     """Strided tensors whose elements are exactly those of `t` (views, no copy): a plain tensor itself,
-    a contiguous jagged tensor's values() buffer, else the components. A jagged tensor made by
+    a contiguous jagged tensor's values() buffer, else the components; a wrapper subclass's floating
+    inner tensors (those its __tensor_flatten__ names, read the same way). A jagged tensor made by
     narrow() has a buffer wider than its components, which torch splits by reading its offsets and
     lengths to the host: the one case that syncs."""
     if not t.is_nested:
+        if wrapper_subclass(t):
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            return [p for i in inner if i.is_floating_point() or i.is_complex() for p in parts(i)]
         return [t]
     t = t.detach()
     if t.layout == torch.jagged and t.lengths() is None:
         return [t.values()]
     return list(t.unbind())
+
+
+def wrapper_subclass(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor subclass whose values live in plain tensors it holds (a traceable wrapper:
+    torchao's quantized weights, torch's TwoTensor; a DTensor's are read as its local shard elsewhere)."""
+    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__") and not t.is_nested and \
+        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
 def shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -53,20 +67,11 @@ def _split(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.T
 def stats_rows(op, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stats op's (counts, norm, absmax), one row per entry, nested entries included. No host sync."""
     n, device = len(tensors), tensors[0].device
-    counts = torch.zeros((n, 3), dtype=torch.int64, device=device)
-    norm = torch.zeros(n, dtype=torch.float64, device=device)
-    absmax = torch.zeros(n, dtype=torch.float64, device=device)
     flat, owners = _split(tensors)
     if not flat:
-        return counts, norm, absmax
-    part_counts, part_norm, part_absmax = op(flat)
-    counts.index_add_(0, owners, part_counts)
-    absmax.scatter_reduce_(0, owners, part_absmax, "amax")
-    # The L2 norm of an entry from its parts' norms, relative to the largest (as ops.combine_norms).
-    top = torch.zeros_like(norm).scatter_reduce_(0, owners, part_norm, "amax")
-    scale = torch.where(torch.isfinite(top) & (top > 0), top, 1.0)
-    norm.index_add_(0, owners, (part_norm / scale[owners]).square())
-    return counts, norm.sqrt_() * scale, absmax
+        return (torch.zeros((n, 3), dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.float64, device=device),
+                torch.zeros(n, dtype=torch.float64, device=device))
+    return _C.merge_rows(*op(flat), owners, n)
 
 
 def any_nonfinite(op, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

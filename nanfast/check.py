@@ -14,7 +14,7 @@ import torch
 
 from . import _nested, distributed
 from ._tree import group_by_device, is_container, named_leaves
-from .ops import stats
+from .ops import dispatch_subclass, stats
 from .report import Entry, NonFiniteError, Report
 
 
@@ -125,6 +125,19 @@ def _validate(name: str, t: torch.Tensor) -> None:
                          "(check a sparse tensor's .values(), or .to_dense() it)")
     if t.is_meta:
         raise ValueError(f"nanfast.check_all: {name!r} is a meta tensor: it has no values to check")
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    if fake is not None and isinstance(t, fake.FakeTensor):
+        raise ValueError(f"nanfast.check_all: {name!r} is a FakeTensor (made under FakeTensorMode or while "
+                         "torch.compile traces): it has no values to check")
+    if dispatch_subclass(t) and not _nested.wrapper_subclass(t):
+        raise TypeError(f"nanfast.check_all: {name!r} is a {type(t).__name__}, a tensor subclass whose values the "
+                        "kernels cannot read and which names no plain tensors it holds (no __tensor_flatten__); "
+                        "check the plain tensors it holds")
+
+
+def _plain_stats(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s = stats(tensors)
+    return s.counts, s.norm, s.absmax
 
 
 def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True) -> Report:
@@ -169,8 +182,12 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
     for device, indices in group_by_device(local).items():
+        group = [local[i] for i in indices]
         try:
-            s = stats([local[i] for i in indices])
+            if any(map(_nested.wrapper_subclass, group)):  # read through the plain tensors they hold
+                counts, norm, absmax = _nested.stats_rows(_plain_stats, group)
+            else:
+                counts, norm, absmax = _plain_stats(group)
         except (RuntimeError, TypeError, ValueError):
             for i in indices:  # the error path: find the entry the op refuses, and name it
                 try:
@@ -179,7 +196,7 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
                     raise type(e)(f"nanfast.check_all: {pairs[i][0]!r}: {e}") from e
             raise
         # One transfer per device: counts are exact in float64 up to 2^53.
-        rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1)
+        rows = torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1)
         rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):
             name, t = pairs[i]

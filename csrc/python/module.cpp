@@ -8,9 +8,17 @@
 #include <vector>
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mean.h>
 #include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/scatter_reduce.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/index_add.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include "../cpu/simd_kernels.h"
 #include "../ops.h"
@@ -91,8 +99,92 @@ const StatsOp& stats_op() {
   return op;
 }
 
+// NOTE: [Tensor subclasses read through their plain tensors]
+// A module's output, a gradient or a loss may be a Python tensor subclass whose values live in plain
+// tensors it holds: a DTensor of a tensor-parallel model (SequenceParallel's and
+// ColwiseParallel(use_local_output=False)'s outputs, their gradients, a loss_parallel loss), or a
+// wrapper such as a quantized weight's. The fused op has no rule for them (DTensor raised "no sharding
+// strategy" inside the watch's hook: a healthy model stopped at its first forward), or one of their own
+// (a wrapper's results were of its class, which no read could turn into numbers). So stats_on, which
+// every check of the watch goes through, reads such a tensor through the floating tensors its
+// __tensor_flatten__ names, recursively, and merges their rows back into the tensor's one (merge_rows):
+// a DTensor's local shard gives this rank's values (a Partial shard with a NaN or inf makes the sum
+// non-finite too; reading the reduced value would be a collective inside a hook). A subclass without
+// __tensor_flatten__ names nothing to read: its row counts nothing, with a warning. A plain tensor
+// costs one bit test; only a subclass takes the GIL, from a backward thread too.
+namespace {
+
+bool floating_strided(const at::Tensor& t) {
+  return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.layout() == at::kStrided;
+}
+
+void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
+  if (!t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    out.push_back(t);
+    owners.push_back(owner);
+    return;
+  }
+  const py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  if (!py::hasattr(obj, "__tensor_flatten__")) {
+    TORCH_WARN_ONCE("nanfast: a ", Py_TYPE(obj.ptr())->tp_name, " (a tensor subclass without __tensor_flatten__) "
+                    "names no plain tensors to read: its values are not checked");
+    return;
+  }
+  const py::object names = obj.attr("__tensor_flatten__")()[py::int_(0)];
+  for (const py::handle name : names) {
+    const py::object inner = obj.attr(name);
+    if (THPVariable_Check(inner.ptr()) && floating_strided(THPVariable_Unpack(inner.ptr()))) {
+      append_plain(THPVariable_Unpack(inner.ptr()), owner, out, owners);
+    }
+  }
+}
+
+}  // namespace
+
+bool plain_parts(at::TensorList tensors, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
+  if (std::none_of(tensors.begin(), tensors.end(),
+                   [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_python_dispatch(); })) {
+    return false;
+  }
+  const py::gil_scoped_acquire gil;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    append_plain(tensors[i], static_cast<int64_t>(i), out, owners);
+  }
+  return true;
+}
+
+// The rows of `n` entries from the rows of their parts (part k belongs to entry owners[k]): counts
+// summed, max |x| the largest, the 2-norm from the parts' norms scaled by the largest (no overflow of
+// the squares). ATen ops on the rows' device, no host read. Also nanfast._C.merge_rows, for the nested
+// tensors of nanfast/_nested.py.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_rows(const at::Tensor& counts, const at::Tensor& norm,
+                                                          const at::Tensor& absmax, const at::Tensor& owners,
+                                                          int64_t n) {
+  const c10::AutoGradMode no_grad(false);
+  const at::TensorOptions options = norm.options();
+  at::Tensor merged_counts = at::zeros({n, 3}, counts.options()).index_add_(0, owners, counts);
+  at::Tensor merged_absmax = at::zeros({n}, options).scatter_reduce_(0, owners, absmax, "amax");
+  const at::Tensor top = at::zeros({n}, options).scatter_reduce_(0, owners, norm, "amax");
+  const at::Tensor scale = at::where(at::isfinite(top) & (top > 0), top, at::ones_like(top));
+  at::Tensor merged_norm =
+      at::zeros({n}, options).index_add_(0, owners, (norm / scale.index_select(0, owners)).square()).sqrt_() * scale;
+  return {merged_counts, merged_norm, merged_absmax};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, at::Device device) {
   TORCH_INTERNAL_ASSERT(!tensors.empty());
+  std::vector<at::Tensor> plain;
+  std::vector<int64_t> owners;
+  if (plain_parts(tensors, plain, owners)) {  // see NOTE: [Tensor subclasses read through their plain tensors]
+    const int64_t n = static_cast<int64_t>(tensors.size());
+    if (plain.empty()) {
+      const at::TensorOptions options = at::TensorOptions().device(device);
+      return {at::zeros({n, 3}, options.dtype(at::kLong)), at::zeros({n}, options.dtype(at::kDouble)),
+              at::zeros({n}, options.dtype(at::kDouble))};
+    }
+    const auto [counts, norm, absmax] = stats_on(plain, device);
+    return merge_rows(counts, norm, absmax, at::tensor(owners, at::kLong).to(device, /*non_blocking=*/true), n);
+  }
   const at::Device first = tensors[0].device();
   const bool one_device =
       std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return t.device() == first; });
@@ -176,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats_on(py::handle tensors,
 // plain tensor: no subclass, no negative view) its value is read here and written into a new float64
 // tensor, the number ATen's mean gives (the element converted exactly to double and added to a sum
 // that starts at +0, so -0 gives +0 there too): 4-5 us. Anything else (several elements, none, an
-// accelerator, a tensor subclass) takes ATen's mean with grad mode off: no graph and no host read.
+// accelerator) takes ATen's mean with grad mode off: no graph and no host read.
 at::Tensor loss_mean(const at::Tensor& value) {
   TORCH_CHECK(value.is_floating_point(), "nanfast._C.loss_mean: value must be a floating tensor, got ",
               value.scalar_type());
@@ -185,6 +277,19 @@ at::Tensor loss_mean(const at::Tensor& value) {
       value.layout() == at::kStrided && value.numel() == 1 && !value.is_neg() && value.has_storage() &&
       (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16);
   if (!direct) {
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> owners;
+    // A tensor subclass: the mean of the values it holds (NOTE: [Tensor subclasses read through their plain tensors]).
+    if (plain_parts(value, parts, owners) && !parts.empty()) {
+      if (parts.size() == 1) {
+        return loss_mean(parts[0]);
+      }
+      std::vector<at::Tensor> flat;  // the mean of all the values it holds
+      for (const at::Tensor& part : parts) {
+        flat.push_back(part.detach().reshape(-1).to(at::kDouble));
+      }
+      return loss_mean(at::cat(flat));
+    }
     const c10::AutoGradMode no_grad(false);
     return at::mean(value, at::kDouble);
   }
@@ -274,8 +379,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tensors"));
   m.def("stats_on", &call_stats_on,
         "torch.ops.nanfast.stats over tensors on any number of devices (one call per device), rows in input "
-        "order, results on `device`.",
+        "order, results on `device`; a tensor subclass read through the plain tensors it holds.",
         py::arg("tensors"), py::arg("device"));
+  m.def("merge_rows", &merge_rows,
+        "The stats rows of n entries from those of their parts (part k of entry owners[k]): counts summed, "
+        "max |x| the largest, 2-norms combined. No host read.",
+        py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("owners"), py::arg("n"));
   m.def("step_summary", &call_step_summary, "torch.ops.nanfast.step_summary without the boxed call.",
         py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),

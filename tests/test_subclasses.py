@@ -1,0 +1,96 @@
+"""Tensor subclasses that hold their values in plain tensors (a DTensor's local shard, a wrapper such as
+torch's TwoTensor or a quantized weight), and FakeTensors, which hold none: the watch and check_all read
+the former through their plain tensors (NOTE: [Tensor subclasses read through their plain tensors] in
+csrc/python/module.cpp) and refuse the latter by name. The DTensor activations of a tensor-parallel model
+are tested on two real ranks in test_distributed.py."""
+
+import warnings
+
+import pytest
+import torch
+
+import nanfast
+from reference import reference_stats
+
+two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+TwoTensor = two_tensor.TwoTensor
+NAN, INF = float("nan"), float("inf")
+
+
+class Split(torch.nn.Module):
+    """Returns its input as a TwoTensor: every module after it computes on TwoTensors, and the gradients
+    of the parameters behind it are TwoTensors too. `fault` divides the second half by zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.fault = False
+
+    def forward(self, x):
+        second = x / 0.0 if self.fault else x * 1.0
+        return TwoTensor(x * 1.0, second)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.split = Split()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.split(x))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_the_watch_reads_a_wrapper_subclass_through_its_plain_tensors(fuse):
+    """Each record of a TwoTensor activation or gradient, and the pass over the TwoTensor gradients,
+    raised "its data is not allocated yet" (the op's results were TwoTensors, which no read could turn
+    into numbers): a healthy model stopped at its first step. Now healthy steps pass, and a fault in the
+    second half of one is reported at its module and skipped."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, optimizer, action="skip", fuse=fuse)
+    grad_types = []
+    for step in range(3):
+        model.split.fault = step == 1
+        optimizer.zero_grad()
+        out = model(torch.randn(2, 4))
+        assert type(out) is TwoTensor
+        w.loss(out.square().mean()).backward()  # a TwoTensor loss: its mean is read through its halves
+        grad_types.append(type(model.fc.weight.grad).__name__)
+        before = model.fc.weight.detach().clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
+            optimizer.step()
+        assert torch.equal(model.fc.weight, before) == (step == 1)
+    assert grad_types == ["TwoTensor"] * 3
+    assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "forward", "split")]
+    assert w.events[0].first.posinf == 4 and w.events[0].first.neginf == 4
+    assert w.skipped_steps == 1
+    assert [r.step for r in w.history if r.loss is not None and r.loss > 0] == [0, 2]
+
+
+def test_check_all_reads_a_wrapper_subclass_through_its_plain_tensors():
+    """check_all raised ".tolist() is not supported for tensor subclasses" (a probe, session 41): the op,
+    dispatched to the TwoTensor, gave TwoTensor results. Now the entry's row counts and measures both of
+    its plain tensors, as a float64 reference over them says."""
+    torch.manual_seed(0)
+    a, b = torch.randn(50), torch.randn(50) * 3
+    b[[3, 7]] = torch.tensor([NAN, -INF])
+    report = nanfast.check_all({"w": TwoTensor(a, b), "plain": torch.ones(2)}, raise_on_nonfinite=False)
+    [entry, plain] = report.entries
+    ref = reference_stats(torch.cat([a, b]))
+    assert (entry.name, entry.shape, entry.numel) == ("w", (50,), 50)
+    assert (entry.nan, entry.posinf, entry.neginf) == (1, 0, 1)
+    assert entry.norm == pytest.approx(ref.norm, rel=1e-6) and entry.absmax == pytest.approx(ref.absmax)
+    assert plain.norm == pytest.approx(2 ** 0.5) and [e.name for e in report.bad] == ["w"]
+
+
+def test_a_fake_tensor_is_refused_by_name():
+    """check_all on a FakeTensor raised torch's DataDependentOutputException, naming nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.randn(3)
+    with pytest.raises(ValueError, match=r"^nanfast.check_all: 'x' is a FakeTensor .*no values to check"):
+        nanfast.check_all({"ok": torch.ones(2), "x": fake})
