@@ -186,7 +186,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         if (t := values_tensor(leaf)) is not None:
             pairs.append((path or "tensor", t))  # a batch that is one tensor: named as check_all names it
         elif may_hold_values(leaf):  # never "finite" for what was not read
-            unchecked.append(path)
+            unchecked.append(path or f"the batch ({type(leaf).__name__})")
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
@@ -221,10 +221,16 @@ class Checked:
         self.loader = loader
         self.action = action
         self.bad_batches: list[BatchReport] = []
+        self._warned_unchecked = False
 
     def __iter__(self) -> Iterator[Any]:
         for index, batch in enumerate(self.loader):
             report = dataclasses.replace(check_batch(batch, raise_on_nonfinite=False), batch_index=index)
+            if report.unchecked and not self._warned_unchecked:  # a batch class nanfast cannot read: said once
+                self._warned_unchecked = True
+                warnings.warn(f"nanfast.checked: batch {index}{not_checked(report.unchecked)}; batches of this kind "
+                              "pass unchecked (give check_batch their tensors: a dict or dataclass of them)",
+                              RuntimeWarning, stacklevel=2)
             if report.ok:
                 yield batch
                 continue

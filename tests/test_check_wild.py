@@ -1,7 +1,8 @@
 """The checking API on inputs other code hands it, found by probing in session 37: numpy arrays with a
 negative stride (BGR to RGB), a lazy module's parameters before its first forward, float8_e8m0fnu batch
-fields, tensor subclasses the kernels cannot read, batch leaves that cannot be read, a batch that is
-one tensor, and clip_grad_norm_'s result dtype (complex and mixed-precision gradients)."""
+fields, tensor subclasses the kernels cannot read, batch leaves that cannot be read (and, session 41, a
+batch object of a class of its own), a batch that is one tensor, and clip_grad_norm_'s result dtype
+(complex and mixed-precision gradients)."""
 
 import math
 import warnings
@@ -65,6 +66,25 @@ def test_a_batch_leaf_that_cannot_be_read_is_listed_not_called_finite():
     assert report.ok and report.unchecked == ("extra",)
     assert str(report).endswith("not checked (objects nanfast cannot read): extra")
     assert report.to_dict()["unchecked"] == ["extra"]
+
+
+class GraphBatch:
+    """A batch class of its own (as torch_geometric's Data): its tensors are attributes, which no
+    container walker can know to read."""
+
+    def __init__(self):
+        self.x = torch.tensor([[1.0, NAN]])
+
+
+def test_a_batch_object_that_cannot_be_read_is_named_and_checked_says_so():
+    """Such a batch was listed as '' ("not checked (objects nanfast cannot read): " naming nothing), and
+    nanfast.checked yielded it without a word, action="raise" included (a probe, session 41)."""
+    report = nanfast.check_batch(GraphBatch())
+    assert report.unchecked == ("the batch (GraphBatch)",) and str(report).endswith("read): the batch (GraphBatch)")
+    assert nanfast.check_batch({"g": GraphBatch()}).unchecked == ("g",)
+    with pytest.warns(RuntimeWarning, match=r"^nanfast.checked: batch 0; not checked .*: g; batches of this kind") as seen:
+        assert len(list(nanfast.checked([{"g": GraphBatch()}] * 3))) == 3
+    assert len(seen) == 1  # said once, not per batch
 
 
 @pytest.mark.parametrize("dtypes", [(torch.complex64,), (torch.float16, torch.float32)], ids=["complex", "mixed"])

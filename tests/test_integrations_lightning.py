@@ -330,3 +330,39 @@ def test_a_second_fit_on_the_same_trainer_numbers_its_steps_as_the_trainer_does(
         t.fit(module)
     assert (caught.value.report.step, t.global_step) == (4, 4)
     callback.remove()
+
+
+class ManualClosure(Regression):
+    """Manual optimization stepping with a closure, as Lightning's docs show: `loss = opt.step(closure=...)`."""
+
+    def __init__(self):
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.returned = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+
+        def closure():
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        self.returned.append(optimizer.step(closure=closure))
+
+
+@pytest.mark.parametrize("action", ["raise", "skip"])
+def test_a_manual_step_with_a_closure_still_returns_its_loss(tmp_path, action):
+    """The callback ran the closure before the watch's step pre-hook and handed step() no closure, so
+    `opt.step(closure=closure)` returned None instead of the loss (a probe, session 41)."""
+    runs = []
+    for callbacks in ([], [NanfastCallback(action=action)]):
+        module = ManualClosure()
+        trainer(tmp_path, callbacks, steps=3).fit(module)
+        runs.append(module)
+    plain, watched = runs
+    assert all(isinstance(loss, torch.Tensor) for loss in watched.returned) and len(watched.returned) == 3
+    assert [float(loss) for loss in watched.returned] == [float(loss) for loss in plain.returned]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), watched.parameters()))

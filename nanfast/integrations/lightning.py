@@ -101,16 +101,17 @@ class NanfastCallback(OwnsWatch, Callback):
 
 
 def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-    """A step pre-hook: runs the step's closure now and passes the step on without it.
+    """A step pre-hook: runs the step's closure now and passes the step on with one that returns its result.
 
     NOTE: [Lightning's closure]
     Lightning steps `optimizer.step(closure=...)`, the closure running training_step, backward,
     on_before_optimizer_step and gradient clipping. A torch optimizer calls it inside step(), after the
     step pre-hooks, so the watch would read the step before its forward ran (and refuses to skip such a
     step). Every torch optimizer but LBFGS calls the closure once, first thing in step(), under
-    enable_grad, and Lightning reads the closure's result from the closure object, not from step()'s
-    return value: running it here, before the watch's pre-hook, changes nothing else, and the watch sees
-    a complete step, as in a plain loop.
+    enable_grad: running it here, before the watch's pre-hook, and handing step() a closure that only
+    returns what it returned (a `watcher.RanClosure`, which the watch does not take for a forward yet to
+    run), changes nothing else. The watch sees a complete step, as in a plain loop, and step() still
+    returns the closure's loss (manual optimization reads it: `loss = opt.step(closure=closure)`).
 
     Args:
         optimizer: the optimizer being stepped.
@@ -118,13 +119,15 @@ def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
         kwargs: step()'s keyword arguments.
 
     Returns:
-        None when there is no closure; else step()'s arguments without it."""
+        None when there is no closure; else step()'s arguments with the closure that already ran."""
     if kwargs.get("closure") is not None:
-        closure, kwargs = kwargs["closure"], {k: v for k, v in kwargs.items() if k != "closure"}
+        closure = kwargs["closure"]
     elif len(args) > 1 and args[1] is not None:
         closure, args = args[1], args[:1] + args[2:]
     else:
         return None
+    if isinstance(closure, watcher.RanClosure):
+        return None
     with torch.enable_grad():
-        closure()
-    return args, kwargs
+        result = closure()
+    return args, {**kwargs, "closure": watcher.RanClosure(result)}

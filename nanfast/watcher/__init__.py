@@ -16,7 +16,7 @@ from .. import _C, distributed
 from ..check import uncompiled
 from ..recompute import recomputation
 from . import agree, scaler_hook
-from .actions import Actions
+from .actions import Actions, RanClosure
 from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
 from .fused_pass import parameter_names

@@ -22,6 +22,23 @@ from .restore import lacks_state
 from .spikes import SpikeError
 
 
+class RanClosure:
+    """A closure that already ran (integrations.lightning.run_closure_first ran it before the watch's
+    step pre-hook): returns its result, so that step() still returns it; the watch does not take it for
+    a forward and backward yet to run.
+
+    Args:
+        result: what the closure returned."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def __call__(self) -> Any:
+        return self.result
+
+
 class Actions:
     """The actions of `Watch` (a part of it: the state they use is the Watch's)."""
 
@@ -105,7 +122,8 @@ class Actions:
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first
-        if self.action in SKIPPING and (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if self.action in SKIPPING and closure is not None and not isinstance(closure, RanClosure):
             raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure): the closure "
                              "runs the step's forward and backward after the point where the watch decides; call "
                              "backward before optimizer.step()")
