@@ -1,9 +1,11 @@
-"""locate on what probing found in sessions 37 and 38: a training-mode BatchNorm, whose running statistics
-aten.native_batch_norm updates in place without its schema saying so, a backward fault under
-torch.func (per-sample gradients with vmap(grad), jacrev), and a backward node judged whatever hooks it
-has."""
+"""locate on what probing found in sessions 37, 38 and 41: a training-mode BatchNorm, whose running
+statistics aten.native_batch_norm updates in place without its schema saying so (forward, and in
+backward a real ResNet), a backward fault under torch.func (per-sample gradients with vmap(grad),
+jacrev), a backward node judged whatever hooks it has, a buffer written row by row, non-finite
+exponents, complex32, and a dump path that cannot be written."""
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -89,3 +91,75 @@ def test_a_backward_node_is_judged_the_same_whatever_hooks_it_has(users_hook):
         torch.nn.functional.mse_loss(out, y).backward()
     assert lin.weight.grad.isnan().any()
     assert [(f.op, f.node) for f in found.findings] == [("aten.mm.default", "AddmmBackward0")]
+
+
+def test_a_nan_weight_in_a_resnet_is_one_finding_through_backward():
+    """Session 41's probe: forward and backward of torchvision's ResNet-18 with one NaN conv weight gave
+    ten findings: the right one (the convolution consuming the weight) and nine false `input` findings
+    at native_batch_norm_backward, which read running statistics that the forward's BatchNorms had
+    updated with NaN without returning them (so no write of theirs was recorded)."""
+    tvm = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    model = tvm.resnet18(num_classes=10)
+    with torch.no_grad():
+        model.layer3[0].conv1.weight[0, 0, 0, 0] = float("nan")
+    finder = run(lambda: model(torch.randn(2, 3, 32, 32)).sum().backward())
+    [finding] = finder.findings
+    assert (finding.kind, finding.op, finding.phase) == ("input", "aten.convolution.default", "forward")
+    [dirty] = [i for i in finding.inputs if i.nonfinite]
+    assert dirty.name == "weight" and dirty.nan == 1
+
+
+def test_finite_rows_written_into_a_buffer_keep_an_earlier_findings_taint():
+    """Session 41's probe: a preallocated output buffer filled row by row (an RNN's outputs), row 0 an
+    inf from exp, then finite rows: the last write's flag replaced the storage's, so the softmax over
+    the buffer was taken for a second producer. torch.stack of the same rows gave one finding."""
+    x = torch.tensor([100.0, 1.0])
+
+    def fill():
+        outs = torch.empty(3, 2)
+        outs[0] = torch.exp(x)  # exp(100) overflows
+        outs[1] = x
+        outs[2] = x
+        torch.softmax(outs, 0)
+
+    finder = run(fill)
+    assert [(f.kind, f.op, f.where.lineno) for f in finder.findings] == [
+        ("producer", "aten.exp.default", line_of("# exp(100) overflows"))]
+
+
+@pytest.mark.parametrize("exponent", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_exponent_is_a_scalar_finding(exponent):
+    """pow's diagnosis took int() of the exponent: ValueError or OverflowError from inside locate."""
+    x = torch.tensor([0.5, 2.0])
+    finding = run(lambda: x ** exponent, action="raise").finding
+    assert (finding.kind, finding.op) == ("scalar", "aten.pow.Tensor_Scalar")
+
+
+def test_an_inf_times_zero_in_a_half_matmul_is_not_called_an_overflow():
+    a = torch.tensor([[float("inf"), 1.0]], dtype=torch.float16)  # from outside: an allowed inf
+    b = torch.tensor([[0.0], [1.0]], dtype=torch.float16)
+    finding = run(lambda: a @ b, action="raise").finding
+    assert (finding.kind, finding.op) == ("producer", "aten.mm.default") and finding.diagnosis is None
+
+
+def test_a_complex32_overflow_is_found_where_it_happens():
+    """complex32 was missing from locate's dtypes: the cast's inf went unseen and the next op was blamed."""
+    x = torch.tensor([1e5 + 0j])
+
+    def cast():
+        y = x.to(torch.complex32)  # complex32 holds at most 65504
+        y * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "ComplexHalf support is experimental"
+        finding = run(cast, action="raise").finding
+    assert (finding.kind, finding.op, finding.where.lineno) == ("producer", "aten._to_copy.default",
+                                                                 line_of("# complex32 holds"))
+
+
+def test_a_dump_path_in_no_directory_is_refused_before_the_region():
+    """It was accepted, then torch.save raised from inside the user's op at the first finding, and the
+    finding was lost (findings empty, nothing raised as NonFiniteError)."""
+    with pytest.raises(ValueError, match=r"dump='no/such/dir/repro.pt': its directory does not exist"):
+        locate(dump="no/such/dir/repro.pt")

@@ -110,8 +110,8 @@ def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str)
 
 def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     base, exponent = _tensor(args, "self"), args.get("exponent")
-    if base is None or base.is_complex() or not isinstance(exponent, (int, float)):
-        return None
+    if base is None or base.is_complex() or not isinstance(exponent, (int, float)) or not math.isfinite(exponent):
+        return None  # a NaN or inf exponent is the finding itself (kind "scalar")
     if exponent < 0 and _count(base == 0):
         zeros = _count(base == 0)
         return f"pow of 0 to the negative exponent {exponent}: {_of(zeros, base)} of `self` {_are(zeros)} 0"
@@ -233,8 +233,8 @@ def _matmul_overflow(args: Args, outputs: list[torch.Tensor], packet: str) -> Op
     if not outputs or outputs[0].dtype not in (torch.float16, torch.bfloat16):
         return None
     a, b = (_tensor(args, n) for n in _MATMUL_INPUTS[packet])
-    if a is None or b is None:
-        return None
+    if a is None or b is None or not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return None  # a non-finite input (inf * 0) is no overflow: the finding names that input
     limit = torch.finfo(outputs[0].dtype).max
     a_max, b_max = a.abs().max().item(), b.abs().max().item()
     return (f"{outputs[0].dtype} overflow in a matmul: the inputs' max |x| are {a_max:.6g} and {b_max:.6g} "

@@ -104,9 +104,14 @@ class Provenance:
             tainted: whether those values descend from a finding.
         """
         storage = t.untyped_storage()
-        partial = t.numel() * t.element_size() < storage.nbytes() and self.from_outside(t)
+        covers = t.numel() * t.element_size() >= storage.nbytes()
+        previous = self.record(t)
+        partial = not covers and (previous is None or previous[2])
         if partial and nonfinite and not _nan_beside(t, storage):
             partial = False  # every NaN in the storage is in the view this op wrote
+        # The rest of a storage written in part keeps what it held: values that descend from a finding
+        # (an RNN's output buffer, step 0's inf, then finite rows) stay tainted for its consumers.
+        tainted = tainted or (not covers and previous is not None and previous[3])
         setattr(storage, _PRODUCER_ATTR, (self.token, producer, partial, tainted))
 
 

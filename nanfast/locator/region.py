@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -28,6 +29,9 @@ class Locate(contextlib.ContextDecorator):
             raise ValueError(f"nanfast.locate: action must be one of {ACTIONS}, got {action!r}")
         self.action = action
         self.dump = os.fspath(dump) if dump is not None else None
+        if self.dump is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.dump))):
+            raise ValueError(f"nanfast.locate: dump={self.dump!r}: its directory does not exist (the dump is saved "
+                             "at the first finding, which must not be lost to a bad path)")
         self.findings: list[LocateFinding] = []
         # Producers inside a backward node that what the node returned does not confirm (its gradients
         # were finite, or it received non-finite ones): torch's formulas masking 0/0, or propagation
@@ -48,8 +52,12 @@ class Locate(contextlib.ContextDecorator):
     def _report(self, finding: LocateFinding, repro: Optional[dict[str, Any]]) -> None:
         path = self._dump_path_for_next()
         if path is not None and repro is not None:
-            torch.save(repro, path)
-            finding = dataclasses.replace(finding, dump=path)
+            try:
+                torch.save(repro, path)
+                finding = dataclasses.replace(finding, dump=path)
+            except (OSError, RuntimeError) as e:  # a full disk, a directory gone since: the finding still counts
+                warnings.warn(f"nanfast.locate: could not save the dump to {path!r} ({e}); the finding is reported "
+                              "without it", RuntimeWarning, stacklevel=2)
         self.findings.append(finding)
         if self.action == "raise":
             raise NonFiniteError(finding, str(finding))
@@ -97,7 +105,7 @@ def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = N
     Returns:
         A Locate (a context manager and decorator; ``.findings`` after the region).
     Raises:
-        ValueError: action is not one of ACTIONS. Inside the region: NonFiniteError at the first finding
+        ValueError: action is not one of ACTIONS, or dump's directory does not exist. Inside the region: NonFiniteError at the first finding
         (action="raise"); RuntimeError on entering a Locate that is already active.
     """
     return Locate(action, dump)

@@ -9,15 +9,14 @@ from typing import Any, Optional
 
 import torch
 
-from .. import ops as _ops  # noqa: F401  (registers torch.ops.nanfast.*)
+from ..ops import reads_dtype  # importing ops registers torch.ops.nanfast.*
 from .._tree import group_by_device, leaves
 
 
-# The dtypes that can hold NaN/inf and that the kernels read (packed float4_e2m1fn_x2 values are all
-# finite).
-_FLOATING = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
-                       torch.float8_e4m3fn, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.complex64,
-                       torch.complex128, torch.float8_e8m0fnu))
+def _can_hold_nonfinite(dtype: torch.dtype) -> bool:
+    """Whether `dtype` can hold NaN/inf and the kernels read it (complex32 included; packed
+    float4_e2m1fn_x2 values, all finite, are read and count nothing)."""
+    return (dtype.is_floating_point or dtype.is_complex) and reads_dtype(dtype)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -33,7 +32,7 @@ def _values(t: Any) -> Optional[torch.Tensor]:
     every sample's values (the kernels have no batching rule)."""
     while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
-    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATING or t.is_meta:
+    if not isinstance(t, torch.Tensor) or not _can_hold_nonfinite(t.dtype) or t.is_meta:
         return None
     return _dense(t) if t.is_nested or t.layout == torch.strided else None
 
