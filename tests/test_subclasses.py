@@ -4,6 +4,7 @@ the former through their plain tensors (NOTE: [Tensor subclasses read through th
 csrc/python/module.cpp) and refuse the latter by name. The DTensor activations of a tensor-parallel model
 are tested on two real ranks in test_distributed.py."""
 
+import inspect
 import warnings
 
 import pytest
@@ -94,3 +95,28 @@ def test_a_fake_tensor_is_refused_by_name():
         fake = torch.randn(3)
     with pytest.raises(ValueError, match=r"^nanfast.check_all: 'x' is a FakeTensor .*no values to check"):
         nanfast.check_all({"ok": torch.ones(2), "x": fake})
+
+
+def test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors():
+    """Under locate, an op on a MaskedTensor raised from inside nanfast (the kernels were handed the
+    subclass) though nothing was non-finite, and log of a TwoTensor holding -1 raised ".tolist() is not
+    supported" instead of a finding (a probe, session 41). The mode now hands such an op to the subclass
+    first and checks the plain ops it runs."""
+    from torch.masked import masked_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The PyTorch API of MaskedTensors is in prototype stage"
+        masked = masked_tensor(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, True, False]))
+        with nanfast.locate() as healthy:
+            torch.exp(masked)
+    assert healthy.findings == []
+    pair = TwoTensor(torch.tensor([1.0, -1.0]), torch.tensor([1.0, 2.0]))
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            torch.log(pair)  # the half holding -1
+    finding = raised.value.report
+    assert (finding.kind, finding.op) == ("producer", "aten.log.default")
+    source = inspect.getsource(test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors).splitlines()
+    first = test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors.__code__.co_firstlineno
+    marker = first + next(i for i, text in enumerate(source) if text.endswith("# the half holding -1"))
+    assert (finding.where.filename, finding.where.lineno) == (__file__, marker)

@@ -20,6 +20,11 @@ from .values import _any_nonfinite, _any_nonfinite_values, _tensors_in, _values
 if TYPE_CHECKING:
     from .region import Locate
 
+try:
+    from torch.nested._internal.nested_tensor import NestedTensor as _JAGGED
+except ImportError:  # an older torch: no jagged layout
+    _JAGGED = ()
+
 # NOTE: [what locate reports]
 # Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
 # ops the autograd engine runs for backward nodes) is checked with one fused any_nonfinite over its
@@ -57,6 +62,8 @@ class _LocateMode(TorchDispatchMode):
                                   lambda item: owner.masked.append(item[0]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _subclass_first(types):
+            return NotImplemented
         kwargs = kwargs or {}
         info = _op_info(func)
         if info.skip:
@@ -110,6 +117,16 @@ class _LocateMode(TorchDispatchMode):
                    for t in _tensors_in(value) if id(t) not in returned and _values(t) is not None]
         for t in written:
             self.provenance.record_write(t, producer, _any_nonfinite([_values(t)]), tainted)
+
+
+def _subclass_first(types: tuple) -> bool:
+    """Whether an op is handed to a tensor subclass among its arguments first (the mode returns
+    NotImplemented): a DTensor, a wrapper or a MaskedTensor runs it as ops on the plain tensors it holds,
+    which come back through the mode and are checked there (read as the subclass, its results were of
+    its class, which the kernels refused: a healthy MaskedTensor op raised under locate). Jagged nested
+    tensors are read here, through their values (_values)."""
+    return any(t is not torch.Tensor and t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+               and not issubclass(t, _JAGGED) for t in types)
 
 
 def _outputs(info: _OpInfo, out: Any, args: tuple, kwargs: dict) -> tuple[list, list[torch.Tensor]]:

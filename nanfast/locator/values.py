@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops import reads_dtype  # importing ops registers torch.ops.nanfast.*
+from ..ops import dispatch_subclass, reads_dtype  # importing ops registers torch.ops.nanfast.*
 from .._tree import group_by_device, leaves
 
 
@@ -29,10 +29,13 @@ def _values(t: Any) -> Optional[torch.Tensor]:
     """What locate checks of `t`: its dense values when they can hold NaN/inf, else None (not a tensor,
     an integer dtype, a sparse or meta tensor). A torch.func wrapper (vmap's batched tensor, grad's
     tracking tensor) reaching a backward node's hook is read through the tensor it wraps, which holds
-    every sample's values (the kernels have no batching rule)."""
+    every sample's values (the kernels have no batching rule). A tensor subclass with a dispatch of its
+    own (MaskedTensor, DTensor, a wrapper) is not read: what its values mean is its own (a MaskedTensor's
+    masked-out NaN are no fault), and the op under the mode is the subclass's, whose inner ops the mode
+    does not see; its values are checked where they become a plain tensor."""
     while isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
-    if not isinstance(t, torch.Tensor) or not _can_hold_nonfinite(t.dtype) or t.is_meta:
+    if not isinstance(t, torch.Tensor) or not _can_hold_nonfinite(t.dtype) or t.is_meta or dispatch_subclass(t):
         return None
     return _dense(t) if t.is_nested or t.layout == torch.strided else None
 
