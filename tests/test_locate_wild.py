@@ -163,3 +163,35 @@ def test_a_dump_path_in_no_directory_is_refused_before_the_region():
     finding was lost (findings empty, nothing raised as NonFiniteError)."""
     with pytest.raises(ValueError, match=r"dump='no/such/dir/repro.pt': its directory does not exist"):
         locate(dump="no/such/dir/repro.pt")
+
+
+class ReassignedStatistic(torch.nn.Module):
+    """Updates a running statistic by re-assigning its buffer (self.ema = 0.9 * self.ema + ...), not in
+    place: the step state's captured tensor is then no longer the module's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return torch.log(self.lin(x - self.ema))  # negative values: NaN
+
+
+def test_locate_step_puts_back_a_reassigned_buffer_and_the_gradient_tensors():
+    """locate_step copied the step's state back into the tensors it had captured: a buffer the re-run
+    re-assigned kept the re-run's value (the statistic advanced twice), and every .grad was replaced by a
+    new tensor (a probe, session 41)."""
+    from nanfast.locator import StepState, locate_step
+
+    torch.manual_seed(0)
+    model, x = ReassignedStatistic(), torch.randn(8, 4)
+    state = StepState.capture(model)
+    model(x).sum().backward()  # the bad step, as a watch that skipped it leaves it
+    ema, grads = model.ema.clone(), [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads]
+    finding = locate_step(lambda: model(x).sum().backward(), state)
+    assert (finding.kind, finding.op) == ("producer", "aten.log.default")
+    assert torch.equal(model.ema, ema)
+    assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, values))

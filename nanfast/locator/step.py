@@ -15,10 +15,12 @@ from .region import locate
 
 
 def _tensors_of(target: Union[torch.nn.Module, Iterable[torch.Tensor], None]) -> tuple[list, list]:
+    """(parameters, buffer slots): a module's parameters and (module, name) of each of its buffers."""
     if target is None:
         return [], []
     if isinstance(target, torch.nn.Module):
-        return list(target.parameters()), list(target.buffers())
+        slots = [(module, name) for module in target.modules() for name, b in module._buffers.items() if b is not None]
+        return list(target.parameters()), slots
     return list(target), []
 
 
@@ -36,6 +38,10 @@ class StepState:
     cuda_rng: Optional[list[torch.Tensor]]
     values: Optional[list[torch.Tensor]]  # copies of params + buffers
     grads: Optional[list[Optional[torch.Tensor]]]  # copies of params' .grad
+    # Where each buffer lives, (module, name): a buffer re-assigned by a forward (self.ema = 0.9 * self.ema
+    # + ...) is put back there, not only copied into the tensor captured.
+    buffer_slots: list[tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=list)
+    grad_tensors: list[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)  # params' .grad objects
 
     @classmethod
     def capture(cls, target: Union[torch.nn.Module, Iterable[torch.Tensor], None] = None, *,
@@ -52,30 +58,41 @@ class StepState:
         Returns:
             The captured state.
         """
-        params, buffers = _tensors_of(target)
-        return cls._capture(params, buffers, values, grads)
+        params, slots = _tensors_of(target)
+        return cls._capture(params, slots, values, grads)
 
     @classmethod
-    def _capture(cls, params: list, buffers: list, values: bool, grads: bool) -> StepState:
+    def _capture(cls, params: list, slots: list, values: bool, grads: bool) -> StepState:
+        buffers = [module._buffers[name] for module, name in slots]
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         with torch.no_grad():
             copies = [t.detach().clone() for t in params + buffers] if values else None
             grad_copies = [None if p.grad is None else p.grad.detach().clone() for p in params] if grads else None
-        return cls(params, buffers, torch.get_rng_state(), cuda_rng, copies, grad_copies)
+        return cls(params, buffers, torch.get_rng_state(), cuda_rng, copies, grad_copies, slots,
+                   [p.grad for p in params])
 
     def restore(self) -> None:
-        """Puts back the RNG states and, where captured, the values; sets grads to the captured ones
-        (None when grads were not captured)."""
+        """Puts back the RNG states, the buffers in their modules and, where captured, the values; sets
+        grads to the captured ones (None when grads were not captured), in the gradient tensors the
+        parameters had (DDP's gradient_as_bucket_view keeps views of them)."""
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        for (module, name), t in zip(self.buffer_slots, self.buffers):
+            if module._buffers.get(name) is not t:
+                module._buffers[name] = t
         with torch.no_grad():
             if self.values is not None:
                 for t, saved in zip(self.params + self.buffers, self.values):
                     t.copy_(saved)
             grads = self.grads if self.grads is not None else [None] * len(self.params)
-            for p, saved in zip(self.params, grads):
-                p.grad = None if saved is None else saved.clone()
+            for p, tensor, saved in zip(self.params, self.grad_tensors, grads):
+                if saved is None:
+                    p.grad = None
+                elif tensor is not None and tensor.shape == saved.shape and tensor.dtype == saved.dtype:
+                    p.grad = tensor.copy_(saved)
+                else:
+                    p.grad = saved.clone()
 
 
 def locate_step(step_fn: Callable[[], Any], before: StepState, *,
@@ -96,7 +113,7 @@ def locate_step(step_fn: Callable[[], Any], before: StepState, *,
     Raises:
         Whatever step_fn raises (the state is put back first).
     """
-    after = StepState._capture(before.params, before.buffers, values=True, grads=True)
+    after = StepState._capture(before.params, before.buffer_slots, values=True, grads=True)
     before.restore()
     region = locate(action="record", dump=dump)
     try:
