@@ -276,6 +276,38 @@ def test_a_dirty_validation_batch_inside_an_accumulation_window_skips_no_trainin
         assert torch.equal(a, b), name  # bit for bit: every training step was applied as without the watch
 
 
+class DirtyValidationThroughSubmodule(DirtyValidation):
+    """Validates through its submodule (self.net(x)), as many LightningModules do, and trains through its
+    own forward, as the callback's docs recommend."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_dirty_validation_batch_through_a_submodule_skips_no_training_step(tmp_path, accumulate):
+    """The model's own forward never ran in validation, so nothing told its checks from the training
+    step's: the next, healthy step was skipped (a raise watch stopped fit()), without a word (a probe,
+    session 41). The submodules' records are now that evaluation's (NOTE: [Submodules called outside
+    the model's forward])."""
+    options = dict(steps=6, accumulate_grad_batches=accumulate, val_check_interval=3, limit_val_batches=2,
+                   num_sanity_val_steps=0)
+    plain = DirtyValidationThroughSubmodule()
+    trainer(tmp_path / "plain", [], **options).fit(plain)
+    module, callback = DirtyValidationThroughSubmodule(), NanfastCallback(action="skip")
+    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
+        trainer(tmp_path / "watched", [callback], **options).fit(module)
+    w = callback.watch
+    assert w.skipped_steps == 0 and w.step_count == 6 and w.events
+    assert all(e.evaluation and e.phase == "forward" and e.name == "net.0" for e in w.events)
+    for (name, a), b in zip(module.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_loss_goes_to_watch_loss(tmp_path):
     class NaNLoss(Regression):
         def training_step(self, batch, batch_idx):

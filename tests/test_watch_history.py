@@ -129,13 +129,14 @@ def test_loss_mean_equals_the_float64_mean_with_no_graph_and_no_host_read(index)
     assert math.copysign(1, mean.item()) == math.copysign(1, expected.item())  # zero's sign as ATen's (-0 gives +0)
 
 
-def test_loss_mean_of_a_tensor_subclass_is_the_subclass_own_mean():
-    # A wrapper subclass's own storage holds no values: its mean must come from its __torch_dispatch__.
+def test_loss_mean_of_a_tensor_subclass_is_the_mean_of_the_values_it_holds():
+    # A wrapper subclass's own storage holds no values. Its own mean (a TwoTensor) went into the step's
+    # summary, which no read could turn into numbers: the step failed (session 41). The mean is taken
+    # over the plain tensors it holds (NOTE: [Tensor subclasses read through their plain tensors]).
     from torch.testing._internal.two_tensor import TwoTensor
 
     mean = nanfast._C.loss_mean(TwoTensor(torch.tensor(1.5), torch.tensor(-2.5)))
-    assert type(mean) is TwoTensor and (mean.a.item(), mean.b.item()) == (1.5, -2.5)
-    assert mean.dtype == torch.float64
+    assert type(mean) is torch.Tensor and mean.dtype == torch.float64 and mean.item() == -0.5
 
 
 def test_loss_mean_rejects_a_value_that_is_not_floating():

@@ -485,6 +485,50 @@ def test_an_evaluation_forward_raises_there_in_a_raising_watch():
     assert [(e.step, e.evaluation) for e in w.events] == [(1, True)] and w.step_count == 2
 
 
+class Wrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("action", ["skip", "raise"])
+def test_an_evaluation_through_a_submodule_is_its_own_event(action):
+    """A validation pass through model.net(x) (eval mode, no gradients) between optimizer steps: the
+    model's own forward never ran, so its records went into the next step, which a dirty batch then
+    skipped (or stopped at its optimizer step), without a word (a probe, session 41). They are read as
+    an evaluation's when the next training forward begins (NOTE: [Submodules called outside the model's
+    forward]): a raise watch raises there, naming the evaluation, and the training step goes on healthy."""
+    torch.manual_seed(0)
+    model, plain = Wrapped(), Wrapped()
+    plain.load_state_dict(model.state_dict())
+    opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    raised = []
+    with nanfast.watch(model, opt, action=action) as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a skip watch's: an evaluation has no step to skip
+        for s in range(3):
+            for m, o in ((model, opt), (plain, plain_opt)):
+                o.zero_grad()
+                try:
+                    out = m(batch(seed=s)[0][:, :4])
+                except nanfast.NonFiniteError as e:
+                    raised.append((s, e.report.evaluation))
+                    out = m(batch(seed=s)[0][:, :4])
+                F.mse_loss(out, batch(seed=s)[1][:, :1]).backward()
+                o.step()
+            if s == 1:
+                model.eval()
+                with torch.no_grad():
+                    model.net(torch.full((2, 4), NAN))
+                model.train()
+    assert [(e.step, e.phase, e.name, e.evaluation) for e in w.events] == [(2, "forward", "net.0", True)]
+    assert w.skipped_steps == 0 and w.step_count == 3
+    assert raised == ([(2, True)] if action == "raise" else [])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
 def test_a_forward_without_gradients_in_train_mode_stays_in_the_step():
     """A GAN's generator run under no_grad for its discriminator's step, PPO's old log-probabilities: in
     train mode, before the training forward, part of the step as before: no read of its own, and a NaN

@@ -80,18 +80,35 @@ class ModuleHooks {
  public:
   // recorder: the watch's WatchRecorder, called directly; walk(obj): the floating tensors of an object
   // plain_floating_tensors declines (the container walker); recomputation(): None, "reentrant" or
-  // "unpack" (nanfast/recompute.py).
-  ModuleHooks(py::object recorder, py::object walk, py::object recomputation, bool check_grads)
+  // "unpack" (nanfast/recompute.py); outside(grad_enabled): see NOTE: [Submodules called outside the
+  // model's forward].
+  ModuleHooks(py::object recorder, py::object walk, py::object recomputation, py::object outside, bool check_grads)
       : recorder_object_(std::move(recorder)),
         recorder_(recorder_object_.cast<WatchRecorder&>()),
         walk_(std::move(walk)),
         recomputation_(std::move(recomputation)),
+        outside_(std::move(outside)),
         check_grads_(check_grads) {}
 
   // A module's forward pre-hook.
   void before_module(py::handle site, py::handle args) {
     if (!active) {
       return;
+    }
+    // NOTE: [Submodules called outside the model's forward]
+    // A loop may call a submodule of the watched model without the model's own forward (a Lightning
+    // validation_step running self.net(x)): an evaluation the model's hooks never see. Its records went
+    // into the next training step, which a dirty validation batch then skipped or stopped. So the first
+    // hooked call outside the model's forward, and each one after that whose grad mode differs from the
+    // last one's, tells the watch (outside(grad_enabled): one Python call per change, none per module
+    // call). Calls without gradients in an evaluation (Hooks._outside_forward) are read as one
+    // evaluation when the model's forward, a call with gradients, a validation loss or the step's end
+    // comes. (Not at each return: the hooked calls of self.net(x) follow one another, a plain
+    // nn.Sequential being unhooked, and none of them is known to be the last.)
+    if (!in_forward && (!outside_open || at::GradMode::is_enabled() != outside_grad_)) {
+      outside_open = true;
+      outside_grad_ = at::GradMode::is_enabled();
+      outside_(outside_grad_);
     }
     const Recomputed recomputed = recomputation();
     if (recomputed != Recomputed::kUnpack) {
@@ -174,9 +191,17 @@ class ModuleHooks {
     forget();
     slots = std::move(step_slots);
     active = checked;
+    leave_outside();
+  }
+
+  // The model's forward begins, or a step: calls outside the forward start afresh.
+  void leave_outside() {
+    outside_open = false;
   }
 
   bool active = false;     // this step is checked and the hooks are on
+  bool in_forward = false;    // the model's own forward is running
+  bool outside_open = false;  // calls outside it were told of (NOTE: [Submodules called outside the model's forward])
   int64_t forward_id = 0;  // numbers the model's forwards (a site's calls count within one)
   int64_t microbatch = 0;  // of the forward running
   py::list slots;          // the Step's: (phase, site, call, microbatch) by slot id
@@ -228,7 +253,9 @@ class ModuleHooks {
   WatchRecorder& recorder_;
   const py::object walk_;
   const py::object recomputation_;
+  const py::object outside_;
   const bool check_grads_;
+  bool outside_grad_ = false;  // the grad mode of the calls outside the forward told of last
   at::Tensor last_output_;  // kept alive until forget_last(), as its identity is what is compared
   int64_t last_version_ = -1;
   bool last_recorded_ = false;
@@ -250,8 +277,8 @@ void bind_module_hooks(py::module_& m) {
       .def_readwrite("forward_id", &Site::forward_id);
   py::class_<ModuleHooks>(m, "ModuleHooks",
                           "What nanfast.watch's module hooks do at each call (see NOTE: [Module hooks in C++]).")
-      .def(py::init<py::object, py::object, py::object, bool>(), py::arg("recorder"), py::arg("walk"),
-           py::arg("recomputation"), py::arg("check_grads"))
+      .def(py::init<py::object, py::object, py::object, py::object, bool>(), py::arg("recorder"), py::arg("walk"),
+           py::arg("recomputation"), py::arg("outside"), py::arg("check_grads"))
       .def("before_module", &ModuleHooks::before_module, py::arg("site"), py::arg("args"))
       .def("after_module", &ModuleHooks::after_module, py::arg("site"), py::arg("output"))
       .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
@@ -261,6 +288,8 @@ void bind_module_hooks(py::module_& m) {
       .def("forget", &ModuleHooks::forget)
       .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("checked"))
       .def_readwrite("active", &ModuleHooks::active)
+      .def_readwrite("in_forward", &ModuleHooks::in_forward)
+      .def("leave_outside", &ModuleHooks::leave_outside)
       .def_readwrite("forward_id", &ModuleHooks::forward_id)
       .def_readwrite("microbatch", &ModuleHooks::microbatch)
       .def_readwrite("slots", &ModuleHooks::slots);

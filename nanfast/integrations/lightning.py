@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
+from ..watcher.actions import RanClosure
 from .common import OwnsWatch, metrics, missing_extra
 
 try:
@@ -109,7 +110,7 @@ def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     step pre-hooks, so the watch would read the step before its forward ran (and refuses to skip such a
     step). Every torch optimizer but LBFGS calls the closure once, first thing in step(), under
     enable_grad: running it here, before the watch's pre-hook, and handing step() a closure that only
-    returns what it returned (a `watcher.RanClosure`, which the watch does not take for a forward yet to
+    returns what it returned (a `RanClosure`, which the watch does not take for a forward yet to
     run), changes nothing else. The watch sees a complete step, as in a plain loop, and step() still
     returns the closure's loss (manual optimization reads it: `loss = opt.step(closure=closure)`).
 
@@ -126,8 +127,8 @@ def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
         closure, args = args[1], args[:1] + args[2:]
     else:
         return None
-    if isinstance(closure, watcher.RanClosure):
+    if isinstance(closure, RanClosure):
         return None
     with torch.enable_grad():
         result = closure()
-    return args, {**kwargs, "closure": watcher.RanClosure(result)}
+    return args, {**kwargs, "closure": RanClosure(result)}

@@ -16,13 +16,13 @@ from .. import _C, distributed
 from ..check import uncompiled
 from ..recompute import recomputation
 from . import agree, scaler_hook
-from .actions import Actions, RanClosure
+from .actions import Actions
 from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
 from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
-from .hooks import Hooks, walked_floating_tensors
+from .hooks import Hooks, weakly_bound, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
                       unknown_options, validate)
@@ -134,7 +134,9 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if self.fuse else 0)
         self._pass_op = self._recorder.stats_with_deferred if self.fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
-        self._hooks = _C.ModuleHooks(self._recorder, walked_floating_tensors, recomputation, self._check_grads)
+        self._hooks = _C.ModuleHooks(self._recorder, walked_floating_tensors, recomputation,
+                                     weakly_bound(self, "_outside_forward"), self._check_grads)
+        self._outside_evaluation: Optional[int] = None  # see NOTE: [Submodules called outside the model's forward]
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
         self._loss_sites: dict[str, Any] = {}

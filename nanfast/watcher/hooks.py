@@ -44,7 +44,7 @@ def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> It
             yield name, module
 
 
-def _weakly(obj: Any, method: str) -> Any:
+def weakly_bound(obj: Any, method: str) -> Any:
     """obj.method, called through a weak reference to obj: a no-op once obj is gone (the function stays
     behind, a few bytes, as removing a global hook from inside one could break torch's loop over them)."""
     ref = weakref.ref(obj)
@@ -119,7 +119,7 @@ class Hooks:
                                                          always_call=True))
         self._follow_model()
         # Global hooks: they hold the watch weakly, or a watch never removed would keep its model alive.
-        registered = _weakly(self, "_registered")
+        registered = weakly_bound(self, "_registered")
         for register in (torch.nn.modules.module.register_module_module_registration_hook,
                          torch.nn.modules.module.register_module_buffer_registration_hook):
             self._handles.append(register(registered))
@@ -235,10 +235,13 @@ class Hooks:
         if not self._active or torch.compiler.is_compiling():
             return value
         evaluating = self._evaluating()  # a validation loss: its own read, not the next step's (see the NOTE)
+        if evaluating and self._outside_evaluation is not None:  # read with the submodules' records before it
+            first, self._outside_evaluation = self._outside_evaluation, None
+        else:
+            first = len(self._step.slots)
         if self._keeps_losses and value.is_floating_point() and not evaluating:
             # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops])
             self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
-        first = len(self._step.slots)
         if self._check_loss:
             site = self._loss_sites.get(name)
             if site is None:
@@ -246,9 +249,25 @@ class Hooks:
             tensors = floating_tensors(value)
             if tensors and not site.ignored:
                 self._record("loss_value", site, 1, tensors)
-        if evaluating and self._step.slots:  # nothing recorded (loss=False, ignored): nothing to read
+        if evaluating and len(self._step.slots) > first:  # nothing recorded (loss=False, ignored): nothing to read
             self._end_evaluation(first, None)
         return value
+
+    def _outside_forward(self, grad: bool) -> None:
+        """Called by ModuleHooks when hooked submodules run outside the model's forward, at the first such
+        call and whenever the grad mode of such calls changes (NOTE: [Submodules called outside the
+        model's forward], module_hooks.cpp): the evaluation they ended is read, and calls without
+        gradients in an evaluation (an optimizer, the model in eval mode) begin one."""
+        self._end_outside_evaluation()
+        if not grad and self._evaluating():
+            self._outside_evaluation = len(self._step.slots)
+
+    def _end_outside_evaluation(self) -> None:
+        """Reads the records of submodules run outside the model's forward in an evaluation, if any, as
+        that evaluation's (see _outside_forward)."""
+        first, self._outside_evaluation = self._outside_evaluation, None
+        if first is not None:
+            self._end_evaluation(first, None)
 
     def _evaluating(self) -> bool:
         """Whether what runs now is an evaluation (see NOTE: [Evaluation forwards between optimizer steps]
@@ -270,6 +289,9 @@ class Hooks:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
         self._drop_failed_backward()
+        self._end_outside_evaluation()
+        self._hooks.leave_outside()
+        self._hooks.in_forward = True
         grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
         if self._steps.unended(grad, has_optimizer):
             self._reset_step()  # see NOTE: [Steps that never end]
@@ -305,6 +327,7 @@ class Hooks:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
         forward = self._steps.end_forward()
+        self._hooks.in_forward = False
         if self._active:
             if self._check_loss:
                 if self._hooks.check_output("forward", self._root, output):
@@ -333,6 +356,7 @@ class Hooks:
             self._end_evaluation(*((forward.first_slot, forward.microbatch) if forward is not None else (0, None)))
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._hooks.in_forward = False
         forward = self._steps.end_forward()
         if forward is not None and not torch.compiler.is_compiling():
             self._drop_forward(forward)

@@ -106,9 +106,12 @@ class StepEnd:
         forwards between optimizer steps])."""
         self._skip_now = False
         self._drop_failed_backward()
+        if not evaluation:
+            self._end_outside_evaluation()
         forward_began_undo, self._undo_by_forward = self._undo_by_forward, False
         read = None
-        self._steps.step_ends(self._step.forwards, self._step.slots, self.step_count, self.model)
+        if not evaluation:  # an evaluation through a submodule is no training step run outside the forward
+            self._steps.step_ends(self._step.forwards, self._step.slots, self.step_count, self.model)
         if self._active:
             fused = None
             if fused_pass and (self._check_params or self._check_grads):
@@ -152,7 +155,7 @@ class StepEnd:
     def _end_evaluation(self, first_slot: int, microbatch: Optional[int]) -> None:
         """Reads an evaluation's checks at once: those of slots `first_slot` on, recorded by the forward
         of `microbatch` (None: a loss alone) (see NOTE: [Evaluation forwards between optimizer steps])."""
-        if self._steps.grad_forwards == 0:
+        if self._steps.grad_forwards == 0 and first_slot == 0:  # the step holds nothing else
             self._end_step(fused_pass=False, evaluation=True)
             return
         # NOTE: [An evaluation inside a training step]
