@@ -356,10 +356,11 @@ class Hooks:
             self._end_evaluation(*((forward.first_slot, forward.microbatch) if forward is not None else (0, None)))
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._hooks.in_forward = False
         forward = self._steps.end_forward()
-        if forward is not None and not torch.compiler.is_compiling():
-            self._drop_forward(forward)
+        if not torch.compiler.is_compiling():
+            self._hooks.in_forward = False
+            if forward is not None:
+                self._drop_forward(forward)
 
     def _drop_failed_backward(self) -> None:
         # See NOTE: [A backward that raised].
