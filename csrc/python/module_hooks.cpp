@@ -191,11 +191,12 @@ class ModuleHooks {
     forget();
     slots = std::move(step_slots);
     active = checked;
-    leave_outside();
+    outside_open = false;
   }
 
-  // The model's forward begins, or a step: calls outside the forward start afresh.
-  void leave_outside() {
+  // The model's forward begins: calls outside it after it start afresh.
+  void enter_forward() {
+    in_forward = true;
     outside_open = false;
   }
 
@@ -289,7 +290,7 @@ void bind_module_hooks(py::module_& m) {
       .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("checked"))
       .def_readwrite("active", &ModuleHooks::active)
       .def_readwrite("in_forward", &ModuleHooks::in_forward)
-      .def("leave_outside", &ModuleHooks::leave_outside)
+      .def("enter_forward", &ModuleHooks::enter_forward)
       .def_readwrite("forward_id", &ModuleHooks::forward_id)
       .def_readwrite("microbatch", &ModuleHooks::microbatch)
       .def_readwrite("slots", &ModuleHooks::slots);

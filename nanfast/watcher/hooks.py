@@ -289,9 +289,9 @@ class Hooks:
         if torch.compiler.is_compiling() or recomputation() is not None:
             return
         self._drop_failed_backward()
-        self._end_outside_evaluation()
-        self._hooks.leave_outside()
-        self._hooks.in_forward = True
+        if self._outside_evaluation is not None:
+            self._end_outside_evaluation()
+        self._hooks.enter_forward()
         grad, has_optimizer = torch.is_grad_enabled(), self.optimizer is not None
         if self._steps.unended(grad, has_optimizer):
             self._reset_step()  # see NOTE: [Steps that never end]

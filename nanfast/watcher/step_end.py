@@ -106,7 +106,7 @@ class StepEnd:
         forwards between optimizer steps])."""
         self._skip_now = False
         self._drop_failed_backward()
-        if not evaluation:
+        if self._outside_evaluation is not None and not evaluation:
             self._end_outside_evaluation()
         forward_began_undo, self._undo_by_forward = self._undo_by_forward, False
         read = None
