@@ -251,6 +251,48 @@ def _index_shards(path: str) -> Union[list[str], FileScan]:
     return [os.path.join(os.path.dirname(path), shard) for shard in shards]
 
 
+def indexes_of(path: str) -> list[str]:
+    """The sharded checkpoints' indexes (*.index.json) `path` names: itself, or those directly in a
+    directory."""
+    if path.endswith(".index.json") and os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path) and not is_dcp_directory(path):
+        return sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".index.json"))
+    return []
+
+
+def index_gaps(index: str, scans: dict[str, FileScan]) -> Optional[FileScan]:
+    """The tensors a sharded checkpoint's index lists in a .safetensors shard that the shard does not
+    hold (a shard rewritten or copied from another save: transformers then fails on missing keys), as
+    the index's FileScan ("incomplete", each one not checked); None when every one is there.
+
+    Only .safetensors shards are compared: each of their tensors is stored under its own name, where a
+    torch.save shard holds tied weights once (the scan names the first of them). A shard that is
+    missing or could not be read is reported by its own FileScan.
+
+    Args:
+        index: the index's path.
+        scans: the FileScans of the shards, by path.
+
+    Returns:
+        The index's FileScan for what is missing, or None."""
+    shards = _index_shards(index)
+    if not isinstance(shards, list):
+        return None  # reported by checkpoint_files
+    with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    found: dict[str, set[str]] = {}
+    for shard in shards:
+        scan = scans.get(shard)
+        if shard.endswith(".safetensors") and scan is not None and scan.report is not None:
+            found[shard] = {e.name for e in scan.report.entries} | {name for name, _ in scan.not_checked}
+    base = os.path.dirname(index)
+    missing = tuple((name, f"listed in the index for {shard}, which does not hold it")
+                    for name, shard in weight_map.items()
+                    if os.path.join(base, shard) in found and name not in found[os.path.join(base, shard)])
+    return FileScan(index, "incomplete", Report(()), not_checked=missing) if missing else None
+
+
 def exit_code(scans: list[FileScan]) -> int:
     """2 if any file could not be read whole (this dominates), else 1 if any holds NaN/inf, else 0 (an
     empty file too: read whole, it holds nothing non-finite)."""
@@ -274,7 +316,7 @@ def format_scan(scan: FileScan) -> str:
                    f"{first_few(list(scan.stand_ins), MAX_NAMED_IN_MESSAGE)}")
     tensors = "1 tensor" if report.num_tensors == 1 else f"{report.num_tensors} tensors"
     head = f"{scan.path}: {tensors}, {report.num_elements:,} elements"
-    if scan.status == "empty":
+    if scan.status == "empty" or (scan.status == "incomplete" and report.num_tensors == 0):  # an index's gaps
         return f"{scan.path}: no tensors in it: nothing checked{missed}"
     if report.ok:
         return f"{head} checked: no NaN/inf{missed}" if scan.not_checked else f"{head}: clean{missed}"

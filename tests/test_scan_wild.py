@@ -1,7 +1,8 @@
 """`nanfast scan` on what other tools and real directories leave behind, found by probing in session 37:
 numpy scalars (a saved `np.mean(losses)`), pickles of protocol 2 (torch.save's default) that name code
 by its Python 2 module names, directories with entries that cannot be read or shards that are missing,
-and TorchScript archives (NOTE: [TorchScript archives])."""
+TorchScript archives (NOTE: [TorchScript archives]), and (session 41) an index listing a tensor its
+shard lacks."""
 
 from __future__ import annotations
 
@@ -243,3 +244,32 @@ def test_a_file_too_large_for_memory_is_called_so_not_damaged(capsys, tmp_path, 
     code, out = run_scan(capsys, path)
     assert code == 2 and "memory is too small to read it" in out and "damaged" not in out
     assert scan.first_sentence(MemoryError()) == "no message"
+
+
+def test_a_tensor_the_index_lists_but_its_shard_lacks_is_reported(capsys, tmp_path, monkeypatch):
+    """A sharded save_pretrained checkpoint whose shard was rewritten without one of its tensors (an
+    edited or mixed-up copy: transformers then fails on missing keys) scanned clean, exit 0: every tensor
+    the shards held was read, and what the index promised was never compared (session 41). The real
+    writer's healthy checkpoint adds nothing."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                 n_positions=16))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1  # really sharded
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 0 and "index.json" not in out
+    name, shard = next((n, s) for n, s in weight_map.items() if n.endswith("attn.c_attn.weight"))
+    tensors = load_file(tmp_path / shard)
+    del tensors[name]
+    save_file(tensors, tmp_path / shard, metadata={"format": "pt"})
+    for target in (tmp_path, index):
+        code, out = run_scan(capsys, target)
+        assert code == 2, out
+        assert f"{index}: no tensors in it: nothing checked; 1 not checked: '{name}' (listed in the index for " \
+               f"{shard}, which does not hold it)" in out

@@ -9,7 +9,7 @@ import json
 import os
 
 from ..progress import byte_progress
-from ..scan import FileScan, checkpoint_files, exit_code, format_scan, scan_file
+from ..scan import FileScan, checkpoint_files, exit_code, format_scan, index_gaps, indexes_of, scan_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,11 @@ def _scan_all(args: list[str]) -> list[FileScan]:
                 scans.append(files)
             else:
                 scans += [_scan_one(path, bar) for path in files]
+    by_path = {s.path: s for s in scans}
+    for index in dict.fromkeys(i for arg in args for i in indexes_of(arg)):
+        gaps = index_gaps(index, by_path)
+        if gaps is not None:
+            scans.append(gaps)
     return scans
 
 
