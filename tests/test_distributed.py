@@ -321,7 +321,12 @@ def tensor_parallel_watch(rank, mesh):
     the column-wise output kept a DTensor): its modules' outputs and their gradients are DTensors, which
     the watch's records refused inside the hook ("nanfast.stats.default does not have a sharding
     strategy registered"): a healthy model stopped at its first forward. At step 2 rank 0 writes a NaN
-    into its shard of `up`'s output (a hook that runs before the watch's)."""
+    into its shard of `up`'s output (a hook that runs before the watch's). Each record read at once and
+    fused (fuse=True, the GPU default)."""
+    return {fuse: _tensor_parallel_training(rank, mesh, fuse) for fuse in (False, True)}
+
+
+def _tensor_parallel_training(rank, mesh, fuse):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
@@ -340,7 +345,7 @@ def tensor_parallel_watch(rank, mesh):
 
     model.up.register_forward_hook(plant)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    w = nanfast.watch(model, optimizer)
+    w = nanfast.watch(model, optimizer, fuse=fuse)
     gen = torch.Generator().manual_seed(0)  # the same batch on both ranks, as tensor parallelism needs
     record = {"raised": [], "outputs": outputs, "grad_norms": []}
     for step in range(4):
@@ -599,7 +604,9 @@ def test_a_tensor_parallel_models_dtensor_activations_are_watched(ranks):
     in the watch's records]): healthy steps pass on both ranks, and rank 0's NaN in its shard of `up`'s
     output is reported by both ranks at that step, named there."""
     results = _results(ranks, tensor_parallel_watch)
-    for r in results:
-        assert r["outputs"] == ["DTensor"] * 4  # what the watch was given really is a DTensor
-        assert r["raised"] == [(2, 0, "forward", "up")]
-        assert len(r["grad_norms"]) == 3 and all(math.isfinite(n) and n > 0 for n in r["grad_norms"])
+    for by_fuse in results:
+        for r in by_fuse.values():
+            assert r["outputs"] == ["DTensor"] * 4  # what the watch was given really is a DTensor
+            assert r["raised"] == [(2, 0, "forward", "up")]
+            assert len(r["grad_norms"]) == 3 and all(math.isfinite(n) and n > 0 for n in r["grad_norms"])
+        assert by_fuse[False]["grad_norms"] == pytest.approx(by_fuse[True]["grad_norms"], rel=1e-6)

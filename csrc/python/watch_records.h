@@ -1,6 +1,7 @@
 #pragma once
 // The counts of one watched step, in execution order (Records): what nanfast._C.WatchRecorder
 // (watch_recorder.cpp) and its gradient checks append to, and what the watch takes once per step.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <limits>
@@ -124,7 +125,11 @@ struct Records {
   // Appends the counts of `tensors` as slot `slot`, the -inf of rows `masks` not counted; `grad_check`:
   // called by a gradient check.
   void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {}) {
-    if (fuse_bytes > 0) {
+    // A tensor subclass is read at once (stats_on takes the GIL for it: NOTE: [Tensor subclasses read
+    // through their plain tensors]), not deferred to a flush that holds `mutex`.
+    const bool subclass = std::any_of(tensors.begin(), tensors.end(),
+                                      [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_python_dispatch(); });
+    if (fuse_bytes > 0 && !subclass) {
       defer(tensors, slot, std::move(masks));
       return;
     }
