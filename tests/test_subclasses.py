@@ -1,8 +1,9 @@
 """Tensor subclasses that hold their values in plain tensors (a DTensor's local shard, a wrapper such as
 torch's TwoTensor or a quantized weight), and FakeTensors, which hold none: the watch and check_all read
 the former through their plain tensors (NOTE: [Tensor subclasses read through their plain tensors] in
-csrc/python/module.cpp) and refuse the latter by name. The DTensor activations of a tensor-parallel model
-are tested on two real ranks in test_distributed.py."""
+csrc/python/module.cpp) and refuse the latter by name; inside torch.func transforms, whose wrappers hold
+no storage, the watch stands down. The DTensor activations of a tensor-parallel model are tested on two
+real ranks in test_distributed.py."""
 
 import inspect
 import warnings
@@ -120,3 +121,45 @@ def test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors():
     first = test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors.__code__.co_firstlineno
     marker = first + next(i for i, text in enumerate(source) if text.endswith("# the half holding -1"))
     assert (finding.where.filename, finding.where.lineno) == (__file__, marker)
+
+
+def test_the_watch_stands_down_inside_torch_func_transforms():
+    """Per-sample gradients (vmap(grad) over functional_call, as Opacus-style training computes them),
+    torch.func.grad, jvp and vmap'd inference of a watched model raised ("Batching rule not implemented
+    for nanfast::stats", "Cannot access data pointer of Tensor that doesn't have storage"; a probe,
+    session 41). The hooks stand down inside a transform (NOTE: [The watch under torch.func]); the
+    per-sample gradients' mean, put into .grad, is checked by the step's pass, and a plain step after it
+    is watched as usual."""
+    from torch.func import functional_call, grad, jvp, vmap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi, yi):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    expected = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    w = nanfast.watch(model, optimizer, action="skip")
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    assert all(torch.equal(per_sample[k], expected[k]) for k in expected)
+    grad(loss)(params, x[0], y[0])
+    jvp(model, (x,), (torch.ones_like(x),))
+    with torch.no_grad():
+        vmap(lambda xi: functional_call(model, params, (xi,)))(x[:, None])
+    for p in model.parameters():  # the per-sample gradients' mean, one of them made inf
+        p.grad = per_sample[[k for k, q in model.named_parameters() if q is p][0]].mean(0)
+    model[2].bias.grad[0] = INF
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning
+        optimizer.step()
+    assert [(e.step, e.phase, e.name) for e in w.events] == [(0, "grad", "2.bias")] and w.skipped_steps == 1
+    optimizer.zero_grad()
+    model(x * NAN).sum().backward()  # a plain step after them is watched as usual
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        optimizer.step()
+    assert [(e.step, e.phase) for e in w.events][1:] == [(1, "input")]
+    w.remove()

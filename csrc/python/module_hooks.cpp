@@ -3,6 +3,7 @@
 #include <string>
 #include <utility>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -92,7 +93,7 @@ class ModuleHooks {
 
   // A module's forward pre-hook.
   void before_module(py::handle site, py::handle args) {
-    if (!active) {
+    if (!active || transformed()) {
       return;
     }
     // NOTE: [Submodules called outside the model's forward]
@@ -118,7 +119,7 @@ class ModuleHooks {
 
   // A module's forward hook.
   void after_module(py::handle site, py::handle output) {
-    if (active && recomputation() == Recomputed::kNo) {
+    if (active && !transformed() && recomputation() == Recomputed::kNo) {
       check_output(kForward, site, output);
     }
   }
@@ -216,6 +217,13 @@ class ModuleHooks {
     last_output_.reset();
     last_version_ = -1;
     last_recorded_ = false;
+  }
+
+  // Whether a torch.func transform is running (see NOTE: [The watch under torch.func] in
+  // nanfast/watcher/hooks.py): functorch includes its front-mode key in the thread's dispatch keys
+  // while a level is on its stack, one thread-local read.
+  static bool transformed() {
+    return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
   }
 
   Recomputed recomputation() const {

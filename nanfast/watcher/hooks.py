@@ -22,6 +22,19 @@ from .options import SKIPPING, ignored
 from .owned_hook import OwnedHook
 
 
+def transformed() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, functionalize) is running: the watch's hooks
+    then do nothing (NOTE: [The watch under torch.func])."""
+    # NOTE: [The watch under torch.func]
+    # Inside torch.func.grad, vmap or jvp, a module's outputs and gradients are functorch's wrappers of
+    # the transform's level (no storage; vmap's batched tensors, which the fused op has no batching rule
+    # for): a watched model raised under per-sample gradients (vmap(grad)), MAML-style grad and vmap'd
+    # inference, healthy or not. As under torch.compile, the hooks stand down there; what a transform
+    # leaves in the parameters' gradients (a per-sample gradient's mean assigned to .grad) is checked
+    # by the step's pass, outside the transform.
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
     """The floating and complex strided tensors in obj: a module's usual arguments and outputs (a
     tensor, a tuple of tensors and None) by a C++ fast path (two calls per hooked module call), anything
@@ -232,7 +245,7 @@ class Hooks:
         if not (value.is_floating_point() or value.is_complex()):
             raise TypeError(f"Watch.loss: value must be a floating tensor (the loss before .item() or .long()), "
                             f"got one of {value.dtype}")
-        if not self._active or torch.compiler.is_compiling():
+        if not self._active or torch.compiler.is_compiling() or transformed():
             return value
         evaluating = self._evaluating()  # a validation loss: its own read, not the next step's (see the NOTE)
         if evaluating and self._outside_evaluation is not None:  # read with the submodules' records before it
@@ -286,7 +299,7 @@ class Hooks:
     # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling() or recomputation() is not None:
+        if torch.compiler.is_compiling() or recomputation() is not None or transformed():
             return
         self._drop_failed_backward()
         if self._outside_evaluation is not None:
@@ -324,7 +337,7 @@ class Hooks:
         hooks.enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
-        if torch.compiler.is_compiling() or recomputation() is not None:
+        if torch.compiler.is_compiling() or recomputation() is not None or transformed():
             return
         forward = self._steps.end_forward()
         self._hooks.in_forward = False
@@ -356,11 +369,12 @@ class Hooks:
             self._end_evaluation(*((forward.first_slot, forward.microbatch) if forward is not None else (0, None)))
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling() or transformed():
+            return
         forward = self._steps.end_forward()
-        if not torch.compiler.is_compiling():
-            self._hooks.in_forward = False
-            if forward is not None:
-                self._drop_forward(forward)
+        self._hooks.in_forward = False
+        if forward is not None:
+            self._drop_forward(forward)
 
     def _drop_failed_backward(self) -> None:
         # See NOTE: [A backward that raised].
