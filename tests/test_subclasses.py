@@ -163,3 +163,28 @@ def test_the_watch_stands_down_inside_torch_func_transforms():
         optimizer.step()
     assert [(e.step, e.phase) for e in w.events][1:] == [(1, "input")]
     w.remove()
+
+
+def test_a_transformer_encoders_nested_fast_path_is_watched():
+    """nn.TransformerEncoder in eval with a padding mask (enable_nested_tensor, its default) passes strided
+    nested tensors between its layers: their checks raised "Could not run 'nanfast::stats' with arguments
+    from the 'NestedTensorCPU' backend" (a probe, session 41). Each is read through its components: the
+    output is as without the watch, and a NaN in an unpadded token is seen in the input, then in the
+    first layer's attention (a nested tensor)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2)
+    x = torch.randn(3, 10, 32)
+    pad = torch.zeros(3, 10, dtype=torch.bool)
+    pad[1, 6:] = True
+    encoder.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "nested tensors are in prototype stage"
+        expected = encoder(x, src_key_padding_mask=pad)
+        w = nanfast.watch(encoder, action="warn")
+        assert torch.equal(encoder(x, src_key_padding_mask=pad), expected) and w.events == []
+        x[0, 2, 5] = NAN
+        with pytest.warns(RuntimeWarning, match="the input batch is dirty: src"):
+            encoder(x, src_key_padding_mask=pad)
+    [event] = w.events
+    assert event.phase == "input" and event.later[0].name == "layers.0.self_attn" and event.later[0].nan > 0
+    w.remove()

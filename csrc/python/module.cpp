@@ -110,16 +110,28 @@ const StatsOp& stats_op() {
 // __tensor_flatten__ names, recursively, and merges their rows back into the tensor's one (merge_rows):
 // a DTensor's local shard gives this rank's values (a Partial shard with a NaN or inf makes the sum
 // non-finite too; reading the reduced value would be a collective inside a hook). A subclass without
-// __tensor_flatten__ names nothing to read: its row counts nothing, with a warning. A plain tensor
-// costs one bit test; only a subclass takes the GIL, from a backward thread too.
+// __tensor_flatten__ names nothing to read: its row counts nothing, with a warning. A strided nested
+// tensor (nn.TransformerEncoder's fast path in eval with a padding mask passes them between its layers)
+// is read through its components the same way. A plain tensor costs two bit tests; only a Python
+// subclass takes the GIL, from a backward thread too.
 namespace {
 
 bool floating_strided(const at::Tensor& t) {
   return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.layout() == at::kStrided;
 }
 
+bool python_subclass(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
 void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
-  if (!t.unsafeGetTensorImpl()->is_python_dispatch()) {
+  if (t.is_nested() && !python_subclass(t)) {  // a strided nested tensor: its components
+    for (const at::Tensor& component : t.unbind(0)) {
+      append_plain(component, owner, out, owners);
+    }
+    return;
+  }
+  if (!python_subclass(t)) {
     out.push_back(t);
     owners.push_back(owner);
     return;
@@ -142,11 +154,14 @@ void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& o
 }  // namespace
 
 bool plain_parts(at::TensorList tensors, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
-  if (std::none_of(tensors.begin(), tensors.end(),
-                   [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_python_dispatch(); })) {
+  if (std::none_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return python_subclass(t) || t.is_nested(); })) {
     return false;
   }
-  const py::gil_scoped_acquire gil;
+  std::optional<py::gil_scoped_acquire> gil;
+  if (std::any_of(tensors.begin(), tensors.end(), python_subclass)) {
+    gil.emplace();
+  }
+  const c10::AutoGradMode no_grad(false);  // a nested tensor's components: views, no graph
   for (size_t i = 0; i < tensors.size(); ++i) {
     append_plain(tensors[i], static_cast<int64_t>(i), out, owners);
   }
