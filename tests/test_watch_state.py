@@ -710,6 +710,32 @@ def test_submodules_run_without_the_models_forward_are_named_once():
     w.remove()
 
 
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_submodule_calls_outside_the_forward_are_numbered_from_one_each_step(evaluation):
+    """Calls outside the model's forward kept counting from the last forward's: a dirty batch through the
+    submodules at step 2 was named "call 3" (training) or "call 2" (an evaluation after a training step),
+    though each module ran once (a probe, session 41)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the outside-forward warning, the skip's
+        for s in range(3):
+            opt.zero_grad()
+            x, y = batch(seed=s)
+            if s == 2 and evaluation:
+                model.eval()
+                with torch.no_grad():
+                    model.l2(model.act(model.l1(x * NAN)))
+                model.train()
+            F.mse_loss(model.l2(model.act(model.l1(x * (NAN if s == 2 and not evaluation else 1.0)))), y).backward()
+            opt.step()
+    [event] = w.events
+    assert (event.first.name, event.first.call, event.evaluation) == ("l1", 1, evaluation)
+    w.remove()
+
+
 def test_a_validation_pass_without_no_grad_is_named_as_such():
     """A validation loop in eval mode that forgot torch.no_grad() is, for the watch, training (fine-tuning
     in eval mode trains so): its dirty batch makes the next step bad. The event said nothing of it."""

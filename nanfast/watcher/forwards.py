@@ -40,10 +40,11 @@ UNSEEN_OPTIMIZER = ("nanfast.watch: the parameters were updated in place between
                     "nanfast.watch(model, new_optimizer)); until a step ends, nothing this watch records is read.")
 # A step whose module hooks recorded while the model's own forward never ran: the loop (a Lightning
 # training_step) calls a submodule. Detection and skips still work, but calls are numbered on across
-# steps (a new forward resets them) and the batch is not checked as the model's input.
+# the step's microbatches (a new forward resets them) and the batch is not checked as the model's input.
 OUTSIDE_FORWARD = ("nanfast.watch: step {step}: submodules of the watched {model} ran but its own forward did not "
                    "(the loop, or a Lightning training_step, calls a submodule, as self.net(x)): their calls are "
-                   "numbered on across steps and the batch is not checked as the model's input. Watch the module "
+                   "numbered on across the step's microbatches and the batch is not checked as the model's input. "
+                   "Watch the module "
                    "whose forward runs (nanfast.watch(model.net, ...); in Lightning, NanfastCallback(module=\"net\")).")
 UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
                  "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "

@@ -272,6 +272,7 @@ class Hooks:
         model's forward], module_hooks.cpp): the evaluation they ended is read, and calls without
         gradients in an evaluation (an optimizer, the model in eval mode) begin one."""
         self._end_outside_evaluation()
+        self._hooks.forward_id += 1  # their calls are numbered from 1, as in a forward of the model's
         if not grad and self._evaluating():
             self._outside_evaluation = len(self._step.slots)
 
