@@ -293,3 +293,19 @@ def test_an_old_matplotlib_is_named_with_the_extra(run_file, tmp_path, monkeypat
     monkeypatch.setattr(matplotlib, "__version__", "3.6.3")
     assert cli.main(["plot", run_file, "-o", str(tmp_path / "h.png")]) == 2
     assert "needs matplotlib >= 3.7 (found 3.6.3): pip install 'nanfast[plot]'" in capsys.readouterr().err
+
+
+def test_a_value_with_no_finite_neighbour_is_drawn_as_a_dot(tmp_path):
+    """Headroom of the steps that ran in float16 (autocast on even steps only) and a loss given to w.loss
+    every 5th step: each value lies between empty steps, made no line segment, and the panels were drawn
+    empty with their axes stretched to the values (a probe, session 41)."""
+    records = [{"step": s, "loss": 1.0 + s if s % 5 == 0 else None, "grad_norm": 0.5,
+                "headroom": 0.05 if s % 2 == 0 else None} for s in range(20)]
+    fig = plot.figure(read_timeline(_write(tmp_path / "sparse.jsonl", records)))
+    loss, _, headroom = fig.axes
+
+    def dots(ax):
+        return sorted(float(v) for line in ax.lines if line.get_marker() == "o" for v in line.get_ydata())
+
+    assert dots(loss) == [1.0, 6.0, 11.0, 16.0]
+    assert dots(headroom) == [pytest.approx(5.0)] * 10  # percent of the largest finite value

@@ -380,6 +380,38 @@ def test_invalid_options_are_refused():
     assert nanfast.watch(model, ignore=(p for p in ["l1"])).ignore == ("l1",)
 
 
+@pytest.mark.parametrize("option,value,message", [
+    ("nan_only", "no", "nan_only must be True or False"), ("profile", "no", "profile must be True or False"),
+    ("scaler", "yes", "scaler must be a torch.amp.GradScaler"),
+    ("process_group", "x", "process_group must be a torch.distributed ProcessGroup"),
+    ("pass_through", "ReLU", "pass_through must be nn.Module classes"),
+    ("pass_through", [5], "pass_through must be nn.Module classes"),
+    ("spikes", {"loss": "no"}, "spikes loss must be True or False"),
+    ("headroom", "0.5", r"headroom must be None or fractions such as \(0.5, 0.9\), got '0.5'")])
+def test_an_option_of_the_wrong_kind_is_refused_by_name(option, value, message):
+    """Each was taken, then failed later with an error naming nothing of it (pybind's "incompatible
+    function arguments" at the first optimizer.step() for nan_only="no"), or never (pass_through="ReLU",
+    spikes' switches); headroom="0.5" was read character by character (a probe, session 41). Hooks are left
+    as they were."""
+    model = MLP()
+    before = hook_state(model)
+    with pytest.raises(TypeError, match=f"^nanfast.watch: {message}"):
+        nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), **{option: value})
+    assert hook_state(model) == before
+
+
+def test_a_removed_watch_refuses_a_with_block():
+    """`with w:` once per epoch: the first block removed the watch and the second checked nothing, a NaN
+    step applied without a word (a probe, session 41)."""
+    model = MLP()
+    w = nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with w:
+        pass
+    with pytest.raises(RuntimeError, match="nanfast.watch: this watch was removed .* make a new one"):
+        with w:
+            pass
+
+
 def test_loss_refuses_what_it_cannot_check_by_name():
     """An integer loss (a count, a .long()) was neither checked nor recorded, without a word; a Python
     number was refused already."""
@@ -388,6 +420,9 @@ def test_loss_refuses_what_it_cannot_check_by_name():
         w.loss(torch.tensor(3))
     with pytest.raises(TypeError, match="Watch.loss: value must be a torch.Tensor, got float"):
         w.loss(0.5)
+    with pytest.raises(TypeError, match="Watch.loss: name must be a string, got None"):
+        w.loss(torch.tensor(0.5), name=None)  # it raised pybind's error and still recorded the loss as None's
+    assert w._step.losses == {}
     w.remove()
 
 

@@ -178,8 +178,14 @@ def _draw_panel(ax: Any, panel: str, steps: Any, timeline: Timeline, max_points:
         if log:
             values = np.where(values > 0, values, np.nan)  # a gap, not a line down to the axis's edge
         x, y = envelope(steps, values, max_points)
-        ax.plot(x, y, color=colour if name is None else LOSS_COLOURS[k % len(LOSS_COLOURS)], linewidth=1.0,
-                label=name)
+        line_colour = colour if name is None else LOSS_COLOURS[k % len(LOSS_COLOURS)]
+        ax.plot(x, y, color=line_colour, linewidth=1.0, label=name)
+        # A value with no finite neighbour (a loss logged every 5th step, headroom of the steps that ran in
+        # float16) makes no line segment: drawn as a dot, or the panel stays empty.
+        finite = np.isfinite(y)
+        alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
+        if alone.any():
+            ax.plot(np.asarray(x)[alone], y[alone], linestyle="none", marker="o", markersize=2.5, color=line_colour)
     if panel == "headroom":
         for fraction in timeline.headroom_thresholds:
             ax.axhline(100 * fraction, color="tab:orange", linestyle="--", linewidth=0.8,

@@ -25,7 +25,7 @@ from .history import DEFAULT_HISTORY, StepRecord, Timeline
 from .hooks import Hooks, weakly_bound, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
-                      unknown_options, validate)
+                      typed_options, unknown_options, validate)
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -84,6 +84,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         optimizer = stepped_optimizer(optimizer)
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         checks(inputs=inputs, activations=activations, grads=grads, params=params, modules=modules, loss=loss)
+        self.pass_through = typed_options(nan_only=nan_only, profile=profile, scaler=scaler,
+                                          process_group=process_group, pass_through=pass_through)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
         spiking = spike_options(spikes, action, sync)
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
@@ -94,7 +96,6 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self.every = every
         self.sync = sync
         self.nan_only = nan_only
-        self.pass_through = tuple(pass_through)
         self.ignore = patterns(ignore)
         self.process_group = process_group
         self.on_event = on_event
@@ -200,6 +201,9 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._timeline.close()
 
     def __enter__(self) -> Watch:
+        if not self._installed:
+            raise RuntimeError("nanfast.watch: this watch was removed (its `with` block ended, or remove() was called) "
+                               "and checks nothing: make a new one, nanfast.watch(...), for each `with`")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -69,6 +69,8 @@ def thresholds(value: Union[None, float, Iterable[float]]) -> tuple[float, ...]:
         return ()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = (value,)
+    if isinstance(value, (str, bytes)):  # "0.5" would be read character by character
+        raise TypeError(f"nanfast.watch: headroom must be None or fractions such as (0.5, 0.9), got {value!r}")
     try:
         items = tuple(value)  # type: ignore[arg-type]
     except TypeError:

@@ -239,9 +239,11 @@ class Hooks:
 
         Raises:
             TypeError: value is not a floating (or complex) tensor (an integer one cannot be non-finite
-                and has no mean to record)."""
+                and has no mean to record), or name is not a string."""
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Watch.loss: value must be a torch.Tensor, got {type(value).__name__}")
+        if not isinstance(name, str):
+            raise TypeError(f"Watch.loss: name must be a string, got {name!r}")
         if not (value.is_floating_point() or value.is_complex()):
             raise TypeError(f"Watch.loss: value must be a floating tensor (the loss before .item() or .long()), "
                             f"got one of {value.dtype}")

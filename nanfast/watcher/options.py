@@ -192,6 +192,34 @@ def checks(**switches: Any) -> None:
                          "step it did not look at must not read as clean; turn one of them on, or do not watch")
 
 
+def typed_options(*, nan_only: Any, profile: Any, scaler: Any, process_group: Any,
+                  pass_through: Any) -> tuple[type, ...]:
+    """Validates the watch's options that are not checks: each of the kind it must be.
+
+    Args:
+        nan_only, profile, scaler, process_group, pass_through: as given to `nanfast.watch`.
+
+    Returns:
+        pass_through as a tuple of classes.
+
+    Raises:
+        TypeError: nan_only or profile not a bool, scaler not a GradScaler (scale, step and update), a
+            process_group that is not one, pass_through not nn.Module classes."""
+    for name, value in (("nan_only", nan_only), ("profile", profile)):
+        if not isinstance(value, bool):
+            raise TypeError(f"nanfast.watch: {name} must be True or False, got {value!r}")
+    if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")):
+        raise TypeError(f"nanfast.watch: scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+    dist = torch.distributed
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(f"nanfast.watch: process_group must be a torch.distributed ProcessGroup (or None), got "
+                        f"{type(process_group).__name__}")
+    classes = tuple(pass_through) if isinstance(pass_through, Iterable) and not isinstance(pass_through, str) else None
+    if classes is None or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise TypeError(f"nanfast.watch: pass_through must be nn.Module classes (a tuple), got {pass_through!r}")
+    return classes
+
+
 def rollback_options(action: Union[str, Callable], params: bool, every: Optional[int],
                      device: Optional[Union[str, torch.device]]) -> Optional[tuple[int, torch.device]]:
     """Checks the options of action="rollback" and fills in their defaults.

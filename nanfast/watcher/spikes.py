@@ -68,6 +68,9 @@ class SpikeOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"nanfast.watch: spikes {name} must be an int >= 1, got {value!r}")
+        for name in ("loss", "grad_norm", "modules"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"nanfast.watch: spikes {name} must be True or False, got {getattr(self, name)!r}")
         if self.warmup > self.window:
             raise ValueError(f"nanfast.watch: spikes warmup ({self.warmup}) must not exceed window ({self.window})")
         if not callable(self.action) and self.action not in SPIKE_ACTIONS:
