@@ -233,7 +233,10 @@ class DirtyValidation(Regression):
         if batch_idx == 1:
             x = x.clone()
             x[0, 0] = float("nan")
-        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+        self.log("val_loss", torch.nn.functional.mse_loss(self.validate(x), y))
+
+    def validate(self, x):
+        return self(x)
 
     def val_dataloader(self):
         return self.train_dataloader()
@@ -257,18 +260,25 @@ def test_a_dirty_validation_batch_skips_no_training_step(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+def fit_without_and_with_a_skip_watch(tmp_path, module_class, accumulate_grad_batches: int):
+    """Six steps validating every third batch, on a module without the callback and on one with a skip
+    watch (its warning that an evaluation has no step to skip expected): (plain, watched, the watch)."""
+    options = dict(steps=6, accumulate_grad_batches=accumulate_grad_batches, val_check_interval=3,
+                   limit_val_batches=2, num_sanity_val_steps=0)
+    plain = module_class()
+    trainer(tmp_path / "plain", [], **options).fit(plain)
+    module, callback = module_class(), NanfastCallback(action="skip")
+    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
+        trainer(tmp_path / "watched", [callback], **options).fit(module)
+    return plain, module, callback.watch
+
+
 def test_a_dirty_validation_batch_inside_an_accumulation_window_skips_no_training_step(tmp_path):
     """With accumulate_grad_batches=2 and val_check_interval=3, Lightning validates between the two
     microbatches of an optimizer step. Its dirty batch was read with that step as "microbatch 2" of a
     step of two: a skip watch dropped two healthy steps (weights unlike a run without the callback), a
     raise watch stopped fit(); a clean step's own second microbatch was named "microbatch 3"."""
-    options = dict(steps=6, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=2, num_sanity_val_steps=0)
-    plain = DirtyValidation()
-    trainer(tmp_path / "plain", [], **options).fit(plain)
-    module, callback = DirtyValidation(), NanfastCallback(action="skip")
-    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
-        trainer(tmp_path / "watched", [callback], **options).fit(module)
-    w = callback.watch
+    plain, module, w = fit_without_and_with_a_skip_watch(tmp_path, DirtyValidation, accumulate_grad_batches=2)
     assert w.skipped_steps == 0 and w.step_count == 6 and w.events
     assert all(e.evaluation and e.phase == "input" and e.first.microbatch == 0 for e in w.events)
     assert [e.step for e in w.events] == [1, 3, 4, 6]  # 1 and 4: inside the window of steps 1 and 4
@@ -280,12 +290,8 @@ class DirtyValidationThroughSubmodule(DirtyValidation):
     """Validates through its submodule (self.net(x)), as many LightningModules do, and trains through its
     own forward, as the callback's docs recommend."""
 
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        if batch_idx == 1:
-            x = x.clone()
-            x[0, 0] = float("nan")
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+    def validate(self, x):
+        return self.net(x)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -294,14 +300,8 @@ def test_a_dirty_validation_batch_through_a_submodule_skips_no_training_step(tmp
     step's: the next, healthy step was skipped (a raise watch stopped fit()), without a word (a probe,
     session 41). The submodules' records are now that evaluation's (NOTE: [Submodules called outside
     the model's forward])."""
-    options = dict(steps=6, accumulate_grad_batches=accumulate, val_check_interval=3, limit_val_batches=2,
-                   num_sanity_val_steps=0)
-    plain = DirtyValidationThroughSubmodule()
-    trainer(tmp_path / "plain", [], **options).fit(plain)
-    module, callback = DirtyValidationThroughSubmodule(), NanfastCallback(action="skip")
-    with pytest.warns(RuntimeWarning, match="an evaluation forward, so no optimizer step to skip"):
-        trainer(tmp_path / "watched", [callback], **options).fit(module)
-    w = callback.watch
+    plain, module, w = fit_without_and_with_a_skip_watch(tmp_path, DirtyValidationThroughSubmodule,
+                                                         accumulate_grad_batches=accumulate)
     assert w.skipped_steps == 0 and w.step_count == 6 and w.events
     assert all(e.evaluation and e.phase == "forward" and e.name == "net.0" for e in w.events)
     for (name, a), b in zip(module.state_dict().items(), plain.state_dict().values()):
