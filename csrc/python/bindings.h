@@ -55,9 +55,9 @@ const StatsOp& stats_op();
 std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, at::Device device);
 
 // The plain tensors holding the values of `tensors` in `out` and, for each, the index of the entry of
-// `tensors` it belongs to in `owners`, and true, where one of them is a Python tensor subclass (see NOTE:
-// [Tensor subclasses read through their plain tensors]); false, nothing written and no GIL taken, where
-// none is.
+// `tensors` it belongs to in `owners`, and true, where one of them is a Python tensor subclass or a
+// strided nested tensor (see NOTE: [Tensor subclasses read through their plain tensors]); false, nothing
+// written and no GIL taken, where none is.
 bool plain_parts(at::TensorList tensors, std::vector<at::Tensor>& out, std::vector<int64_t>& owners);
 
 // Defines nanfast._C.BufferSlots (csrc/python/buffer_slots.cpp).

@@ -10,14 +10,14 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mean.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
-#include <ATen/ops/where.h>
-#include <ATen/ops/scatter_reduce.h>
-#include <ATen/ops/ones_like.h>
-#include <ATen/ops/isfinite.h>
 #include <ATen/ops/index_add.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/scatter_reduce.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../cpu/simd_kernels.h"
@@ -154,7 +154,8 @@ void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& o
 }  // namespace
 
 bool plain_parts(at::TensorList tensors, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
-  if (std::none_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return python_subclass(t) || t.is_nested(); })) {
+  const auto needs_parts = [](const at::Tensor& t) { return python_subclass(t) || t.is_nested(); };
+  if (std::none_of(tensors.begin(), tensors.end(), needs_parts)) {
     return false;
   }
   std::optional<py::gil_scoped_acquire> gil;
