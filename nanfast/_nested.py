@@ -1,7 +1,7 @@
-"""Nested tensors (`torch.nested`, strided and jagged layouts), and for check_all tensor subclasses that
-wrap plain tensors: the kernels take plain strided tensors, so such an entry is read through the
-strided tensors that hold exactly its values, and its rows are merged back into one. Reached only once
-the op has refused a list, or check_all has met a subclass (the fast path pays nothing)."""
+"""Nested tensors (`torch.nested`, strided and jagged layouts) in the public ops: the kernels take plain
+strided tensors, so such an entry is read through the strided tensors that hold exactly its values, and
+its rows are merged back into one. Reached only once the op has refused a list (the fast path pays
+nothing). The watch and check_all read nested tensors and wrapper subclasses through _C.stats_on."""
 
 from __future__ import annotations
 
@@ -18,26 +18,15 @@ def any_nested(tensors: Sequence[torch.Tensor]) -> bool:
 
 def parts(t: torch.Tensor) -> list[torch.Tensor]:
     """Strided tensors whose elements are exactly those of `t` (views, no copy): a plain tensor itself,
-    a contiguous jagged tensor's values() buffer, else the components; a wrapper subclass's floating
-    inner tensors (those its __tensor_flatten__ names, read the same way). A jagged tensor made by
-    narrow() has a buffer wider than its components, which torch splits by reading its offsets and
-    lengths to the host: the one case that syncs."""
+    a contiguous jagged tensor's values() buffer, else the components. A jagged tensor made by narrow()
+    has a buffer wider than its components, which torch splits by reading its offsets and lengths to the
+    host: the one case that syncs."""
     if not t.is_nested:
-        if wrapper_subclass(t):
-            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-            return [p for i in inner if i.is_floating_point() or i.is_complex() for p in parts(i)]
         return [t]
     t = t.detach()
     if t.layout == torch.jagged and t.lengths() is None:
         return [t.values()]
     return list(t.unbind())
-
-
-def wrapper_subclass(t: torch.Tensor) -> bool:
-    """Whether `t` is a tensor subclass whose values live in plain tensors it holds (a traceable wrapper:
-    torchao's quantized weights, torch's TwoTensor; a DTensor's are read as its local shard elsewhere)."""
-    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__") and not t.is_nested and \
-        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
 
 
 def shape(t: torch.Tensor) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _nested, distributed
+from . import _C, _nested, distributed
 from ._tree import group_by_device, is_container, named_leaves
 from .ops import dispatch_subclass, stats
 from .report import Entry, NonFiniteError, Report
@@ -129,7 +129,7 @@ def _validate(name: str, t: torch.Tensor) -> None:
     if fake is not None and isinstance(t, fake.FakeTensor):
         raise ValueError(f"nanfast.check_all: {name!r} is a FakeTensor (made under FakeTensorMode or while "
                          "torch.compile traces): it has no values to check")
-    if dispatch_subclass(t) and not _nested.wrapper_subclass(t):
+    if dispatch_subclass(t) and not hasattr(t, "__tensor_flatten__"):
         raise TypeError(f"nanfast.check_all: {name!r} is a {type(t).__name__}, a tensor subclass whose values the "
                         "kernels cannot read and which names no plain tensors it holds (no __tensor_flatten__); "
                         "check the plain tensors it holds")
@@ -184,8 +184,8 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
     for device, indices in group_by_device(local).items():
         group = [local[i] for i in indices]
         try:
-            if any(map(_nested.wrapper_subclass, group)):  # read through the plain tensors they hold
-                counts, norm, absmax = _nested.stats_rows(_plain_stats, group)
+            if any(map(dispatch_subclass, group)):  # read through the plain tensors they hold, as the watch
+                counts, norm, absmax = _C.stats_on(group, device)
             else:
                 counts, norm, absmax = _plain_stats(group)
         except (RuntimeError, TypeError, ValueError):

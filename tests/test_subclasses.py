@@ -188,3 +188,63 @@ def test_a_transformer_encoders_nested_fast_path_is_watched():
     [event] = w.events
     assert event.phase == "input" and event.later[0].name == "layers.0.self_attn" and event.later[0].nan > 0
     w.remove()
+
+
+
+class Crop(torch.nn.Module):
+    """Keeps the first `lengths[i]` rows of each sequence as a jagged nested tensor: a view whose values
+    buffer is the whole padded batch, wider than its components."""
+
+    def forward(self, x, lengths):
+        starts = torch.zeros_like(lengths)
+        return torch.nested.narrow(x, 1, starts, lengths, layout=torch.jagged)
+
+
+def test_a_narrowed_jagged_tensor_is_read_through_its_components():
+    """The watch skipped jagged nested tensors (their layout is not strided): a NaN in one passed unseen
+    (session 42's review). They are read through their values buffer now, except a jagged tensor made by
+    narrow(), whose buffer is the whole padded batch: NaN padding outside the kept rows must not stop a
+    healthy forward. A NaN among the kept rows is seen, and counted as check_all counts it."""
+    crop = Crop()
+    x = torch.randn(3, 5, 4)
+    x[:, 4] = NAN  # padding past every kept length
+    lengths = torch.tensor([2, 3, 4])
+    w = nanfast.watch(crop, action="warn", inputs=False)
+    with torch.no_grad():
+        out = crop(x, lengths)
+    assert w.events == [] and nanfast.check_all(out).ok
+    x[2, 3, 1] = NAN  # inside the third sequence's kept rows
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="output of <model>"):
+        out = crop(x, lengths)
+    [event] = w.events
+    assert event.first.nan == nanfast.check_all(out, raise_on_nonfinite=False).entries[0].nan == 1
+    w.remove()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_jagged_batch_is_watched_in_training(fuse):
+    """Variable-length sequences as one jagged nested tensor through Linear layers: a NaN in the batch is
+    named as the input, not first at the parameters' gradients; healthy steps train as without the watch."""
+    def train(watched, dirty):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        w = nanfast.watch(model, optimizer, action="warn", fuse=fuse) if watched else None
+        for step in range(3):
+            seqs = [torch.randn(2, 4), torch.randn(3, 4)]
+            if dirty and step == 2:
+                seqs[1][1, 2] = NAN
+            optimizer.zero_grad()
+            model(torch.nested.nested_tensor(seqs, layout=torch.jagged)).values().square().mean().backward()
+            optimizer.step()
+        return model, w
+
+    expected, _ = train(watched=False, dirty=False)
+    model, w = train(watched=True, dirty=False)
+    assert w.events == [] and all(map(torch.equal, model.parameters(), expected.parameters()))
+    w.remove()
+    with pytest.warns(RuntimeWarning, match="the input batch is dirty"):
+        _, w = train(watched=True, dirty=True)
+    [event] = w.events
+    assert (event.step, event.first.phase, event.first.nan) == (2, "input", 1)
+    w.remove()

@@ -112,7 +112,9 @@ const StatsOp& stats_op() {
 // non-finite too; reading the reduced value would be a collective inside a hook). A subclass without
 // __tensor_flatten__ names nothing to read: its row counts nothing, with a warning. A strided nested
 // tensor (nn.TransformerEncoder's fast path in eval with a padding mask passes them between its layers)
-// is read through its components the same way. A plain tensor costs two bit tests; only a Python
+// is read through its components the same way; a jagged one through its values buffer, unless narrow()
+// left that buffer wider than its components (the values outside them are not the tensor's: a NaN
+// there stopped a healthy step), then through its components, which costs torch's one host read. A plain tensor costs two bit tests; only a Python
 // subclass takes the GIL, from a backward thread too.
 namespace {
 
@@ -137,6 +139,15 @@ void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& o
     return;
   }
   const py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  if (t.is_nested()) {  // a jagged nested tensor: its values buffer, or, once narrow() made that buffer
+    // wider than the components, the components (torch reads their offsets to the host: the one sync)
+    const py::object pieces =
+        obj.attr("lengths")().is_none() ? py::make_tuple(obj.attr("values")()) : obj.attr("unbind")();
+    for (const py::handle piece : pieces) {
+      append_plain(THPVariable_Unpack(piece.ptr()), owner, out, owners);
+    }
+    return;
+  }
   if (!py::hasattr(obj, "__tensor_flatten__")) {
     TORCH_WARN_ONCE("nanfast: a ", Py_TYPE(obj.ptr())->tp_name, " (a tensor subclass without __tensor_flatten__) "
                     "names no plain tensors to read: its values are not checked");

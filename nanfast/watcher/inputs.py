@@ -35,9 +35,10 @@ class Layout(NamedTuple):
 
 def checked_tensor(t: Any) -> bool:
     """Whether the watch checks `t`: a floating or complex strided tensor (what the C++ fast path,
-    plain_floating_tensors, keeps; the container walker's path keeps the same)."""
+    plain_floating_tensors, keeps; the container walker's path keeps the same), or a jagged nested one
+    (read through its values, NOTE: [Tensor subclasses read through their plain tensors])."""
     return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-            and t.layout == torch.strided)
+            and t.layout in (torch.strided, torch.jagged))
 
 
 def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout]:
