@@ -375,6 +375,54 @@ def test_lagged_skip_reads_a_step_that_creates_optimizer_state_at_once():
     w.remove()
 
 
+class Experts(torch.nn.Module):
+    """Two experts; each batch is routed to one (a mixture of experts, a branch some batches take)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e0 = torch.nn.Linear(4, 4)
+        self.e1 = torch.nn.Linear(4, 4)
+
+    def forward(self, x, route):
+        return (self.e1 if route else self.e0)(x)
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_a_skipped_step_gives_no_gradient_to_a_parameter_that_had_none(set_to_none, sync):
+    """The bad batch is the only one routed to expert e1. The skip gave e1 a zeroed .grad, which
+    zero_grad(set_to_none=False) kept: every later AdamW step then decayed e1 and gave it state, which a
+    run without the batch never does (a probe, session 42: an expert, a branch or a head that only the
+    bad batch reached). The gradients after the skip are as the step's zero_grad left them."""
+    def train(batches, watched):
+        torch.manual_seed(0)
+        model = Experts()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=sync == "lagged")
+        w = nanfast.watch(model, opt, action="skip", sync=sync) if watched else None
+        grads_after = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for x, route in batches:
+                opt.zero_grad(set_to_none=set_to_none)
+                model(x, route).square().mean().backward()
+                opt.step()
+                grads_after.append([p.grad is None for p in model.parameters()])
+            if w is not None:
+                w.flush()
+                assert w.skipped_steps == 1
+                w.remove()
+        return full_state(model, opt), grads_after
+
+    good = [(batch(s)[0][:, :4], False) for s in range(4)]
+    dirty_batch = (torch.full((2, 4), NAN), True)
+    reference, reference_grads = train(good, watched=False)
+    final, grads = train(good[:2] + [dirty_batch] + good[2:], watched=True)
+    assert_same_state(final, reference)
+    assert grads[:2] + grads[3:] == reference_grads
+    # As the step's zero_grad left them: all None, or e0's zeroed and e1's None.
+    assert grads[2] == ([True] * 4 if set_to_none else [False, False, True, True])
+
+
 # ---- closure-based optimizers ----
 
 

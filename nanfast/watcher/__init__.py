@@ -145,7 +145,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._installed = True
         self._stepped = False
         self._skip_now = False
-        self._held_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held_grads: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []  # None: given back as None
         self._found: Optional[torch.Tensor] = None
         self._saved_found_inf: Optional[torch.Tensor] = None
         # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before

@@ -128,6 +128,7 @@ class Actions:
                              "runs the step's forward and backward after the point where the watch decides; call "
                              "backward before optimizer.step()")
         self._stepped = True
+        gradless = self._step.gradless  # the step's, before _end_step starts the next one
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
         if self.action not in SKIPPING:
             return
@@ -140,11 +141,18 @@ class Actions:
             optimizer.found_inf = found if self._saved_found_inf is None else torch.maximum(self._saved_found_inf, found)
             self._found = found
         elif self._skip_now:
+            # NOTE: [Gradients a skipped step gives back]
+            # Every torch optimizer leaves a parameter without a .grad, and its state, untouched; the
+            # post-hook gives the gradients back zeroed, as the caller's zero_grad would leave them. A
+            # parameter that had no .grad when the step's first forward began (an expert or a branch
+            # only the bad batch reached) gets none back: given a zero tensor, zero_grad(set_to_none=
+            # False) kept it, and every later step updated that parameter (weight decay, momentum, new
+            # optimizer state), which a run without the batch never does (a probe, session 42).
             self._held_grads = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._held_grads.append((p, p.grad))
+                        self._held_grads.append((p, None if gradless is not None and id(p) in gradless else p.grad))
                         p.grad = None
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -163,7 +171,7 @@ class Actions:
             self._found = self._saved_found_inf = None
         elif self._held_grads:
             for p, grad in self._held_grads:
-                p.grad = grad.zero_()
+                p.grad = None if grad is None else grad.zero_()
             self._held_grads = []
 
     def _needs_host_verdict(self) -> bool:

@@ -328,6 +328,9 @@ class Hooks:
         if self._undo is not None and hooks.microbatch == 0:
             self._undo.begin()
             self._undo_by_forward = True
+        if self.action in SKIPPING and self.optimizer is not None and hooks.microbatch == 0:
+            step.gradless = frozenset(id(p) for group in self.optimizer.param_groups for p in group["params"]
+                                      if p.grad is None)
         if self.on_event == "locate" and hooks.microbatch == 0:
             from ..locator import StepState
 

@@ -89,7 +89,7 @@ class Step:
     far. A new step is a new Step."""
 
     __slots__ = ("slots", "forwards", "clipped", "clipped_versions", "losses", "output_checked", "params_unread",
-                 "inputs", "eval_mode_with_grad")
+                 "inputs", "eval_mode_with_grad", "gradless")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -101,6 +101,9 @@ class Step:
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
         self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
         self.eval_mode_with_grad: set[int] = set()  # microbatches whose forward ran in eval mode with gradients
+        # A skipping watch's: the optimizer's parameters with no .grad at the step's first forward (ids);
+        # None where no forward began the step (see NOTE: [Gradients a skipped step gives back]).
+        self.gradless: Optional[frozenset[int]] = None
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
