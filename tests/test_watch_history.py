@@ -144,6 +144,31 @@ def test_loss_mean_rejects_a_value_that_is_not_floating():
         nanfast._C.loss_mean(torch.tensor(3))
 
 
+def test_an_empty_loss_adds_no_mean_to_the_records():
+    """A per-sample loss of a batch with nothing left (every sample masked out) has no values: ATen's mean
+    of it is NaN, which went into the step's record as a NaN loss with no event (session 41's probe).
+    The empty microbatch adds nothing; the step's loss is the other microbatch's mean, or none at all."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, history=10)
+    for step, kept in enumerate([(16, 16), (0, 16), (0, 0)]):
+        opt.zero_grad()
+        means = []
+        for m, n in enumerate(kept):
+            x, y = batch(2 * step + m)
+            per_sample = w.loss(F.cross_entropy(model(x), y, reduction="none")[:n])
+            means += [per_sample.double().mean().item()] if n else []
+            per_sample.sum().backward()
+        opt.step()
+        record = w.history[-1]
+        assert w.events == [] and record.step == step
+        if means:
+            assert record.loss == pytest.approx(sum(means) / len(means), rel=1e-12, abs=0)
+        else:
+            assert record.loss is None and record.losses == {}
+    w.remove()
+
+
 @pytest.mark.parametrize("sync,every,expected", [("eager", 1, [1, 1, 1, 1]), ("eager", 2, [1, 0, 1, 0]),
                                                  ("lagged", 1, [0, 0, 0, 0])])
 def test_one_host_read_per_checked_step_with_history_spikes_and_a_stream(tmp_path, sync, every, expected):

@@ -224,8 +224,9 @@ class Hooks:
         with finite gradients (a mean over no elements: cross-entropy whose targets are all
         ignore_index), and no hook sees it, since the loss is not an output of the model. Pass the
         unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False. Its
-        mean (over its elements and the step's microbatches) goes to the step's record and the spike
-        alarms, read with the step's one read (kept even with loss=False or an ignored name). A
+        mean (over its elements and the step's microbatches; an empty loss adds none) goes to the step's
+        record and the spike alarms, read with the step's one read (kept even with loss=False or an
+        ignored name). A
         validation loss (no gradients, the model in eval mode, between optimizer steps) is read at once
         as an evaluation's, without record or spike sample (see NOTE: [Evaluation forwards between
         optimizer steps]).
@@ -254,8 +255,9 @@ class Hooks:
             first, self._outside_evaluation = self._outside_evaluation, None
         else:
             first = len(self._step.slots)
-        if self._keeps_losses and value.is_floating_point() and not evaluating:
-            # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops])
+        if self._keeps_losses and value.is_floating_point() and not evaluating and value.numel() > 0:
+            # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops]); an
+            # empty loss has no mean (ATen's NaN would enter the records as a NaN loss, with no event)
             self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
         if self._check_loss:
             site = self._loss_sites.get(name)
