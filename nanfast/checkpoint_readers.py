@@ -342,11 +342,17 @@ def _records_fit(path: str, records: list[zipfile.ZipInfo]) -> bool:
     Raises:
         Unreadable: a storage's declared size is not its record's.
         pickle.UnpicklingError: as torch.load (a global to give a stand-in, or one that runs code)."""
+    pending = getattr(torch._utils, "_sparse_tensors_to_validate", [])
+    before = len(pending)
     try:
         meta = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError:
         raise
     except Exception:  # noqa: BLE001  (a rebuild that needs values: sparse, quantized)
+        # torch validates the sparse tensors a load rebuilt at its end, and a failed load leaves its own
+        # in that list: the next load then validated these meta ones and failed ("Cannot copy out of
+        # meta tensor"), calling a healthy file that holds a sparse tensor, then a quantized one, damaged.
+        del pending[before:]
         return False
     size_of = {r.filename.split("/", 1)[1]: r.file_size for r in records if "/" in r.filename}  # within its folder
     reader = torch._C.PyTorchFileReader(path)
