@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from ._tree import group_by_device, named_leaves
-from .check import may_hold_values, values_tensor
+from .check import may_hold_values, naming_entries, values_tensor
 from ._nested import shape as shape_of
 from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
 from .intended import MASKS, is_additive_mask
@@ -191,8 +191,9 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
     for indices in group_by_device([t for _, t in pairs]).values():
-        tensors = [pairs[i][1] for i in indices]
-        if not bool(any_nonfinite(tensors)):  # nested tensors are read through their components
+        names, tensors = [pairs[i][0] for i in indices], [pairs[i][1] for i in indices]
+        # nested tensors are read through their components
+        if not bool(naming_entries(any_nonfinite, names, tensors, "nanfast.check_batch")):
             continue
         for i, (nan, posinf, neginf) in zip(indices, stats(tensors).counts.tolist()):
             if nan or posinf or neginf:

@@ -7,12 +7,12 @@ import enum
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 
-from . import _C, _nested, distributed
+from . import _nested, distributed
 from ._tree import group_by_device, is_container, named_leaves
 from .ops import dispatch_subclass, stats
 from .report import Entry, NonFiniteError, Report
@@ -135,9 +135,22 @@ def _validate(name: str, t: torch.Tensor) -> None:
                         "check the plain tensors it holds")
 
 
-def _plain_stats(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    s = stats(tensors)
-    return s.counts, s.norm, s.absmax
+def naming_entries(fn: Callable[[list[torch.Tensor]], Any], names: Sequence[str], tensors: list[torch.Tensor],
+                   api: str) -> Any:
+    """fn(tensors) (nanfast.stats or any_nonfinite over one device's entries); where the op refuses an
+    entry, the error names it by its name in `names`, not by its position in this call.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: the op's error, prefixed with `api` and the entry's name."""
+    try:
+        return fn(tensors)
+    except (RuntimeError, TypeError, ValueError):
+        for name, t in zip(names, tensors):  # the error path: find the entry the op refuses
+            try:
+                fn([t])
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise type(e)(f"{api}: {name!r}: {e}") from e
+        raise
 
 
 def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True) -> Report:
@@ -182,21 +195,9 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
     for device, indices in group_by_device(local).items():
-        group = [local[i] for i in indices]
-        try:
-            if any(map(dispatch_subclass, group)):  # read through the plain tensors they hold, as the watch
-                counts, norm, absmax = _C.stats_on(group, device)
-            else:
-                counts, norm, absmax = _plain_stats(group)
-        except (RuntimeError, TypeError, ValueError):
-            for i in indices:  # the error path: find the entry the op refuses, and name it
-                try:
-                    stats([local[i]])
-                except (RuntimeError, TypeError, ValueError) as e:
-                    raise type(e)(f"nanfast.check_all: {pairs[i][0]!r}: {e}") from e
-            raise
+        s = naming_entries(stats, [pairs[i][0] for i in indices], [local[i] for i in indices], "nanfast.check_all")
         # One transfer per device: counts are exact in float64 up to 2^53.
-        rows = torch.cat([counts.double(), norm[:, None], absmax[:, None]], dim=1)
+        rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1)
         rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):
             name, t = pairs[i]

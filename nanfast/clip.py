@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from ._tree import group_by_device
-from .check import check_all
+from .check import check_all, naming_entries
 from .ops import combine_norms, stats
 
 Parameters = Union[torch.Tensor, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -107,7 +107,8 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
     if not named:
         return torch.zeros(())
     grads = [g for _, g in named]
-    results = [stats([grads[i] for i in indices]) for indices in group_by_device(grads).values()]
+    results = [naming_entries(stats, [named[i][0] for i in indices], [grads[i] for i in indices],
+                              "nanfast.clip_grad_norm_") for indices in group_by_device(grads).values()]
     total = total_norm([s.norm for s in results], [s.absmax for s in results], norm_type)
     if error_if_nonfinite and sum(int(s.counts.sum().item()) for s in results):
         check_all(named)  # names every non-finite gradient in a NonFiniteError

@@ -127,6 +127,17 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_name_not_read():
     many[2500] = weight
     with pytest.raises(RuntimeError, match=r"tensors\[2500\] reaches"):
         nanfast.any_nonfinite(many)
+    # clip_grad_norm_ and check_batch name the entry too, not its position among those they read (a probe,
+    # session 42: "tensors[1]" was the second gradient of a model whose first parameter had none).
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[0].weight.grad = None
+    model[1].weight.grad.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"^nanfast.clip_grad_norm_: '1.weight': .*freed or shrunk"):
+        nanfast.clip_grad_norm_(model.named_parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"^nanfast.check_batch: 'labels': .*freed or shrunk"):
+        nanfast.check_batch({"x": torch.ones(2), "labels": weight})
     shrunk = torch.ones(8)
     view = shrunk[4:]
     shrunk.untyped_storage().resize_(20)  # 5 floats left: the view's last 3 are gone

@@ -88,6 +88,26 @@ def test_check_all_reads_a_wrapper_subclass_through_its_plain_tensors():
     assert plain.norm == pytest.approx(2 ** 0.5) and [e.name for e in report.bad] == ["w"]
 
 
+def test_stats_any_nonfinite_and_clip_read_a_wrapper_subclass_through_its_plain_tensors():
+    """A TwoTensor's __torch_dispatch__ runs the op on each plain tensor and returns TwoTensor results,
+    whose read takes the first one's: a NaN in the second was called clean by any_nonfinite and stats, and
+    clip_grad_norm_ clipped by a finite norm instead of raising (a probe, session 42). They read it as
+    check_all and the watch do, through its plain tensors."""
+    torch.manual_seed(0)
+    a, b = torch.randn(40), torch.randn(40) * 2
+    b[5] = NAN
+    ref = reference_stats(torch.cat([a, b]))
+    s = nanfast.stats([torch.ones(3), TwoTensor(a, b)])
+    assert type(s.counts) is torch.Tensor and s.nan.tolist() == [0, 1] and s.posinf.tolist() == [0, 0]
+    assert s.norm[1].item() == pytest.approx(ref.norm, rel=1e-6) and s.absmax[1].item() == ref.absmax
+    assert nanfast.any_nonfinite([torch.ones(3), TwoTensor(a, b)]).item() is True
+    assert nanfast.any_nonfinite([TwoTensor(a, a)]).item() is False
+    p = torch.nn.Parameter(torch.zeros(40))
+    p.grad = TwoTensor(a, b)
+    with pytest.raises(nanfast.NonFiniteError, match="nan=1"):
+        nanfast.clip_grad_norm_([p], 1.0)
+
+
 def test_a_fake_tensor_is_refused_by_name():
     """check_all on a FakeTensor raised torch's DataDependentOutputException, naming nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode

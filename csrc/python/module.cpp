@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/any.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_add.h>
@@ -263,9 +264,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, 
 
 namespace {
 
+// Whether `tensors` hold a tensor subclass that names the plain tensors holding its values
+// (__tensor_flatten__: a TwoTensor, a quantized weight, a jagged nested tensor). nanfast.stats and
+// nanfast.any_nonfinite read such a list as the watch does, through stats_on: the subclass's own
+// __torch_dispatch__ may run the op on each plain tensor and hand back results of its class, whose read
+// takes the first one's: a NaN in the second was called clean (a probe, session 42). A FakeTensor or a
+// MaskedTensor names none: the op's dispatch takes them. Called with the GIL; a plain list costs a bit
+// test per tensor.
+bool holds_wrapper_subclass(at::TensorList tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return python_subclass(t) &&
+        py::hasattr(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)), "__tensor_flatten__");
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_through_parts(at::TensorList tensors) {
+  const c10::AutoGradMode no_grad(false);
+  py::gil_scoped_release no_gil;  // stats_on takes it back for the subclasses
+  return stats_on(tensors, tensors[0].device());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats(py::handle tensors) {
   const BorrowedTensors inputs("nanfast.stats", tensors);
   inputs.refuse_uninitialized("nanfast.stats");
+  if (holds_wrapper_subclass(inputs.list())) {
+    return stats_through_parts(inputs.list());
+  }
   py::gil_scoped_release no_gil;
   return stats_op().call(inputs.list());
 }
@@ -275,6 +299,9 @@ at::Tensor call_any_nonfinite(py::handle tensors) {
       c10::Dispatcher::singleton().findSchemaOrThrow("nanfast::any_nonfinite", "").typed<at::Tensor(at::TensorList)>();
   const BorrowedTensors inputs("nanfast.any_nonfinite", tensors);
   inputs.refuse_uninitialized("nanfast.any_nonfinite");
+  if (holds_wrapper_subclass(inputs.list())) {
+    return std::get<0>(stats_through_parts(inputs.list())).any();
+  }
   py::gil_scoped_release no_gil;
   return op.call(inputs.list());
 }
