@@ -238,15 +238,18 @@ class RoutedNet(torch.nn.Module):
         return self.b(h + self.expert(h) if self.routed else h)
 
 
-def _routed_training(rank, action, steps, dirty=None, nan_weight=None, **options):
+def _routed_training(rank, action, steps, dirty=None, nan_weight=None, fused=False, **options):
     """DDP on RoutedNet: rank 1 routes through the branch at step 2 only; rank 0's batch is dirty at step
-    `dirty`; rank 1's copy of a.weight goes NaN before step `nan_weight`. Returns what each rank did."""
+    `dirty`; rank 1's copy of a.weight goes NaN before step `nan_weight`. SGD, or fused Adam (torch's
+    fused SGD with momentum refuses a parameter whose first gradient comes after the others'). Returns
+    what each rank did."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     net = RoutedNet()
     model = DistributedDataParallel(net, find_unused_parameters=True, broadcast_buffers=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.05))
     gen = torch.Generator().manual_seed(100 + rank)
     record = {"raised": [], "params_equal_across_ranks": []}
     with warnings.catch_warnings():
@@ -278,6 +281,11 @@ def _routed_training(rank, action, steps, dirty=None, nan_weight=None, **options
 
 def ddp_skip_a_rank_cannot_undo(rank, mesh):
     return _routed_training(rank, "skip", steps=4, dirty=2)
+
+
+def ddp_lagged_skip_a_rank_cannot_undo(rank, mesh):
+    return {"dirty": _routed_training(rank, "skip", steps=5, dirty=2, fused=True, sync="lagged"),
+            "healthy": _routed_training(rank, "skip", steps=5, fused=True, sync="lagged")}
 
 
 def ddp_rollback_after_one_rank_routed(rank, mesh):
@@ -366,7 +374,8 @@ def _tensor_parallel_training(rank, mesh, fuse):
 
 
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
-             ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
+             ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
+             ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
@@ -558,6 +567,22 @@ def test_a_step_one_rank_cannot_undo_is_raised_by_every_rank(ranks):
     assert "another rank's forward changed buffers in place" in results[0]["raised"][0][1]
     assert "module.expert.1.num_batches_tracked" in results[1]["raised"][0][1]
     assert all(r["skipped_steps"] == 0 and all(r["params_equal_across_ranks"]) for r in results)
+
+
+def test_a_lagged_step_one_rank_must_read_at_once_is_raised_by_every_rank_a_step_late(ranks):
+    """The same step under a lagged watch with fused Adam: rank 1 must read it at once (its branch's
+    buffers have no copy), rank 0 reads it a step later. Rank 1 gathered the bad step's places at once
+    while rank 0 went on into the next step's gradient all-reduce: a hang until the process group timed
+    out (a probe, session 42). Now rank 1 skips at once and both decide together at the next step's end:
+    both raise there, from step 3's optimizer.step(), as a lagged watch raises (NOTE: [A lagged step
+    one rank must read at once]). Healthy, the same routing trains on in step."""
+    results = [r["dirty"] for r in _results(ranks, ddp_lagged_skip_a_rank_cannot_undo)]
+    assert [step for step, _ in results[0]["raised"]] == [3] and [step for step, _ in results[1]["raised"]] == [3]
+    assert "another rank's forward changed buffers in place" in results[0]["raised"][0][1]
+    assert "module.expert.1.num_batches_tracked" in results[1]["raised"][0][1]
+    assert all(r["params_equal_across_ranks"] == [True] * 3 for r in results)
+    healthy = [r["healthy"] for r in _results(ranks, ddp_lagged_skip_a_rank_cannot_undo)]
+    assert all(r["raised"] == [] and r["params_equal_across_ranks"] == [True] * 5 for r in healthy)
 
 
 def test_ranks_take_rollback_snapshots_at_the_same_steps(ranks):

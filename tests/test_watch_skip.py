@@ -393,7 +393,7 @@ def test_a_skipped_step_gives_no_gradient_to_a_parameter_that_had_none(set_to_no
     """The bad batch is the only one routed to expert e1. The skip gave e1 a zeroed .grad, which
     zero_grad(set_to_none=False) kept: every later AdamW step then decayed e1 and gave it state, which a
     run without the batch never does (a probe, session 42: an expert, a branch or a head that only the
-    bad batch reached). The gradients after the skip are as the step's zero_grad left them."""
+    bad batch reached). Where zero_grad sets every gradient to None, all are given back zeroed."""
     def train(batches, watched):
         torch.manual_seed(0)
         model = Experts()
@@ -419,8 +419,9 @@ def test_a_skipped_step_gives_no_gradient_to_a_parameter_that_had_none(set_to_no
     final, grads = train(good[:2] + [dirty_batch] + good[2:], watched=True)
     assert_same_state(final, reference)
     assert grads[:2] + grads[3:] == reference_grads
-    # As the step's zero_grad left them: all None, or e0's zeroed and e1's None.
-    assert grads[2] == ([True] * 4 if set_to_none else [False, False, True, True])
+    # set_to_none: e1's (the bad batch's only) zeroed, as code after the step may read it (the next zero_grad
+    # drops it); else e0's zeroed, as zero_grad kept them, and e1's none.
+    assert grads[2] == ([True, True, False, False] if set_to_none else [False, False, True, True])
 
 
 # ---- closure-based optimizers ----

@@ -93,7 +93,7 @@ class Actions:
             for warning in headroom:
                 self._warn(warning, "warn", before_step)
             if event is not None:
-                self._act(event, scaler_skipped, before_step=before_step)
+                self._act(event, scaler_skipped, before_step=before_step, unrestored=read.unrestored)
             if spike is not None:
                 self._warn(spike, self._spikes.options.action, before_step)
         finally:  # a raise still leaves its step in the timeline
@@ -143,11 +143,13 @@ class Actions:
         elif self._skip_now:
             # NOTE: [Gradients a skipped step gives back]
             # Every torch optimizer leaves a parameter without a .grad, and its state, untouched; the
-            # post-hook gives the gradients back zeroed, as the caller's zero_grad would leave them. A
-            # parameter that had no .grad when the step's first forward began (an expert or a branch
-            # only the bad batch reached) gets none back: given a zero tensor, zero_grad(set_to_none=
-            # False) kept it, and every later step updated that parameter (weight decay, momentum, new
-            # optimizer state), which a run without the batch never does (a probe, session 42).
+            # post-hook gives the gradients back zeroed, which code after optimizer.step() can still
+            # read (a loop whose zero_grad sets them to None drops them again). But where some
+            # parameters had a .grad when the step's first forward began and others none (zero_grad(
+            # set_to_none=False); an expert or a branch only the bad batch reached), those others get
+            # none back: given a zero tensor, zero_grad kept it, and every later step updated that
+            # parameter (weight decay, momentum, new optimizer state), which a run without the batch
+            # never does (a probe, session 42).
             self._held_grads = []
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -181,6 +183,23 @@ class Actions:
         or a buffer seen changing for the first time)."""
         return self._skip_on_device and (lacks_state(self.optimizer) or bool(self._undo.missed or self._undo.host_only))
 
+    def _skip_at_once(self, read: steps.Read) -> None:
+        """Skips a bad lagged step on the host now, on a rank whose step a skip on the device cannot undo;
+        its event comes with every rank's, at the next step's end.
+
+        NOTE: [A lagged step one rank must read at once]
+        A single process reads such a step at once, as an eager watch does. With other ranks that choice
+        is this rank's alone (its forward alone ran a BatchNorm branch, its optimizer alone lacks state):
+        read at once, a bad step gathered its places while the other ranks, reading it a step later, had
+        gone on into the next step's gradient all-reduce: a hang (a probe, session 42). So this rank
+        reads the flag at once (the ranks' MAX, the verdict every rank acts on, one wait for it), and
+        for a bad step takes the gradients away before the optimizer runs and puts back the buffers it
+        can, as an eager skip does; the step stays pending, and every rank makes its event and decides
+        together at the next step's end. Buffers it could not put back make every rank raise there
+        (NOTE: [Decisions that only one rank can see]), a step late, as a lagged watch raises."""
+        read.unrestored = tuple(self._undo.restore()) if self._undo is not None else ()
+        self._skip_now = True
+
     def _locate(self) -> Optional[Any]:
         """Re-runs the step (self.rerun) under nanfast.locate from the RNG states its first forward began
         with; the watch's hooks stay idle meanwhile (the re-run is not a step). Every rank re-runs (all
@@ -196,16 +215,18 @@ class Actions:
             self._active = active
             self._steps.reset()  # the re-run's forwards are not the next step's
 
-    def _act(self, event: Event, scaler_skipped: bool, before_step: bool) -> None:
+    def _act(self, event: Event, scaler_skipped: bool, before_step: bool, unrestored: tuple = ()) -> None:
         """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
-        so a skip or a raise can still leave the model as the step found it. An evaluation forward's event
-        has no optimizer step to skip: a skip or rollback watch puts back the buffers it changed and warns."""
+        so a skip or a raise can still leave the model as the step found it; `unrestored`: the buffers a
+        skip at once could not put back (NOTE: [A lagged step one rank must read at once]). An evaluation
+        forward's event has no optimizer step to skip: a skip or rollback watch puts back the buffers it
+        changed and warns."""
         if callable(self.action):
             self.action(event)
         elif self.action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
         else:
-            missed = self._undo.restore() if before_step and self._undo is not None else []
+            missed = self._undo.restore() if before_step and self._undo is not None else list(unrestored)
             # A rank that cannot skip makes every rank raise (NOTE: [Decisions that only one rank can see]);
             # event.rank is set when the ranks agreed on the event: all of them are here.
             elsewhere = (event.rank is not None and event.kind == "nonfinite" and not event.evaluation

@@ -23,6 +23,11 @@ def start(read: Read, process_group: Optional[Any]) -> None:
         read.agreeing = distributed.all_reduce_flag_async(read.summary[:1], group)
 
 
+def with_other_ranks(process_group: Optional[Any]) -> bool:
+    """Whether there are other ranks to agree with."""
+    return distributed.default_group(process_group) is not None
+
+
 def wait(read: Read) -> None:
     """Waits for the flag's all-reduce (on NCCL this orders the stream after it; the host waits at the
     read that follows, the one it makes anyway)."""

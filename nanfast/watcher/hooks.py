@@ -331,8 +331,9 @@ class Hooks:
             self._undo.begin()
             self._undo_by_forward = True
         if self.action in SKIPPING and self.optimizer is not None and hooks.microbatch == 0:
-            step.gradless = frozenset(id(p) for group in self.optimizer.param_groups for p in group["params"]
-                                      if p.grad is None)
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            gradless = frozenset(id(p) for p in params if p.grad is None)
+            step.gradless = gradless if len(gradless) < len(params) else None  # see NOTE: [Gradients a skipped step gives back]
         if self.on_event == "locate" and hooks.microbatch == 0:
             from ..locator import StepState
 

@@ -52,6 +52,9 @@ class Read:
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
     eval_mode_with_grad: set = dataclasses.field(default_factory=set)  # Step.eval_mode_with_grad (a new Step makes a new one)
+    # Skipped at once on this rank, before its lagged read (NOTE: [A lagged step one rank must read at
+    # once]): the buffers its forward changed that could not be put back.
+    unrestored: tuple = ()
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:
@@ -102,7 +105,7 @@ class Step:
         self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
         self.eval_mode_with_grad: set[int] = set()  # microbatches whose forward ran in eval mode with gradients
         # A skipping watch's: the optimizer's parameters with no .grad at the step's first forward (ids);
-        # None where no forward began the step (see NOTE: [Gradients a skipped step gives back]).
+        # None where no forward began the step, or none had one (NOTE: [Gradients a skipped step gives back]).
         self.gradless: Optional[frozenset[int]] = None
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,

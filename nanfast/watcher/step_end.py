@@ -136,13 +136,16 @@ class StepEnd:
         if not evaluation:  # an evaluation keeps the number of the step it comes before
             self.step_count += 1
         self._reset_step()
-        if self.sync == "lagged" and not evaluation and not (read is not None and self._needs_host_verdict()):
+        at_once = self.sync == "lagged" and not evaluation and read is not None and self._needs_host_verdict()
+        if self.sync == "lagged" and not evaluation and not (at_once and not agree.with_other_ranks(self.process_group)):
             if read is not None:
                 agree.wait(read)
                 steps.start_copy(read)
             pending, self._pending = self._pending, read
             if pending is not None:
                 self._evaluate(pending)
+            if at_once and bool(read.summary[0] > 0):  # see NOTE: [A lagged step one rank must read at once]
+                self._skip_at_once(read)
         elif read is not None:
             self.flush()  # lagged: the previous step's read comes first
             self._evaluate(read)
