@@ -17,7 +17,8 @@ from .ops import combine_norms, stats
 
 Parameters = Union[torch.Tensor, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
-# As torch.nn.utils.clip_grad_norm_, so that both give the same coefficient.
+# As torch.nn.utils.clip_grad_norm_'s, in the same coefficient max_norm / (norm + eps) (ours from the
+# float64 norm, rounded to the gradients' dtype once: low-precision gradients may land one rounding away).
 _EPS = 1e-6
 
 
@@ -97,7 +98,8 @@ def clip_grad_norm_(parameters: Parameters, max_norm: float, norm_type: float = 
 
     Returns:
         The total norm before clipping (0-dim, on the first gradient's device, in `norm_dtype` of the
-        gradients, as torch's).
+        gradients, as torch's: float16 gradients whose norm is above 65504 get inf, although they are
+        finite and were clipped by their float64 norm, where torch's own norm overflows and raises).
 
     Raises:
         NonFiniteError: a gradient holds NaN/inf and error_if_nonfinite.
