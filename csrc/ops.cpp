@@ -9,8 +9,10 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/view_as_real.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 namespace nanfast {
@@ -186,6 +188,35 @@ TORCH_LIBRARY_IMPL(nanfast, Autograd, m) {
   m.impl("stats", torch::CppFunction::makeFallthrough());
   m.impl("any_nonfinite", torch::CppFunction::makeFallthrough());
   m.impl("step_summary", torch::CppFunction::makeFallthrough());
+}
+
+// NOTE: [A list with no kernel to dispatch to]
+// The dispatcher picks a kernel by the devices of the tensors; an empty list has none, and
+// torch.ops.nanfast.stats([]) raised "no fallback function is registered" (a probe, session 42) where
+// nanfast.stats([]) and the fake kernel give empty results. These kernels take what no backend's does:
+// the empty list, whose results they give, and a device without a kernel, which they name.
+namespace {
+
+void check_no_tensors(const char* op, at::TensorList tensors) {
+  TORCH_CHECK(tensors.empty(), op, ": no kernel for ", tensors[0].device().type(),
+              " tensors (nanfast reads CPU and CUDA tensors)");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_of_no_tensors(at::TensorList tensors) {
+  check_no_tensors("nanfast.stats", tensors);
+  return {at::empty({0, 3}, at::kLong), at::empty({0}, at::kDouble), at::empty({0}, at::kDouble)};
+}
+
+at::Tensor any_nonfinite_of_no_tensors(at::TensorList tensors) {
+  check_no_tensors("nanfast.any_nonfinite", tensors);
+  return at::zeros({}, at::kBool);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanfast, CompositeExplicitAutograd, m) {
+  m.impl("stats", &stats_of_no_tensors);
+  m.impl("any_nonfinite", &any_nonfinite_of_no_tensors);
 }
 
 // See NOTE: [Inputs as the kernels see them]: negative views are read in place.

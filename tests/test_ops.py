@@ -634,16 +634,28 @@ def opcheck_inputs():
         "bf16": [torch.randn(K_SEGMENT + 3).bfloat16(), torch.full((2,), math.inf, dtype=torch.float16)],
         "requires_grad": [torch.randn(4, requires_grad=True), torch.randn(3)],
         "mx": [t.view(16, 16).t() for t in (torch.arange(256, dtype=torch.uint8).view(d) for d in MX_DTYPES)],
+        # No tensor to dispatch by: the ops raised "no fallback function is registered" (a probe, session
+        # 42; NOTE: [A list with no kernel to dispatch to]).
+        "empty": [],
     }
 
 
-@pytest.mark.parametrize("name", ["one", "mixed", "bf16", "requires_grad", "mx"])
+@pytest.mark.parametrize("name", ["one", "mixed", "bf16", "requires_grad", "mx", "empty"])
 @pytest.mark.parametrize("op", [torch.ops.nanfast.stats.default, torch.ops.nanfast.any_nonfinite.default])
 def test_opcheck(op, name):
     # test_schema compares the inputs before and after with torch.allclose, which has no kernel for the
     # MX dtypes; test_mx_inputs_are_not_written checks that directly.
     utils = tuple(u for u in OPCHECK_UTILS if u != "test_schema") if name == "mx" else OPCHECK_UTILS
     torch.library.opcheck(op, (opcheck_inputs()[name],), test_utils=utils)
+
+
+def test_the_ops_on_an_empty_list_give_what_the_python_api_gives():
+    counts, norm, absmax = torch.ops.nanfast.stats([])
+    expected = nanfast.stats([])
+    assert counts.shape == (0, 3) and counts.dtype == torch.int64 and torch.equal(counts, expected.counts)
+    assert norm.dtype == absmax.dtype == torch.float64 and norm.shape == absmax.shape == (0,)
+    flag = torch.ops.nanfast.any_nonfinite([])
+    assert flag.shape == () and flag.dtype == torch.bool and not flag.item() and not nanfast.any_nonfinite([]).item()
 
 
 def test_mx_inputs_are_not_written():
