@@ -177,6 +177,63 @@ def test_what_it_gives_up_a_value_made_finite_in_place_before_the_forward_ends()
     assert found[False] == [("forward", "fc")] and found[True] == []
 
 
+class WritesNaNInPlace(torch.nn.Module):
+    """Writes NaN into the tensor it is given and returns it: its own output is the previous module's."""
+
+    def forward(self, x):
+        return x.mul_(NAN)
+
+
+class WritesNaNIntoItsGradient(torch.autograd.Function):
+    """A hand-written backward that fills the incoming gradient in place (no clone)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad[0].fill_(NAN)
+        return grad
+
+
+class BackwardWritesNaN(torch.nn.Module):
+    def forward(self, x):
+        return WritesNaNIntoItsGradient.apply(x)
+
+
+def events_of_a_step(fuse, middle, microbatches):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), middle, torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = torch.empty(8, 4)  # one input buffer, refilled for each microbatch
+    seen = []
+    with nanfast.watch(model, opt, fuse=fuse, action=seen.append):
+        for batch in microbatches:
+            buffer.copy_(batch)
+            model(buffer).sum().backward()
+        opt.step()
+    return [[(p.phase, p.name, p.microbatch, p.nan) for p in (e.first, *e.later)] for e in seen]
+
+
+@pytest.mark.parametrize("case", ["module", "backward", "buffer"])
+def test_a_value_written_in_place_later_is_named_where_it_was_written(case):
+    """A module that writes NaN into the output it was given and returns it, a backward that writes NaN
+    into the incoming gradient, an input buffer refilled with a dirty second microbatch: the fused watch
+    read the earlier record after the write and named the module before (or the first microbatch) as
+    the producer (a probe, session 42; NOTE: [Deferred tensors changed in place]). The same events as
+    the default watch."""
+    clean = torch.randn(8, 4)
+    dirty = clean.clone()
+    dirty[3, 1] = NAN
+    middle, microbatches = {"module": (WritesNaNInPlace(), [clean]), "backward": (BackwardWritesNaN(), [clean]),
+                            "buffer": (torch.nn.Tanh(), [clean, dirty])}[case]
+    fused = events_of_a_step(True, middle, microbatches)
+    assert fused == events_of_a_step(False, middle, microbatches) and len(fused) == 1
+    first = {"module": ("forward", "1", 0), "backward": ("backward", "1", 0), "buffer": ("input", "input", 1)}[case]
+    assert fused[0][0][:3] == first
+
+
 def test_fused_by_default_where_the_results_live_on_an_accelerator():
     """NOTE: [Fused records by default on accelerators]: the default is by device, an explicit value wins."""
     from nanfast.watcher.options import fused_records

@@ -110,10 +110,27 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // step is bound by its host. What it gives up: a value checked at that call is the tensor as it is
 // then; an in-place op in between that made it finite (ReLU over -inf) hides it.
 
-// A record whose tensors wait for the next flush: its entry's index and its tensors (owned).
+// NOTE: [Deferred tensors changed in place]
+// A deferred record is read at the flush, as its tensors are then. An in-place op in between that
+// wrote NaN or inf into one (a module's `x.mul_(...)` or `x[:, 0].fill_(...)` on the output it was
+// given, returned as its own; an input buffer refilled with copy_ for the next microbatch) made the
+// earlier record count what the later op wrote: the fused watch named the module before as the
+// producer, or the first microbatch for the second's dirty batch (a probe, session 42). A record keeps
+// its tensors' versions; at the flush, a tensor changed since its record that a later record of the
+// flush holds at its current version counts there only: its row in the earlier record is zeroed. One
+// changed with no later record keeps its count (BatchNorm's output, which an unhooked ReLU(inplace=True)
+// rewrites: that record is the only one, and ReLU keeps NaN and +inf), as does one whose values a
+// later op made finite (what a fused watch gives up).
+inline int64_t version_of(const at::Tensor& t) {
+  return t.is_inference() ? -1 : static_cast<int64_t>(t._version());  // an inference tensor keeps none
+}
+
+// A record whose tensors wait for the next flush: its entry's index, its tensors (owned) and their
+// versions when recorded (see NOTE: [Deferred tensors changed in place]).
 struct Deferred {
   size_t entry;
   std::vector<at::Tensor> tensors;
+  std::vector<int64_t> versions;
 };
 
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
@@ -227,7 +244,9 @@ struct Records {
       Entry& entry = entries.emplace_back();
       entry.slot = slot;
       entry.masks = std::move(masks);
-      deferred.push_back(Deferred{entries.size() - 1, tensors.vec()});
+      std::vector<int64_t> versions(tensors.size());
+      std::transform(tensors.begin(), tensors.end(), versions.begin(), version_of);
+      deferred.push_back(Deferred{entries.size() - 1, tensors.vec(), std::move(versions)});
       deferred_bytes += nbytes;
       full = deferred_bytes >= fuse_bytes;
     }
@@ -269,6 +288,7 @@ struct Records {
         fill(entries[d.entry], counts, absmax, limits, row, rows);
         row += rows;
       }
+      zero_rewritten_rows();
       if (!extra.empty()) {
         const int64_t n = static_cast<int64_t>(extra.size());
         result = Stats{counts.narrow(0, own, n), norm.narrow(0, own, n), absmax.narrow(0, own, n)};
@@ -285,6 +305,37 @@ struct Records {
     }
     return result;
   }  // `done` releases the tensors here, outside the mutex
+
+  // Zeroes the rows of deferred records whose tensor a later deferred record holds as it is now (see
+  // NOTE: [Deferred tensors changed in place]). Under `mutex`, once their entries are filled.
+  void zero_rewritten_rows() {
+    std::vector<std::pair<const c10::TensorImpl*, int64_t>> later;  // (tensor, version) of the records after
+    for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
+      for (size_t k = 0; k < d->tensors.size(); ++k) {
+        const at::Tensor& t = d->tensors[k];
+        const int64_t now = version_of(t);
+        const std::pair<const c10::TensorImpl*, int64_t> current{t.unsafeGetTensorImpl(), now};
+        if (d->versions[k] != now && std::find(later.begin(), later.end(), current) != later.end()) {
+          zero_row(entries[d->entry], static_cast<int64_t>(k));
+        }
+      }
+      for (size_t k = 0; k < d->tensors.size(); ++k) {
+        later.emplace_back(d->tensors[k].unsafeGetTensorImpl(), d->versions[k]);
+      }
+    }
+  }
+
+  // Row `k` of a filled record counts nothing, and needs no headroom.
+  static void zero_row(Entry& entry, int64_t k) {
+    if (entry.counts.defined()) {
+      entry.counts.select(0, entry.row + k).zero_();
+    } else {
+      std::fill_n(entry.host.begin() + 3 * k, 3, 0);
+    }
+    if (!entry.limits.empty()) {
+      entry.limits[k] = 0.0;
+    }
+  }
 
   // NOTE: [A backward that raised]
   // The first check to fire in a backward (a graph task) notes the task and queues an engine callback,
