@@ -124,6 +124,37 @@ def test_a_torch_save_cut_short_anywhere_says_it_is_damaged(capsys, tmp_path):
         assert code == 2 and out.startswith(f"{path}: unreadable: damaged or truncated"), out
 
 
+def test_a_byte_flipped_in_a_record_is_damage_not_clean(capsys, tmp_path):
+    """torch.load never compares a record with its CRC-32: a torch.save file whose tensor record had one
+    byte flipped (a 0.0 become 0.5, finite) was scanned clean, and so was the same damage inside a
+    distributed checkpoint's .distcp (a probe, session 42; NOTE: [Records checked against their
+    checksums]). Both are damage now, named by their record."""
+    path = tmp_path / "flipped.pt"
+    torch.save({"w": torch.zeros(1024)}, path)
+    data = bytearray(path.read_bytes())
+    record = next(r for r in zipfile.ZipFile(path).infolist() if r.filename.endswith("/data/0"))
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+    data[record.header_offset + 30 + name_length + extra_length + 4 * 100 + 3] ^= 0x3F
+    path.write_bytes(data)
+    assert torch.load(path, weights_only=True)["w"][100].item() == 0.5  # torch loads it
+    code, out = run_scan(capsys, path)
+    assert code == 2 and out.strip() == (f"{path}: unreadable: its record flipped/data/0 does not match the "
+                                         "checksum (CRC-32) its zip lists: damaged (nothing was checked)")
+
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.zeros(1024), "b": torch.ones(3)}, checkpoint_id=str(directory))
+    shard = next(directory.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[data.index(bytes(4096)) + 401] ^= 0x3F  # inside w's zeros
+    shard.write_bytes(data)
+    code, out = run_scan(capsys, directory)
+    assert code == 2 and "1 not checked: 'w' (its record" in out and "does not match the checksum" in out
+
+
 def test_compressed_records_larger_than_the_memory_are_refused_by_name(capsys, tmp_path, monkeypatch):
     """A re-zipped checkpoint's records are read whole: a 3.9 MB file inflating to 4 GB peaked at 4.4 GB,
     and a larger one would have the process killed without a word. (The memory is made small here.)"""
