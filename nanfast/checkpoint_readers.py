@@ -266,6 +266,24 @@ def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type,
     return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
 
 
+def is_torch_save(path: str) -> bool:
+    """Whether `path` is a regular file that begins as a torch.save file does, whatever its name (a zip
+    whose first record is <folder>/data.pkl, or the legacy format's magic number): a directory's
+    accelerate `random_states_0.pkl` and `custom_checkpoint_0.pkl` are torch.save files."""
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(30 + 256)
+    except OSError:
+        return False
+    if head.startswith(b"PK\x03\x04") and len(head) >= 30:
+        name_length = int.from_bytes(head[26:28], "little")
+        name = head[30:30 + name_length]
+        return name.count(b"/") == 1 and name.endswith(b"/data.pkl")
+    return LEGACY_MAGIC in head[:32]
+
+
 def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
     """A torch.save file's object, loaded weights-only on the CPU (memory-mapped where it can be), with
     the names of the classes and functions of other libraries it holds, read as data (see NOTE: [Other

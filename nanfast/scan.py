@@ -17,8 +17,8 @@ import torch
 
 from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
-from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, numpy_file_arrays,
-                                 require_regular_file, safetensors_tensors, torch_load)
+from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, is_torch_save,
+                                 numpy_file_arrays, require_regular_file, safetensors_tensors, torch_load)
 from .dcp_reader import dcp_items, is_dcp_directory
 from .pt2_archive import exported_program_items
 from .ops import reads_dtype
@@ -209,7 +209,8 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
     Args:
         path: a checkpoint file; a directory (a Trainer's checkpoint-500/, a save_pretrained output),
             for its entries ending in CHECKPOINT_SUFFIXES (a dangling link or a FIFO among them is
-            then reported as not read), not its subdirectories, and the shards any index in it names
+            then reported as not read) and the torch.save files named otherwise (accelerate's *.pkl),
+            not its subdirectories, and the shards any index in it names
             (a missing one is reported); or the index of a
             sharded checkpoint (*.index.json, as transformers writes), for the shards its "weight_map"
             names, next to it.
@@ -227,6 +228,9 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
         names = os.listdir(path)
         files = {os.path.join(path, name) for name in names
                  if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(os.path.join(path, name))}
+        # torch.save files named otherwise (accelerate's random_states_0.pkl and custom_checkpoint_0.pkl,
+        # which hold tensors: left out, a directory was called clean without them)
+        files.update(full for name in names if is_torch_save(full := os.path.join(path, name)))
         for name in names:
             if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(path, name)), list):
                 files.update(shards)

@@ -335,6 +335,21 @@ def test_scan_reads_a_sparse_tensor_saved_before_a_quantized_one(capsys, tmp_pat
     assert list(torch.load(path, weights_only=True)) == ["sp", "q"]  # and torch's next load is unharmed
 
 
+def test_a_directory_scan_reads_torch_save_files_of_any_name(capsys, tmp_path):
+    """accelerate's save_state writes random_states_0.pkl and custom_checkpoint_0.pkl (an object registered
+    for checkpointing) with torch.save: a directory scan left them out and called the directory clean
+    with a NaN in one (a probe, session 42). A file that is not a torch.save (a plain pickle, a README)
+    stays out."""
+    torch.save({"step": torch.tensor(3), "ema_loss": torch.tensor([NAN])}, tmp_path / "custom_checkpoint_0.pkl")
+    torch.save({"w": torch.ones(2)}, tmp_path / "optimizer.bin")
+    (tmp_path / "notes.pkl").write_bytes(pickle.dumps({"lr": 0.1}))
+    (tmp_path / "README.md").write_text("a run")
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 1 and [line.split(":")[0] for line in out.splitlines() if line.startswith(str(tmp_path))] == [
+        str(tmp_path / "custom_checkpoint_0.pkl"), str(tmp_path / "optimizer.bin")]
+    assert "ema_loss" in out
+
+
 def test_scan_reads_quantized_nested_and_e8m0_tensors(capsys, tmp_path):
     scale = torch.tensor([1.0, 2.0, 4.0, 1.0]).to(torch.float8_e8m0fnu)
     scale.view(torch.uint8)[3] = 0xFF  # float8_e8m0fnu's NaN: it has no inf
