@@ -234,6 +234,10 @@ class StandIn(dict):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # the arguments are kept by __new__
         super().__init__()
 
+    # Hashed as the object it stands for would be by default: an enum member is a dict key in
+    # Lightning's saved hyper_parameters (unhashable as a dict, the load failed as "damaged").
+    __hash__ = object.__hash__
+
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
             self.update(state)
@@ -409,6 +413,9 @@ def _records_fit(path: str, records: list[zipfile.ZipInfo]) -> bool:
     return True
 
 
+_NOT_REBUILT = "its pickle holds {kind}, which weights-only loading cannot rebuild: nothing was checked"
+
+
 def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool,
                       records: Optional[list[zipfile.ZipInfo]] = None) -> tuple[Any, tuple[str, ...]]:
     """torch_load's loading of a torch.save file or bytes, once their format is known (is_zip: the zip
@@ -433,10 +440,16 @@ def load_weights_only(source: Union[str, io.BytesIO], is_zip: bool,
             if not stand_ins:
                 raise
             return load(stand_ins), tuple(name for _, name in stand_ins)
+    except TypeError as e:
+        if "Creating a Tensor subclass" in str(e):
+            raise Unreadable(_NOT_REBUILT.format(kind="a tensor subclass of another library")) from None
+        raise
     except pickle.UnpicklingError as e:
         if found := re.search(r"GLOBAL (\S+)", str(e)):
             raise Refused(f"its pickle asks to run {found.group(1)}; weights-only loading never runs code from "
                           "a file, and nanfast does not load it any other way") from None
+        if re.search(r"Can only (SETITEM|append)", str(e)):
+            raise Unreadable(_NOT_REBUILT.format(kind="a subclass of dict or list (a config object?)")) from None
         if found := re.search(r"Unsupported operand \S+", str(e)):
             raise Unreadable(f"its pickle uses an instruction weights-only loading does not read ({found.group(0)}; "
                              "torch.save with pickle_protocol above 2?), so nothing was checked") from None

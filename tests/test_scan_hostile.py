@@ -4,6 +4,7 @@ scanned clean, or hung; none is a file a tool writes by accident."""
 
 from __future__ import annotations
 
+import enum
 import pickle
 import struct
 import threading
@@ -153,6 +154,31 @@ def test_a_byte_flipped_in_a_record_is_damage_not_clean(capsys, tmp_path):
     shard.write_bytes(data)
     code, out = run_scan(capsys, directory)
     assert code == 2 and "1 not checked: 'w' (its record" in out and "does not match the checksum" in out
+
+
+class Mode(enum.Enum):
+    TRAIN = "train"
+
+
+class Config(dict):
+    """A dict subclass holding a run's settings (as EasyDict or addict do)."""
+
+
+def test_hyper_parameters_keyed_by_an_enum_or_held_in_a_dict_subclass(capsys, tmp_path):
+    """Lightning-style checkpoints whose hyper_parameters are keyed by an enum member, or held in a dict
+    subclass, were called "damaged or truncated" (a probe, session 42): an enum key's stand-in could not
+    be hashed, and torch's weights-only loader rebuilds no dict subclass. The first is read, its NaN
+    found; the second is said to hold what the loader cannot rebuild, not to be damaged."""
+    weights = {"weight": torch.tensor([[1.0, NAN], [0.0, 2.0]])}
+    keyed = tmp_path / "enum_key.ckpt"
+    torch.save({"state_dict": weights, "hyper_parameters": {Mode.TRAIN: 0.1}}, keyed)
+    code, out = run_scan(capsys, keyed)
+    assert code == 1 and "state_dict.weight" in out and "Mode" in out
+    held = tmp_path / "dict_subclass.ckpt"
+    torch.save({"state_dict": weights, "hyper_parameters": Config(lr=0.1)}, held)
+    code, out = run_scan(capsys, held)
+    assert code == 2 and out.strip() == (f"{held}: unreadable: its pickle holds a subclass of dict or list (a config "
+                                         "object?), which weights-only loading cannot rebuild: nothing was checked")
 
 
 def test_compressed_records_larger_than_the_memory_are_refused_by_name(capsys, tmp_path, monkeypatch):
