@@ -252,6 +252,12 @@ def _index_shards(path: str) -> Union[list[str], FileScan]:
                                                   f"\"weight_map\"): {type(e).__name__}: {first_sentence(e)}")
     if not shards or not all(isinstance(shard, str) for shard in shards):
         return FileScan(path, "unreadable", error="its \"weight_map\" names no shard files: nothing was checked")
+    # Shards lie next to their index (as transformers writes them): a name that leads elsewhere
+    # ("../other/model.safetensors", an absolute path) is refused, as the DCP reader refuses such links.
+    outside = [shard for shard in shards if os.path.basename(shard) != shard or shard in (".", "..")]
+    if outside:
+        return FileScan(path, "refused", error=f"its \"weight_map\" names shards outside its directory "
+                                               f"({first_few(outside, MAX_NAMED_IN_MESSAGE)}): nothing was checked")
     return [os.path.join(os.path.dirname(path), shard) for shard in shards]
 
 
@@ -279,10 +285,11 @@ def index_gaps(index: str, scans: dict[str, FileScan]) -> Optional[FileScan]:
         scans: the FileScans of the shards, by path.
 
     Returns:
-        The index's FileScan for what is missing, or None."""
+        The index's FileScan for what is missing, or its own when it names no shard to read (and `scans`
+        does not hold it: the index was not scanned as an argument itself), or None."""
     shards = _index_shards(index)
-    if not isinstance(shards, list):
-        return None  # reported by checkpoint_files
+    if not isinstance(shards, list):  # not an index, or refused: said here when a directory holds it
+        return None if index in scans else shards
     with open(index, encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
     found: dict[str, set[str]] = {}

@@ -610,6 +610,14 @@ def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp
     index.write_text(json.dumps({"weights": []}))
     code, out = run_scan(capsys, index)
     assert code == 2 and "unreadable: not a sharded checkpoint's index" in out
+    # An index naming a shard outside its directory is refused, as the DCP reader refuses such links, and
+    # a directory holding it says so too (it was followed there, and a directory left the index unsaid).
+    index.write_text(json.dumps({"weight_map": {"a": "clean.pt", "b": "../elsewhere/model.safetensors"}}))
+    refused = f"{index}: refused: its \"weight_map\" names shards outside its directory (../elsewhere/model.safetensors)"
+    code, out = run_scan(capsys, index)
+    assert code == 2 and out.count(refused) == 1
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 2 and out.count(refused) == 1
 
 
 def test_a_real_hf_trainer_checkpoint_directory(capsys, tmp_path, monkeypatch):
