@@ -226,10 +226,9 @@ class Hooks:
         unscaled loss (before GradScaler.scale). Checks nothing in a watch made with loss=False. Its
         mean (over its elements and the step's microbatches; an empty loss adds none) goes to the step's
         record and the spike alarms, read with the step's one read (kept even with loss=False or an
-        ignored name). A
-        validation loss (no gradients, the model in eval mode, between optimizer steps) is read at once
-        as an evaluation's, without record or spike sample (see NOTE: [Evaluation forwards between
-        optimizer steps]).
+        ignored name). A validation loss (no gradients, the model in eval mode, between optimizer
+        steps) is read at once as an evaluation's, without record or spike sample (see NOTE:
+        [Evaluation forwards between optimizer steps]).
 
         Args:
             value: the loss tensor (any floating tensor: each of its elements is checked).
