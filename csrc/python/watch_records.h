@@ -309,6 +309,17 @@ struct Records {
   // Zeroes the rows of deferred records whose tensor a later deferred record holds as it is now (see
   // NOTE: [Deferred tensors changed in place]). Under `mutex`, once their entries are filled.
   void zero_rewritten_rows() {
+    const auto changed = [](const Deferred& d) {
+      for (size_t k = 0; k < d.tensors.size(); ++k) {
+        if (d.versions[k] != version_of(d.tensors[k])) {
+          return true;
+        }
+      }
+      return false;
+    };
+    if (std::none_of(deferred.begin(), deferred.end(), changed)) {
+      return;  // the usual flush: nothing written in place since its record, no list to build
+    }
     std::vector<std::pair<const c10::TensorImpl*, int64_t>> later;  // (tensor, version) of the records after
     for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
       for (size_t k = 0; k < d->tensors.size(); ++k) {
