@@ -52,6 +52,13 @@ py::object plain_floating_tensors(py::handle obj) {
 
 namespace {
 
+// Whether a torch.func transform is running (see NOTE: [The watch under torch.func] in
+// nanfast/watcher/hooks.py): functorch includes its front-mode key in the thread's dispatch keys while
+// a level is on its stack, one thread-local read. Also nanfast._C.transformed, for the Python hooks.
+bool transformed() {
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
 // NOTE: [Module hooks in C++]
 // Each hooked module call runs two hooks: before it, the check of the gradient w.r.t. its inputs is
 // placed (NOTE: [Where a gradient is checked]); after it, its output is checked. In Python each was a
@@ -219,13 +226,6 @@ class ModuleHooks {
     last_recorded_ = false;
   }
 
-  // Whether a torch.func transform is running (see NOTE: [The watch under torch.func] in
-  // nanfast/watcher/hooks.py): functorch includes its front-mode key in the thread's dispatch keys
-  // while a level is on its stack, one thread-local read.
-  static bool transformed() {
-    return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
-  }
-
   Recomputed recomputation() const {
     if (!torch::autograd::get_current_node()) {
       return Recomputed::kNo;  // not inside backward: the usual case, without calling Python
@@ -273,6 +273,8 @@ class ModuleHooks {
 }  // namespace
 
 void bind_module_hooks(py::module_& m) {
+  m.def("transformed", &transformed,
+        "Whether a torch.func transform is running (NOTE: [The watch under torch.func]).");
   m.def("plain_floating_tensors", &plain_floating_tensors,
         "The floating and complex strided tensors of a Tensor, or of a tuple or list of Tensors and None; None for "
         "any other object.",

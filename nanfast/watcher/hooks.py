@@ -31,8 +31,9 @@ def transformed() -> bool:
     # for): a watched model raised under per-sample gradients (vmap(grad)), MAML-style grad and vmap'd
     # inference, healthy or not. As under torch.compile, the hooks stand down there; what a transform
     # leaves in the parameters' gradients (a per-sample gradient's mean assigned to .grad) is checked
-    # by the step's pass, outside the transform.
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    # by the step's pass, outside the transform. The same test as the C++ module hooks' (one
+    # thread-local read).
+    return _C.transformed()
 
 
 def floating_tensors(obj: Any) -> list[torch.Tensor]:
