@@ -1,7 +1,8 @@
 """Nested tensors (`torch.nested`, strided and jagged layouts) in the public ops: the kernels take plain
 strided tensors, so such an entry is read through the strided tensors that hold exactly its values, and
 its rows are merged back into one. Reached only once the op has refused a list (the fast path pays
-nothing). The watch and check_all read nested tensors and wrapper subclasses through _C.stats_on."""
+nothing): for strided nested tensors (jagged ones, Python subclasses, are read in C++ by the unboxed
+nanfast._C.stats, as the watch reads every nested tensor, in _C.stats_on), and under torch.compile."""
 
 from __future__ import annotations
 

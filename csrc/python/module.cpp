@@ -115,8 +115,8 @@ const StatsOp& stats_op() {
 // tensor (nn.TransformerEncoder's fast path in eval with a padding mask passes them between its layers)
 // is read through its components the same way; a jagged one through its values buffer, unless narrow()
 // left that buffer wider than its components (the values outside them are not the tensor's: a NaN
-// there stopped a healthy step), then through its components, which costs torch's one host read. A plain tensor costs two bit tests; only a Python
-// subclass takes the GIL, from a backward thread too.
+// there stopped a healthy step), then through its components, which costs torch's one host read. A
+// plain tensor costs two bit tests; only a Python subclass takes the GIL, from a backward thread too.
 namespace {
 
 bool floating_strided(const at::Tensor& t) {
