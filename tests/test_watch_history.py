@@ -370,5 +370,21 @@ def test_options_are_checked():
     assert not model._forward_hooks  # nothing installed
 
 
+@pytest.mark.parametrize("second", [42, "same", "taken"])
+def test_a_refused_log_to_list_leaves_its_files_as_they_were(tmp_path, second):
+    """A log_to list refused for its second entry (of no sink type, the first file again, a file another
+    watch writes) opens none of its files: the first one's earlier records are still there."""
+    model = mlp()
+    kept = tmp_path / "earlier-run.jsonl"
+    kept.write_text('{"step": 0}\n')
+    taken = tmp_path / "taken.jsonl"
+    with nanfast.watch(mlp(), log_to=taken):
+        entry = {"same": str(kept), "taken": taken}.get(second, second)
+        with pytest.raises((TypeError, ValueError), match="log_to"):
+            nanfast.watch(model, log_to=[kept, entry])
+    assert kept.read_text() == '{"step": 0}\n'
+    assert not model._forward_hooks
+
+
 def test_record_to_dict_has_exactly_the_documented_keys():
     assert set(StepRecord(step=0).to_dict()) == KEYS

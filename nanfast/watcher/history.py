@@ -133,11 +133,21 @@ class _Stream:
 
     _open: set[str] = set()  # the real paths streams of this process are writing
 
+    @staticmethod
+    def refuse_taken(paths: list) -> None:
+        """Raises ValueError if a file of `paths` is written by a stream of this process, or named twice."""
+        seen: set[str] = set()
+        for path in paths:
+            real = os.path.realpath(path)
+            if real in _Stream._open or real in seen:
+                raise ValueError(f"nanfast.watch: log_to {os.fspath(path)!r} is already written by another watch in "
+                                 "this process (or named twice); give each watch its own file (or remove() the other "
+                                 "watch first)")
+            seen.add(real)
+
     def __init__(self, path: Union[str, os.PathLike], first: dict):
+        _Stream.refuse_taken([path])
         self._path = os.path.realpath(path)
-        if self._path in _Stream._open:
-            raise ValueError(f"nanfast.watch: log_to {os.fspath(path)!r} is already written by another watch in this "
-                             "process; give each watch its own file (or remove() the other watch first)")
         self._file = open(path, "w", encoding="utf-8")
         _Stream._open.add(self._path)
         self._file.write(_line(first))
@@ -164,14 +174,17 @@ def _give(sink: Callable[[StepRecord], None], rec: StepRecord) -> None:
                       "not in it (training, the watch and the other sinks go on)", RuntimeWarning, stacklevel=2)
 
 
-def _sink(target: Any, first: dict) -> Callable[[StepRecord], None]:
+def _opener(target: Any) -> Callable[[dict], Callable[[StepRecord], None]]:
+    """What makes the sink of one `log_to` entry from the header: checked for every entry before any
+    file is opened (a bad second entry must not leave the first file truncated)."""
     if isinstance(target, (str, os.PathLike)):
-        return _Stream(target, first)
+        return lambda first: _Stream(target, first)
     add_scalar = getattr(target, "add_scalar", None)
     if callable(add_scalar):  # a TensorBoard SummaryWriter (or anything with its method)
-        return lambda rec: [add_scalar(key, value, global_step=rec.step) for key, value in rec.scalars().items()]
+        return lambda first: lambda rec: [add_scalar(key, value, global_step=rec.step)
+                                          for key, value in rec.scalars().items()]
     if callable(target):  # wandb.log, mlflow.log_metrics, ...
-        return lambda rec: target(rec.scalars())
+        return lambda first: lambda rec: target(rec.scalars())
     raise TypeError(f"nanfast.watch: log_to entries must be a path (str or os.PathLike), an object with add_scalar "
                     f"(a SummaryWriter) or a callable taking a dict, got {type(target).__name__}")
 
@@ -185,11 +198,13 @@ class Timeline:
         self._header = (model_class, headroom_thresholds)
         self._kept: collections.deque = collections.deque(maxlen=keep)  # StepRecords, or record()'s arguments
         targets = [] if log_to is None else list(log_to) if isinstance(log_to, (list, tuple)) else [log_to]
+        openers = [_opener(target) for target in targets]
+        _Stream.refuse_taken([t for t in targets if isinstance(t, (str, os.PathLike))])
         first = header(*self._header)
         self._sinks: list[Callable[[StepRecord], None]] = []
         try:
-            for target in targets:
-                self._sinks.append(_sink(target, first))
+            for opener in openers:
+                self._sinks.append(opener(first))
         except BaseException:
             self.close()
             raise
