@@ -268,3 +268,27 @@ def test_a_jagged_batch_is_watched_in_training(fuse):
     [event] = w.events
     assert (event.step, event.first.phase, event.first.nan) == (2, "input", 1)
     w.remove()
+
+
+class Sqrt(torch.nn.Module):
+    def forward(self, x):
+        return x.sqrt()
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_jagged_gradient_is_checked_in_backward(layout):
+    """The gradient leaving a module in backward is checked when it is a jagged nested tensor too (the
+    gradient checks took strided and sparse ones only). sqrt at ReLU's zeros makes inf in backward that
+    ReLU's backward turns to 0 again: only the check of the gradient leaving Sqrt can see it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), Sqrt(), torch.nn.Linear(8, 1))
+    seqs = [torch.randn(2, 4), torch.randn(3, 4)]
+    x = torch.nested.nested_tensor(seqs, layout=layout) if layout == torch.jagged else torch.cat(seqs)
+    w = nanfast.watch(model, action="warn", inputs=False, activations=False)
+    with pytest.warns(RuntimeWarning, match="backward"):
+        out = model(x)
+        (out.values() if out.is_nested else out).sum().backward()
+        w.step()
+    [event] = w.events
+    assert (event.first.phase, event.first.name) == ("backward", "2") and event.first.posinf > 0
+    w.remove()

@@ -45,7 +45,8 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
     if (records_->enabled && slot != kDeadSlot && slot_->epoch == records_->epoch && output_nr_ < grads.size()) {
       Records::note_backward(records_);
       const at::Tensor& grad = grads[output_nr_];
-      if (grad.defined() && grad.layout() == at::kStrided) {
+      if (grad.defined() && (grad.layout() == at::kStrided || grad.layout() == at::kJagged)) {
+        // A jagged gradient (a Python subclass) is read through its values (stats_on takes the GIL).
         records_->add(grad, slot, /*grad_check=*/true);
       } else if (grad.defined() && grad.layout() == at::kSparse) {
         // The entries of a sparse COO gradient, duplicates uncoalesced (coalescing would sync the host
