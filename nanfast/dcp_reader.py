@@ -10,7 +10,7 @@ import os
 import pathlib
 import pickle
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -73,9 +73,15 @@ def is_dcp_directory(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
-def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
+def dcp_shard(path: str) -> bool:
+    """Whether `path` names one `.distcp` file of a DCP checkpoint (read through its directory's metadata)."""
+    return path.endswith(".distcp") and os.path.isfile(path)
+
+
+def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]]:
     """A DCP directory's (name, value) pairs: each tensor chunk as a tensor, each other item as the object
-    it stores, an item that cannot be read as NotRead (see NOTE: [Distributed checkpoints]).
+    it stores, an item that cannot be read as NotRead (see NOTE: [Distributed checkpoints]). With `only`
+    (a `.distcp` file's name), the items stored in that file alone.
 
     Raises:
         Refused: its `.metadata` names a class a DCP metadata does not hold.
@@ -95,6 +101,8 @@ def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
         raise Unreadable(f"its {METADATA} is not a distributed checkpoint's metadata (no storage_data)")
     chunks = {fqn: len(getattr(entry, "chunks", ()) or ()) for fqn, entry in described.items()}
     for index, where in items.items():
+        if only is not None and getattr(where, "relative_path", None) != only:
+            continue
         fqn = index.fqn
         name = fqn if index.offset is None or chunks.get(fqn, 1) <= 1 else f"{fqn}{list(index.offset)}"
         if getattr(where, "transform_descriptors", None):
@@ -102,6 +110,10 @@ def dcp_items(path: str) -> Iterator[tuple[str, Any]]:
                                 "does not read")
             continue
         yield name, _item(path, where)
+    if only is not None:  # the other files hold the rest
+        if not any(getattr(where, "relative_path", None) == only for where in items.values()):
+            raise Unreadable(f"the {METADATA} beside it names no item stored in {only}: nothing was checked")
+        return
     # An item described with no entry saying where its data is (a rank's entries lost in a merge) would
     # otherwise be left out unsaid; DCP's own load fails on it.
     stored = collections.Counter(index.fqn for index in items)

@@ -19,7 +19,7 @@ from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, is_torch_save,
                                  numpy_file_arrays, require_regular_file, safetensors_tensors, torch_load)
-from .dcp_reader import dcp_items, is_dcp_directory
+from .dcp_reader import METADATA, dcp_items, dcp_shard, is_dcp_directory
 from .pt2_archive import exported_program_items
 from .ops import reads_dtype
 from .report import Entry, Report, first_few
@@ -130,7 +130,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
         path: a torch.save file (zip or legacy; read with weights-only loading) or a TorchScript archive
             (its module's tensors and constants, never its code), a .safetensors file, a
             numpy .npy or .npz file, a PT2 archive (torch.export.save, AOTInductor packages: its weights
-            and constants), or a torch.distributed.checkpoint directory.
+            and constants), a torch.distributed.checkpoint directory, or one `.distcp` file of one (the
+            items its directory's `.metadata` places in it).
         on_checked: called with the bytes of each chunk once checked (for a progress bar).
 
     Returns:
@@ -146,6 +147,12 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     try:
         if is_dcp_directory(path):  # see NOTE: [Distributed checkpoints]
             found = _leaves(dcp_items(path))
+        elif dcp_shard(path):  # one file of a DCP directory: its items, found through the directory's metadata
+            directory = os.path.dirname(os.path.abspath(path))
+            if not is_dcp_directory(directory):
+                raise Unreadable(f"a distributed checkpoint's shard: where its items lie is in the {METADATA} of "
+                                 "its directory, which is not beside it; nothing was checked")
+            found = _leaves(dcp_items(directory, only=os.path.basename(path)))
         else:
             require_regular_file(path)
             if path.endswith(".safetensors"):

@@ -273,3 +273,32 @@ def test_a_tensor_the_index_lists_but_its_shard_lacks_is_reported(capsys, tmp_pa
         assert code == 2, out
         assert f"{index}: no tensors in it: nothing checked; 1 not checked: '{name}' (listed in the index for " \
                f"{shard}, which does not hold it)" in out
+
+
+def test_one_file_of_a_distributed_checkpoint_is_read_through_its_directorys_metadata(capsys, tmp_path):
+    """`nanfast scan dir/__0_0.distcp` said "damaged or truncated" of an intact file: a .distcp file is the
+    items that its directory's .metadata places in it, read as the directory's are. Alone, or not named by
+    the metadata beside it, it is unreadable, saying why, never clean."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.tensor([1.0, NAN]), "b": torch.ones(3), "c": torch.zeros(2)}, checkpoint_id=str(path),
+                 storage_writer=dcp.FileSystemWriter(str(path), thread_count=2))
+    files = sorted(path.glob("*.distcp"))
+    assert len(files) == 2  # the items split over two files
+    scans = [scan.scan_file(str(f)) for f in files]
+    names = [sorted(e.name for e in s.report.entries) for s in scans]
+    assert sorted(sum(names, [])) == ["b", "c", "w"] and all(names)  # each file its own items, all of them once
+    assert {s.status for s in scans} == {"clean", "nonfinite"}
+    assert next(s for s in scans if s.status == "nonfinite").report.bad[0].name == "w"
+    alone = tmp_path / "alone.distcp"
+    alone.write_bytes(files[0].read_bytes())
+    stray = path / "__9_0.distcp"
+    stray.write_bytes(files[0].read_bytes())
+    for unread, why in ((alone, "not beside it"), (stray, "names no item stored in __9_0.distcp")):
+        result = scan.scan_file(str(unread))
+        assert result.status == "unreadable" and why in result.error
+    code, out = run_scan(capsys, alone)
+    assert code == 2 and "damaged" not in out

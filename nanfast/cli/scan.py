@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=".pt/.pth/.pth.tar/.bin/.ckpt (torch.save, or torch.jit.save: never its code), "
                              ".safetensors, .npy/.npz or .pt2 "
                              "(torch.export) files; a directory (its checkpoint files; a torch.distributed.checkpoint "
-                             "directory as one checkpoint); a sharded checkpoint's *.index.json (its shards)")
+                             "directory as one checkpoint, or one of its .distcp files); a sharded checkpoint's *.index.json (its shards)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
