@@ -109,7 +109,7 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
             yield name, NotRead(f"stored through {', '.join(map(str, where.transform_descriptors))}, which nanfast "
                                 "does not read")
             continue
-        yield name, _item(path, where)
+        yield name, _as_described(_item(path, where), described.get(fqn), index)
     if only is not None:  # the other files hold the rest
         if not any(getattr(where, "relative_path", None) == only for where in items.values()):
             raise Unreadable(f"the {METADATA} beside it names no item stored in {only}: nothing was checked")
@@ -122,6 +122,21 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
         if stored[fqn] < expected:
             yield fqn, NotRead(f"its {METADATA} describes {expected} chunk(s) of it but says where only "
                                 f"{stored[fqn]} are stored")
+
+
+def _as_described(item: Any, described: Any, index: Any) -> Any:
+    """A tensor chunk as the `.metadata` describes it (its chunk's sizes, its tensor's dtype), else NotRead:
+    a damaged `.metadata` (a flipped bit in a size) still points at intact items, which read clean
+    while DCP's own load of the checkpoint fails on them."""
+    if not isinstance(item, torch.Tensor) or index.offset is None:
+        return item
+    chunk = next((c for c in getattr(described, "chunks", None) or () if c.offsets == index.offset), None)
+    dtype = getattr(getattr(described, "properties", None), "dtype", None)
+    if chunk is None or tuple(chunk.sizes) != tuple(item.shape) or dtype != item.dtype:
+        said = "no such chunk" if chunk is None else f"sizes {list(chunk.sizes)}, {dtype}"
+        return NotRead(f"its {METADATA} describes it as {said}, but the item stored is {list(item.shape)}, "
+                       f"{item.dtype}: the metadata or the item is damaged")
+    return item
 
 
 def _item(path: str, where: Any) -> Any:

@@ -6,6 +6,7 @@ shard lacks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -302,3 +303,27 @@ def test_one_file_of_a_distributed_checkpoint_is_read_through_its_directorys_met
         assert result.status == "unreadable" and why in result.error
     code, out = run_scan(capsys, alone)
     assert code == 2 and "damaged" not in out
+
+
+@pytest.mark.parametrize("damage", ["sizes", "dtype"])
+def test_a_distributed_checkpoint_whose_metadata_misdescribes_an_item_is_not_clean(tmp_path, damage):
+    """A flipped bit in a .metadata size (or dtype) leaves every item intact and readable: the scan called
+    the checkpoint clean while DCP's own load of it fails. Each tensor chunk is held to its description."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"w": torch.ones(4, 4), "b": torch.ones(3)}, checkpoint_id=str(path))
+    assert scan.scan_file(str(path)).status == "clean"
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # ours: written just above
+    described = metadata.state_dict_metadata["w"]
+    if damage == "sizes":
+        described.chunks[0] = dataclasses.replace(described.chunks[0], sizes=torch.Size([4, 5]))
+    else:
+        described.properties = dataclasses.replace(described.properties, dtype=torch.float16)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    result = scan.scan_file(str(path))
+    assert result.status == "incomplete" and [name for name, _ in result.not_checked] == ["w"]
+    assert "the metadata or the item is damaged" in result.not_checked[0][1]
+    assert [e.name for e in result.report.entries] == ["b"]
