@@ -203,6 +203,39 @@ def test_ctc_loss_with_an_impossible_target_is_inf():
     assert finding.inputs[1].dtype == "int64" and (finding.inputs[1].min, finding.inputs[1].max) == (1, 1)
 
 
+def test_a_healthy_ctc_loss_is_silent():
+    """Every target fits its input: loss and gradients are finite. aten._ctc_loss also returns log_alpha,
+    its backward's table of log-probabilities, -inf for every unreachable state: judged as a result, it
+    stopped every healthy F.ctc_loss at its forward (a probe, session 43, after meijieru/crnn.pytorch#235
+    and pytorch/pytorch#16199; zero_infinity=False is torch's default)."""
+    torch.manual_seed(0)
+    logits = torch.randn(10, 2, 5, requires_grad=True)
+    targets, lengths, target_lengths = torch.tensor([[1, 2], [3, 4]]), torch.tensor([10, 10]), torch.tensor([2, 2])
+    with nanfast.locate():
+        loss = F.ctc_loss(logits.log_softmax(-1), targets, lengths, target_lengths)
+        loss.backward()
+    assert loss.isfinite() and logits.grad.isfinite().all()
+    log_alpha = torch.ops.aten._ctc_loss(logits.log_softmax(-1), targets, lengths, target_lengths)[1]
+    assert torch.isneginf(log_alpha).any()  # what was judged
+
+
+def test_a_fault_after_a_healthy_ctc_loss_is_the_one_found():
+    """The probe's watch(on_event="locate") case: a NaN gradient from sqrt at 0 in a regulariser of an
+    ASR loss was blamed on the healthy CTC before it."""
+    torch.manual_seed(0)
+    logits = torch.randn(10, 2, 5, requires_grad=True)
+    w = torch.ones(3, requires_grad=True)
+
+    def run():
+        reg = (w - w.detach()).pow(2).sum().sqrt()  # distance 0: its gradient is 0/0
+        loss = F.ctc_loss(logits.log_softmax(-1), torch.tensor([[1, 2], [3, 4]]), torch.tensor([10, 10]),
+                          torch.tensor([2, 2]))
+        (loss + reg).backward()
+
+    finding = first_finding(run)
+    assert (finding.phase, finding.node) == ("backward", "SqrtBackward0")
+
+
 def test_ctc_loss_with_zero_infinity_is_silent():
     # The composite zeroes _ctc_loss's inf (and its gradient): the model is healthy.
     log_probs = torch.randn(2, 1, 5).log_softmax(-1).detach().requires_grad_()

@@ -88,12 +88,13 @@ class _LocateMode(TorchDispatchMode):
             producer = Producer(info.name, "recompute", None, user_frame())
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, forward_source(node))
-        nonfinite = _any_nonfinite(outputs)
+        judged_raw, judged = _judged(info, out, raw, outputs)
+        nonfinite = _any_nonfinite(judged)
         tainted = False
         if nonfinite:
             source = user_frame() if producer.phase == "backward" else producer.source
             finding, tainted = examine(self.provenance, self.owner._dump_path_for_next() is not None, info,
-                                       _named_args(info, args, kwargs), before, raw, outputs, producer, source)
+                                       _named_args(info, args, kwargs), before, judged_raw, judged, producer, source)
             # A backward node's inner producer is judged by the gradients the node returns.
             if finding is not None and not (producer.phase == "backward" and finding[0].kind != "input"
                                             and self.nodes.defer(node, finding)):
@@ -127,6 +128,15 @@ def _subclass_first(types: tuple) -> bool:
     tensors are read here, through their values (_values)."""
     return any(t is not torch.Tensor and t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
                and not issubclass(t, _JAGGED) for t in types)
+
+
+def _judged(info: _OpInfo, out: Any, raw: list, outputs: list) -> tuple[list, list[torch.Tensor]]:
+    """The outputs an op is judged by: all of them but its workspace (NOTE: [workspace outputs])."""
+    if not info.workspace or not isinstance(out, tuple):
+        return raw, outputs
+    workspace = {id(t) for k, t in enumerate(out) if k in info.workspace}
+    kept = [k for k, t in enumerate(raw) if id(t) not in workspace]
+    return [raw[k] for k in kept], [outputs[k] for k in kept]
 
 
 def _outputs(info: _OpInfo, out: Any, args: tuple, kwargs: dict) -> tuple[list, list[torch.Tensor]]:

@@ -38,6 +38,16 @@ MASKING_OPS = frozenset((
 # its backward zeroes the gradient). Op (overload packet) -> the flag.
 _MASKED_WHEN = {"_ctc_loss": "zero_infinity"}
 
+# NOTE: [workspace outputs]
+# Outputs an op returns only for its own backward to read, whose values are no result: aten._ctc_loss's
+# log_alpha, the log-space table of alignment probabilities, holds -inf (log 0) for every unreachable
+# state and leaves the entries past each target's length uninitialized (2e23 and 7e31 seen there).
+# Judged, it made locate stop every healthy F.ctc_loss (a probe, session 43, after
+# meijieru/crnn.pytorch#235). The op is judged by its other outputs; the workspace is still recorded as
+# its output, so its backward's reads of it are not taken for data from outside.
+# Op (overload packet) -> the indices of its workspace outputs.
+_WORKSPACE_OUTPUTS = {"_ctc_loss": frozenset((1,))}
+
 
 @dataclasses.dataclass(frozen=True)
 class _OpInfo:
@@ -50,6 +60,7 @@ class _OpInfo:
     read_write_args: frozenset[str]  # written and read: their pre-op values are inputs
     masking: bool  # in MASKING_OPS
     masked_when: Optional[str]  # its flag in _MASKED_WHEN
+    workspace: frozenset[int]  # its outputs in _WORKSPACE_OUTPUTS
 
 
 _op_info_cache: dict[Any, _OpInfo] = {}
@@ -68,7 +79,8 @@ def _op_info(func) -> _OpInfo:
         if packet in _OVERWRITE_SELF:
             out_args |= written
         info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
-                       frozenset(written - out_args), packet in MASKING_OPS, _MASKED_WHEN.get(packet))
+                       frozenset(written - out_args), packet in MASKING_OPS, _MASKED_WHEN.get(packet),
+                       _WORKSPACE_OUTPUTS.get(packet, frozenset()))
         _op_info_cache[func] = info
     return info
 
