@@ -311,3 +311,59 @@ def test_a_node_that_never_returns_leaves_its_held_finding_as_a_note():
         with pytest.raises(RuntimeError, match="backward failed"):
             y.sum().backward(retain_graph=True)
     assert region.findings == [] and [note.op for note in region.masked] == ["aten.div.Tensor"]
+
+
+class OPTAttention(torch.nn.Module):
+    """huggingface/transformers#17437's fix of OPT's float16 attention (#17306): scores plus a mask of
+    torch.finfo(dtype).min overflow to -inf where a masked score is negative, then are clamped back."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qk, self.o = torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x, attention_mask, clamp: bool = True):
+        q, k = self.qk(x).chunk(2, -1)
+        w = q @ k.transpose(1, 2) + attention_mask  # <opt-mask>
+        if clamp:
+            w = torch.max(w, torch.tensor(torch.finfo(w.dtype).min))
+        return self.o(F.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype) @ x)  # <opt-softmax>
+
+
+def _opt_case():
+    torch.manual_seed(0)
+    model = OPTAttention().half()
+    with torch.no_grad():
+        model.qk.weight.mul_(8)
+    x = torch.randn(2, 4, 8).half()
+    keep = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]).bool()
+    mask = torch.zeros(2, 1, 4, dtype=torch.half).masked_fill(~keep[:, None, :], torch.finfo(torch.half).min)
+    return model, x, mask
+
+
+def test_a_mask_at_the_dtypes_limit_that_overflows_and_is_clamped_is_silent():
+    """The float16 overflow of a finfo.min mask, clamped back at once, was reported at the add: a healthy
+    HF model stopped there (a probe, session 43). A mask at the dtype's limit counts as an infinite one."""
+    model, x, mask = _opt_case()
+    scores = model.qk(x).chunk(2, -1)
+    assert torch.isneginf(scores[0] @ scores[1].transpose(1, 2) + mask).any()  # the add overflows
+    model(x, mask).float().sum().backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters())  # the model is healthy
+    model.zero_grad()
+    with nanfast.locate(action="record") as region:
+        model(x, mask).float().sum().backward()
+    assert region.findings == []
+
+
+def test_a_row_masked_whole_at_the_dtypes_limit_is_found_where_it_becomes_nan():
+    """Without the clamp, a row whose every score overflowed to -inf makes NaN in softmax: that is the
+    finding (the overflowed mask is no fault of its own)."""
+    model, x, _ = _opt_case()
+    mask = torch.full((2, 1, 4), torch.finfo(torch.half).min, dtype=torch.half)
+    mask[1] = 0
+    with torch.no_grad():
+        model.qk.bias.fill_(4.0)  # positive queries, negative keys: every masked score is negative
+        model.qk.weight.zero_()
+        model.qk.bias[8:] = -4.0
+    with nanfast.locate(action="record") as region:
+        model(x, mask, clamp=False)
+    assert [f.op for f in region.findings][:1] == ["aten._softmax.default"]

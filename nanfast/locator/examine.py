@@ -14,7 +14,7 @@ from .provenance import _OUTSIDE, Provenance
 from .replay import _repro
 from .schema import _OpInfo
 from .source import SourceLine
-from .values import _counts, _dense, _finite_min_max, _scalar_nonfinite, _scalar_text, _values
+from .values import _at_dtype_limit, _counts, _dense, _finite_min_max, _scalar_nonfinite, _scalar_text, _values
 
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
@@ -72,6 +72,14 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     tainted = any(provenance.tainted(inputs[i][2]) for i, c in in_counts.items() if any(c))
     dirty = [i for i, c in in_counts.items() if c[0] and provenance.from_outside(inputs[i][2])]
 
+    if (out_inf and not (out_nan or tensor_nan or tensor_inf or numbers)
+            and _at_dtype_limit([inputs[i][1] for i in checked], [v for _, v in named], {t.dtype for t in outputs})):
+        # NOTE: [a mask at the dtype's limit]
+        # Code that masks with torch.finfo(dtype).min rather than -inf (transformers' attention masks)
+        # overflows to -inf where a masked score is negative in float16, and clamps it back right after
+        # (huggingface/transformers#17437): an infinite mask's inf, intended. Its output is recorded as
+        # such a mask's: a later op that makes NaN of it (a row masked whole) is the producer.
+        return None, False
     if out_inf and not (tensor_nan or tensor_inf or numbers):
         kind, reason = "producer", "made non-finite values from finite inputs"
     elif tainted and not dirty:

@@ -111,3 +111,14 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
         nan |= any(math.isnan(p) for p in parts)
         inf |= any(math.isinf(p) for p in parts)
     return nan, inf
+
+
+def _at_dtype_limit(inputs: list[Optional[torch.Tensor]], numbers: list[Any], dtypes: set[torch.dtype]) -> bool:
+    """Whether an input tensor holds its dtype's largest finite magnitude, or a number argument is that of
+    one of `dtypes` (the outputs'): the value code writes in place of -inf as a mask (see NOTE: [a mask at
+    the dtype's limit] in examine.py)."""
+    for t in inputs:
+        if t is not None and t.is_floating_point() and bool((t.abs() == torch.finfo(t.dtype).max).any()):
+            return True
+    limits = {torch.finfo(d).max for d in dtypes if d.is_floating_point}
+    return any(isinstance(v, float) and abs(v) in limits for v in numbers)
