@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..locator.source import user_stacklevel
+from .restore import rewritten_in_forward
 
 # A step that has taken this many forwards with gradients without ending is taken for a loop that never
 # ends its steps: its records are dropped (see NOTE: [Steps that never end]). Forwards under no_grad
@@ -64,7 +65,10 @@ class StepState:
     """The forward running now and the last one, and (without an optimizer) the training step left open."""
 
     def __init__(self, model: torch.nn.Module):
-        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        # Less the weights a forward renormalises in place (NOTE: [What a step writes besides the update]):
+        # their writes are the forward's own, not an optimizer's update.
+        renormed = {id(m.weight) for m in rewritten_in_forward(model)}
+        self._trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in renormed]
         self.forward: Optional[Forward] = None  # running now
         self.last: Optional[Forward] = None  # the last one that began in this step
         self.training = False  # a forward with gradients ran in this step (without an optimizer)

@@ -59,8 +59,9 @@ class Twins:
         for indices, flat, views in self.groups:
             targets = [tensors[i] for i in indices]
             if where is not None:
-                current = torch.cat([t.reshape(-1) for t in targets])
-                torch.where(where.to(flat.device), flat, current, out=flat)
+                with torch.no_grad():  # the targets may be parameters
+                    current = torch.cat([t.reshape(-1) for t in targets])
+                    torch.where(where.to(flat.device), flat, current, out=flat)
             _C.copy_tensors(targets, views, non_blocking=True)
 
 
@@ -73,6 +74,23 @@ def _copyable(t: Optional[torch.Tensor]) -> bool:
     """A plain dense tensor (a DTensor or other subclass would need its own twin: left out, so a change
     to it shows as `missed`)."""
     return type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
+
+
+# NOTE: [What a step writes besides the update]
+# A skipped step must leave the model as if its batch never came, but its forward has already run:
+# BatchNorm's running statistics and batch count (and any buffer a module updates as it goes) hold the
+# bad batch, and an Embedding or EmbeddingBag with max_norm has renormalised, in place, the rows of its
+# weight the batch looked up (F.embedding's embedding_renorm_; the renormalised rows stayed, 1.0 where a
+# run without the batch had 6.2: a probe, session 43). So each step's start (its first forward) notes
+# the buffers and copies those that can change, and the weights that such an Embedding rewrites (all of
+# each: the rows a batch will look up are not known before its forward); a skip, or a raise before
+# the optimizer step, copies them back. Parameters written in a forward by any other module are not
+# followed.
+def rewritten_in_forward(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose forward writes their own weight in place: Embedding and EmbeddingBag
+    with max_norm (see NOTE: [What a step writes besides the update])."""
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and m.max_norm is not None]
 
 
 class BufferUndo:
@@ -94,7 +112,6 @@ class BufferUndo:
         self._restorable = False
         self.missed: list[str] = []  # buffers the step changed in place with no copy to restore them from
         self.host_only = False  # the step re-assigned a buffer to a different kind of tensor (or None)
-        self.bytes_per_step = 0  # what each step copies
 
     def relist(self) -> None:
         """Lists the model's buffers as its modules hold them now, none of them known to change yet (so
@@ -110,10 +127,25 @@ class BufferUndo:
         self._saved: list[int] = []  # the slots copied into the twins
         self._twins: Optional[Twins] = None
         self._replan = True  # the set of copied slots changed since the twins were made
+        self._renorming = rewritten_in_forward(self._model)  # whose weights each step copies
+        self._weights: list[torch.Tensor] = []  # their weights at the step's start
+        self._weight_twins: Optional[Twins] = None
+
+    @property
+    def bytes_per_step(self) -> int:
+        """What each step copies."""
+        return sum(twins.nbytes for twins in (self._twins, self._weight_twins) if twins is not None)
 
     def begin(self) -> None:
         """Step start (the step's first forward): notes every buffer with its version counter (free, no
-        sync) and copies the floating-point ones and those seen changing."""
+        sync) and copies the floating-point ones and those seen changing, and the weights of the
+        modules that rewrite them in their forward."""
+        if self._renorming:
+            self._weights = [m.weight for m in self._renorming]
+            if self._weight_twins is None or not self._weight_twins.fits(self._weights):
+                self._weight_twins = Twins(self._weights)
+            self._weight_twins.save(self._weights)
+            self._open = self._restorable = True
         if not self._slots:
             return
         tensors, versions = self._buffers.state()
@@ -136,7 +168,6 @@ class BufferUndo:
             self._twins = None
         elif self._twins is None or not self._twins.fits(saved):
             self._twins = Twins(saved)
-        self.bytes_per_step = self._twins.nbytes if self._twins is not None else 0
 
     def close(self) -> None:
         """Step end, before its verdict is acted on: learns which buffers the step changed (copied from
@@ -167,6 +198,8 @@ class BufferUndo:
         if not self._restorable:
             return []
         self._restorable = False
+        if self._weight_twins is not None:
+            self._weight_twins.restore(self._weights, where)
         if self._twins is not None:
             self._twins.restore([self._tensors[i] for i in self._saved], where)
         for (module, name, _), t in zip(self._slots, self._tensors):

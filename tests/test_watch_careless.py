@@ -1,0 +1,82 @@
+"""The watch under careless or unusual use (a probe, session 43): each case either works as a run without
+the watch would, or is refused or warned about in words that say what is wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nanfast
+from training_state import equal, state_of
+
+NAN = float("nan")
+
+
+class Tokens(nn.Module):
+    """An Embedding with max_norm, whose forward renormalises the rows a batch looks up, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8, max_norm=1.0)
+        self.f = nn.Linear(3, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, tokens, feats):
+        return self.out(self.emb(tokens).mean(1) + self.f(feats))
+
+
+def _token_batches():
+    torch.manual_seed(1)
+    data = [(torch.randint(0, 20, (6, 5)), torch.randn(6, 3)) for _ in range(4)]
+    data[2] = (torch.randint(25, 30, (6, 5)), data[2][1].clone())  # rows no other batch looks up
+    data[2][1][0, 0] = NAN
+    return data
+
+
+@pytest.mark.filterwarnings("ignore:nanfast.watch. step 2:RuntimeWarning")
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_a_skip_puts_back_the_rows_an_embedding_renormalised_in_its_forward(sync):
+    """A skipped step left the rows that the bad batch's forward renormalised (norm 1.0 where a run
+    without the batch had 6.2): the weights such an Embedding rewrites are copied at each step's start."""
+    def train(watched, drop_bad):
+        torch.manual_seed(0)
+        model = Tokens()
+        with torch.no_grad():
+            model.emb.weight.mul_(3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=sync == "lagged")
+        w = nanfast.watch(model, optimizer, action="skip", sync=sync) if watched else None
+        for i, (tokens, feats) in enumerate(_token_batches()):
+            if i == 2 and drop_bad:
+                continue
+            optimizer.zero_grad()
+            model(tokens, feats).sum().backward()
+            optimizer.step()
+        if w is not None:
+            w.flush()
+            assert w.skipped_steps == 1
+            w.remove()
+        return state_of(model, optimizer)
+
+    assert equal(train(watched=True, drop_bad=False), train(watched=False, drop_bad=True))
+
+
+def test_an_embeddings_renorm_is_no_update_by_another_optimizer():
+    """Gradient accumulation over an Embedding with max_norm: its forwards renormalise the weight, which
+    the watch took for an optimizer it does not see, and said so, wrongly, on a healthy run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 8, max_norm=1.0), nn.Flatten(), nn.Linear(40, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanfast.watch(model, optimizer) as w:
+            for _ in range(3):
+                optimizer.zero_grad()
+                for _ in range(3):
+                    model(torch.randint(0, 30, (4, 5))).sum().backward()
+                optimizer.step()
+    assert w.events == [] and w.step_count == 3
