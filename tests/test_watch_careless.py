@@ -80,3 +80,38 @@ def test_an_embeddings_renorm_is_no_update_by_another_optimizer():
                     model(torch.randint(0, 30, (4, 5))).sum().backward()
                 optimizer.step()
     assert w.events == [] and w.step_count == 3
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def test_a_skipping_watch_of_a_submodule_warns_that_the_optimizer_steps_more():
+    """The backbone watched, the optimizer over the whole model: a skipped dirty batch left NaN running
+    statistics in the head's BatchNorm, silently (the model gave NaN in eval for good). A skip can put back
+    the watched model's buffers only: said at watch()."""
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.warns(UserWarning, match=r"steps 6 parameter\(s\) outside the watched Sequential \(param\[2\], "
+                                         r"param\[3\], param\[4\] and 3 more\)"):
+        nanfast.watch(model.backbone, optimizer, action="skip").remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nanfast.watch(model, optimizer, action="skip").remove()  # the whole model: nothing to say
+        nanfast.watch(model.backbone, optimizer, action="warn").remove()  # no skip: nothing is put back
+
+
+def test_a_torchscript_model_is_refused_saying_so():
+    """watch(torch.jit.script(model), optimizer) failed in its setup with "contains(): incompatible function
+    arguments" (the message depended on the action)."""
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    optimizer = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    for action in ("raise", "warn", "skip"):
+        with pytest.raises(TypeError, match="is a TorchScript module .*watch the eager module"):
+            nanfast.watch(scripted, optimizer, action=action)

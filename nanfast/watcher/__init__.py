@@ -28,7 +28,7 @@ from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH,
                       typed_options, unknown_options, validate)
 from .profile import Profile
 from .readings import Readings
-from .restore import BufferUndo
+from .restore import BufferUndo, warn_of_parameters_outside
 from .rollback import Rollback
 from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
 from .step import Read
@@ -152,6 +152,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
         undoes = optimizer is not None and (action in SKIPPING or (action == "raise" and sync == "eager"))
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
+        if optimizer is not None and action in SKIPPING:
+            warn_of_parameters_outside(model, optimizer)
         # NOTE: [Buffers of compiled forwards]
         # The undo's snapshot is taken by the model's forward pre-hook at a step's first forward. Inside a
         # torch.compile'd forward the hooks do nothing (NOTE: [The watch and torch.compile]), so a skip or

@@ -125,10 +125,13 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
         "lagged" and an optimizer that takes a `found_inf` tensor.
 
     Raises:
-        TypeError: model is not an nn.Module, or optimizer not a torch.optim.Optimizer.
+        TypeError: model is not an nn.Module (or is a TorchScript one), or optimizer not a torch.optim.Optimizer.
         ValueError: an option out of its allowed values, or a combination the watch cannot honour."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanfast.watch: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):  # its error came from deep inside the watch's setup
+        raise TypeError(f"nanfast.watch: model is a TorchScript module ({type(model).__name__}, from torch.jit.script "
+                        "or torch.jit.trace), which runs no Python hooks: watch the eager module you scripted")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"nanfast.watch: optimizer must be a torch.optim.Optimizer (or a wrapper holding one as "
                         f".optimizer), got {type(optimizer).__name__}")

@@ -5,12 +5,15 @@ so that a bad batch leaves no trace in the model. See NOTE: [What a step writes 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from .. import _C
+from ..locator.source import user_stacklevel
+from ..report import first_few
 
 
 class Twins:
@@ -91,6 +94,21 @@ def rewritten_in_forward(model: torch.nn.Module) -> list[torch.nn.Module]:
     with max_norm (see NOTE: [What a step writes besides the update])."""
     return [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
             and m.max_norm is not None]
+
+
+def warn_of_parameters_outside(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Warns when a skipping watch's optimizer steps parameters outside its model: a skip puts back the
+    model's buffers only, so the BatchNorm statistics of a module outside it that a bad batch reached
+    (a watched backbone, a head outside it) keep that batch, NaN for good (a probe, session 43)."""
+    inside = {id(p) for p in model.parameters()}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    outside = [f"param[{i}]" for i, p in enumerate(stepped) if id(p) not in inside]
+    if outside:
+        warnings.warn(f"nanfast.watch: the optimizer steps {len(outside)} parameter(s) outside the watched "
+                      f"{type(model).__name__} ({first_few(outside, 3)}): a skipped step puts back the watched "
+                      "model's buffers only, so a module outside it that a bad batch reached (its BatchNorm "
+                      "statistics) keeps what that batch wrote. Watch the module that holds every parameter the "
+                      "optimizer steps.", UserWarning, stacklevel=user_stacklevel())
 
 
 class BufferUndo:
