@@ -388,3 +388,30 @@ def test_a_refused_log_to_list_leaves_its_files_as_they_were(tmp_path, second):
 
 def test_record_to_dict_has_exactly_the_documented_keys():
     assert set(StepRecord(step=0).to_dict()) == KEYS
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+@pytest.mark.parametrize("bad_last", [False, True])
+def test_a_with_block_left_by_an_exception_keeps_its_last_step(tmp_path, sync, bad_last):
+    """A lagged watch's last completed step was still pending when an exception (Ctrl-C, a crash) left the
+    `with` block, and was dropped: the timeline, streamed so that a crashed run keeps it, lacked the step
+    before the crash (a probe, session 43). It is kept now, a bad one's event too, and nothing is acted on:
+    the exception that left the block is the one raised."""
+    path = tmp_path / "run.jsonl"
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        with nanfast.watch(model, opt, sync=sync, log_to=path) as w:
+            for step in range(4):
+                opt.zero_grad()
+                x, y = batch(step)
+                if bad_last and step == 3:
+                    x[0, 0] = float("nan")
+                w.loss(F.cross_entropy(model(x), y)).backward()
+                if not (bad_last and step == 3 and sync == "eager"):  # eager raises there, a step before the crash
+                    opt.step()
+            raise KeyboardInterrupt
+    steps = [line["step"] for line in map(json.loads, path.read_text().splitlines()) if "step" in line]
+    expected = [0, 1, 2] if bad_last and sync == "eager" else [0, 1, 2, 3]
+    assert steps == [r.step for r in w.history] == expected
+    assert [e.step for e in w.events] == ([3] if bad_last and sync == "lagged" else [])

@@ -212,6 +212,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         try:
             if exc_type is None:
                 self.flush()
+            else:
+                self._record_pending()
         finally:
             self.remove()
 

@@ -42,9 +42,11 @@ class RanClosure:
 class Actions:
     """The actions of `Watch` (a part of it: the state they use is the Watch's)."""
 
-    def _evaluate(self, read: steps.Read) -> None:
+    def _evaluate(self, read: steps.Read, acting: bool = True) -> None:
         """Reads a step's checks on the host; if the step is bad, makes its event and acts on it; a
-        healthy step's values go to the spike alarms; the step's record goes to the timeline."""
+        healthy step's values go to the spike alarms; the step's record goes to the timeline. With
+        `acting` False (a `with` block left by an exception), the events and the record are kept but
+        nothing is acted on, and no collective is started."""
         agree.wait(read)
         if self._rollback is not None and self._rollback.stale(read.step):
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
@@ -55,7 +57,8 @@ class Actions:
             if places:
                 self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=True)
                 self.events.append(event)
-                self._act(event, False, before_step)
+                if acting:
+                    self._act(event, False, before_step)
             return
         # The parameters are read again only while they are as the step found them (see NOTE: [Parameters
         # read when they add information]).
@@ -72,14 +75,14 @@ class Actions:
         event = spike = None
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-            event = agree.event(read.step, steps.places(rows, read, scaler_skipped, self.nan_only, self.model.forward),
-                                self.process_group)
+            places = steps.places(rows, read, scaler_skipped, self.nan_only, self.model.forward)
+            event = agree.event(read.step, places, self.process_group) if acting else agree.local_event(read.step, places)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
         if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)
-        if event is not None and self.on_event == "locate":
+        if event is not None and self.on_event == "locate" and acting:
             located = self._locate()
             differs = None if located is None else disagreement(
                 self.model, event.first.phase, event.first.name, event.first.where(), located)
@@ -90,6 +93,8 @@ class Actions:
             for e in found:
                 self.events.append(e)
                 self.last = e
+            if not acting:
+                return
             for warning in headroom:
                 self._warn(warning, "warn", before_step)
             if event is not None:

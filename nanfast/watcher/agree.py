@@ -54,13 +54,18 @@ def any_rank(value: bool, process_group: Optional[Any]) -> bool:
     return value if group is None else distributed.any_rank(value, group)
 
 
+def local_event(step: int, places: list) -> Optional[Event]:
+    """The event of this rank's places alone (the first is the earliest), or None without places."""
+    return Event(step, places[0], tuple(places[1:])) if places else None
+
+
 def event(step: int, places: list, process_group: Optional[Any]) -> Optional[Event]:
     """The event of a bad step, the same on every rank: each rank's places gathered, the first place the
     earliest over the ranks (ties: the lowest rank). In a single process, the first of `places`. None
     if no rank has a place to report."""
     group = distributed.default_group(process_group)
     if group is None:
-        return Event(step, places[0], tuple(places[1:])) if places else None
+        return local_event(step, places)
     import torch.distributed as dist
 
     gathered = distributed.gather_objects((dist.get_rank(), tuple(places)), group)

@@ -49,6 +49,14 @@ class StepEnd:
         if pending is not None:
             self._evaluate(pending)
 
+    def _record_pending(self) -> None:
+        """Keeps the step still pending in a lagged watch in the events and the timeline without acting on
+        it: the `with` block is left by an exception, which a raise of the watch's would hide (the last
+        step the run completed was missing from a crashed run's timeline)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._evaluate(pending, acting=False)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the watched parameters' gradients to total norm `max_norm` (as
         torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping, from the fused pass
