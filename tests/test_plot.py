@@ -247,6 +247,21 @@ def test_a_bad_line_is_named_with_its_number_and_exit_code_2(tmp_path, capsys, l
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_last_line_cut_off_mid_write_is_left_out_and_said(tmp_path, capsys):
+    """A run killed while writing its last record (each is written whole, newline last) left a file that
+    plot refused ("not JSON" at its last line): that line is left out, and said; a bad line with its
+    newline is still refused (the test above)."""
+    path = tmp_path / "run.jsonl"
+    whole = json.dumps({"nanfast": "0.1.0"}) + '\n{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 0.5}\n'
+    path.write_text(whole + '{"step": 2, "loss": 0.2, "grad_no')
+    t = read_timeline(str(path))
+    assert list(t.steps) == [0, 1] and t.cut_off
+    assert cli.main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 0
+    assert "its last line, cut off mid-write, left out" in capsys.readouterr().out
+    path.write_text(whole)
+    assert not read_timeline(str(path)).cut_off
+
+
 def test_a_bad_threshold_in_the_header_is_named(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text('{"step": 0, "loss": 1.0}\n{"nanfast": "0.1.0", "headroom_thresholds": [0.5, 50]}\n')

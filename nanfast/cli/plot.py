@@ -92,7 +92,8 @@ def _counts(timeline: Timeline) -> str:
     text = f"{events}, {skipped} step{'s' * (skipped != 1)} skipped, {rolled} rolled back"
     if timeline.marks["scaler_skipped"]:
         text += f", {len(timeline.marks['scaler_skipped'])} skipped by GradScaler"
-    return f"{text}; steps {timeline.steps[0]}-{timeline.steps[-1]}, {len(timeline):,} records"
+    cut = "; its last line, cut off mid-write, left out" if timeline.cut_off else ""
+    return f"{text}; steps {timeline.steps[0]}-{timeline.steps[-1]}, {len(timeline):,} records{cut}"
 
 
 def default_title(timeline: Timeline) -> str:

@@ -39,7 +39,9 @@ class Timeline:
         present: name in COLUMNS -> how many records give that key a number (not null).
         losses: each name of the records' "losses" -> its value per record (NaN where missing).
         marks: name in MARKS -> the steps where it is true.
-        events: (step, kind, summary) of every event, in file order."""
+        events: (step, kind, summary) of every event, in file order.
+        cut_off: the file's last line was unfinished (a run killed mid-write: each line is written whole,
+            newline last) and left out."""
 
     path: str
     header: dict
@@ -50,6 +52,7 @@ class Timeline:
     losses: dict[str, array]
     marks: dict[str, list[int]]
     events: list[tuple[int, str, str]]
+    cut_off: bool = False
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -137,6 +140,9 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if not line.endswith("\n") and timeline.steps:  # the last line, cut off mid-write
+                        timeline.cut_off = True
+                        break
                     raise TimelineError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
                 if not isinstance(record, dict):
                     raise TimelineError(f"{where}: expected a JSON object, not {_short(record)}")
