@@ -91,9 +91,10 @@ def _copyable(t: Optional[torch.Tensor]) -> bool:
 # followed.
 def rewritten_in_forward(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` whose forward writes their own weight in place: Embedding and EmbeddingBag
-    with max_norm (see NOTE: [What a step writes besides the update])."""
+    with max_norm (see NOTE: [What a step writes besides the update]), their weight a plain dense
+    parameter (a sharded one would need a twin of its own)."""
     return [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-            and m.max_norm is not None]
+            and m.max_norm is not None and type(m.weight) is torch.nn.Parameter and _copyable(m.weight.data)]
 
 
 def warn_of_parameters_outside(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
