@@ -95,6 +95,18 @@ CASES = [
      "float16 overflow in a matmul"),
     ("baddbmm", lambda: torch.baddbmm(_half(0, 1, 2, 2), _half(300, 1, 2, 4), _half(300, 1, 4, 2)),
      "aten.baddbmm.default", "float16 overflow in a matmul"),
+    # Found without a diagnosis by a probe (session 43): float16 overflow in elementwise arithmetic, as in
+    # huggingface/transformers#17306 (a score plus finfo.min) and ConvNeXt's LayerNorm ((x - u).pow(2)).
+    ("add", lambda: _half(-60000, 2) + _half(-60000, 2), "aten.add.Tensor",
+     "torch.float16 overflow in add: `self` max |x| 60000, `other` max |x| 60000 give a result past 65504"),
+    ("add_", lambda: _half(40000, 2).add_(_half(40000, 2)), "aten.add_.Tensor", "overflow in add: "),
+    ("sub", lambda: _half(40000, 2) - _half(-40000, 2), "aten.sub.Tensor", "(2 of 2 elements are ±inf)"),
+    ("sub_", lambda: _half(40000, 2).sub_(_half(-40000, 2)), "aten.sub_.Tensor", "overflow in sub"),
+    ("mul", lambda: torch.tensor([0.0, 1.0]) * torch.tensor([1e38, 1e38]) * 10, "aten.mul.Tensor",
+     "torch.float32 overflow in mul: `self` max |x| 1e+38, `other` 10 give a result past 3.40282e+38"),
+    ("mul_", lambda: _half(300, 2).mul_(300), "aten.mul_.Tensor", "`other` 300"),
+    ("pow", lambda: _half(300, 2).pow(2), "aten.pow.Tensor_Scalar",
+     "torch.float16 overflow in pow: `self` max |x| 300, `exponent` 2 give a result past 65504"),
     # Found without a diagnosis by a probe (session 38): LayerNorm(eps=0), std of one sample, the fused
     # attention of MultiheadAttention and TransformerEncoderLayer in eval mode with a row all padding.
     ("native_layer_norm", lambda: torch.nn.LayerNorm(4, eps=0.0)(torch.tensor([[1.0, 2, 3, 4], [5.0, 5, 5, 5]])),
@@ -128,11 +140,11 @@ def test_every_table_entry_has_a_test():
 
 
 def test_a_finding_without_a_known_pattern_has_no_diagnosis():
-    # An overflowing elementwise multiply of finite values is in no table entry.
+    # An overflowing cumulative sum of finite values is in no table entry.
     with pytest.raises(nanfast.NonFiniteError) as raised:
         with nanfast.locate():
-            torch.tensor([0.0, 1.0]) * torch.tensor([1e38, 1e38]) * 10
-    assert raised.value.report.op == "aten.mul.Tensor" and raised.value.report.diagnosis is None
+            torch.cumsum(torch.tensor([3e38, 3e38]), 0)
+    assert raised.value.report.op == "aten.cumsum.default" and raised.value.report.diagnosis is None
 
 
 def test_a_backward_finding_gets_its_diagnosis():

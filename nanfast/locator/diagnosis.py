@@ -118,7 +118,33 @@ def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     if exponent != int(exponent) and _count(base < 0):
         n = _count(base < 0)
         return f"pow of negative values to the fractional exponent {exponent}: {_of(n, base)} of `self` are < 0"
-    return None
+    return _overflow("pow")(args, outputs)
+
+
+def _overflow(name: str) -> Callable:
+    """Finite operands whose sum, difference, product or power passes the largest finite value of the
+    result's dtype (a float16 residual stream, ConvNeXt's `(x - u).pow(2)` in float16)."""
+    def diagnose_overflow(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        if not outputs or not outputs[0].is_floating_point():
+            return None
+        out = outputs[0]
+        operands = []
+        for key in ("self", "other", "exponent"):
+            value = args.get(key)
+            t = _tensor(args, key)
+            if t is not None and not t.is_complex() and t.numel():
+                finite = t[torch.isfinite(t)]
+                if finite.numel():
+                    operands.append(f"`{key}` max |x| {finite.abs().max().item():.6g}")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                operands.append(f"`{key}` {value:.6g}")
+        inf = _count(torch.isinf(out))
+        if not inf or not operands:
+            return None
+        return (f"{out.dtype} overflow in {name}: {', '.join(operands)} give a result past "
+                f"{torch.finfo(out.dtype).max:.6g}, the most {out.dtype} holds ({_of(inf, out)} are ±inf)")
+
+    return diagnose_overflow
 
 
 def _exp_overflow(log_of_base: float) -> Callable:
@@ -265,6 +291,7 @@ DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "asin": _domain("asin", lambda x: x.abs() > 1, "outside [-1, 1]"),
     "atanh": _domain("atanh", lambda x: x.abs() >= 1, "outside (-1, 1)"),
     "pow": _pow_domain,
+    **{packet: _overflow(packet.rstrip("_")) for packet in ("add", "add_", "sub", "sub_", "mul", "mul_")},
     "exp": _exp_overflow(1.0), "exp_": _exp_overflow(1.0), "expm1": _exp_overflow(1.0),
     "exp2": _exp_overflow(math.log(2.0)),
     "nll_loss_forward": _loss_over_nothing, "nll_loss2d_forward": _loss_over_nothing,
