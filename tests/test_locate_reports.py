@@ -212,7 +212,7 @@ CASES = [
      "CTC with impossible alignments: sample 0 needs at least 8 frames"),
     (cross_entropy_sequence_all_ignored, "aten.nll_loss_forward.default", "forward", None, "ce-seq",
      "every one of the 5 targets is ignore_index (-100)"),
-    (fp16_residual_overflow, "aten.add.Tensor", "forward", None, "pegasus-add", None),
+    (fp16_residual_overflow, "aten.add.Tensor", "forward", None, "pegasus-add", "float16 overflow in add"),
     (attention_rows_sliced_away, "aten._softmax.default", "forward", None, "mha-bucket",
      "row 2 of 4 along dim 2 is fully masked"),
     (mha_3d_mask_with_padding, "aten._softmax.default", "forward", None, "mha-3d", "fully masked"),
