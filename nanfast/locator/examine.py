@@ -33,7 +33,8 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         producer: the op as a Producer; source: the user's line it ran at.
     Returns:
         (its finding with the arguments to dump, or None for propagation; whether its outputs'
-        non-finite values descend from a finding, this one's or an input's).
+        non-finite values descend from a finding, this one's or an input's: True, or the OffPath of a
+        held input's (NOTE: [off the gradient path]), or False).
     """
     if info.masked_when is not None and any(n == info.masked_when and v is True for n, v in named):
         return None, False  # the composite calling it zeroes its inf (NOTE: [masked by the composite])
@@ -69,7 +70,9 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     blamed = [n for n in numbers
               if n[2] and out_nan and not tensor_nan
               or n[3] and not info.masking and (out_inf and not tensor_inf or out_nan and not tensor_nan)]
-    tainted = any(provenance.tainted(inputs[i][2]) for i, c in in_counts.items() if any(c))
+    # True (from a reported finding) before an OffPath (a held one: NOTE: [off the gradient path]).
+    taints = [taint for i, c in in_counts.items() if any(c) and (taint := provenance.tainted(inputs[i][2]))]
+    tainted = True if True in taints else (taints[0] if taints else False)
     dirty = [i for i, c in in_counts.items() if c[0] and provenance.from_outside(inputs[i][2])]
 
     if (out_inf and not (out_nan or tensor_nan or tensor_inf or numbers)
@@ -83,7 +86,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     if out_inf and not (tensor_nan or tensor_inf or numbers):
         kind, reason = "producer", "made non-finite values from finite inputs"
     elif tainted and not dirty:
-        return None, True  # propagates (inf * 0, inf - inf) what a finding made
+        return None, tainted  # propagates (inf * 0, inf - inf) what a finding made
     elif blamed and not tainted:
         kind = "scalar"
         reason = "; ".join(f"its scalar argument `{name}` is {text}" for name, text, _, _ in blamed)

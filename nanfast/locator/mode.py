@@ -12,6 +12,7 @@ from ..recompute import recomputation_in
 from .examine import examine
 from .findings import Producer
 from .node_verdict import NodeVerdicts
+from .off_path import OffPath, OffPathFindings
 from .provenance import Provenance
 from .schema import _named_args, _op_info, _OpInfo
 from .source import forward_source, user_frame
@@ -24,6 +25,8 @@ try:
     from torch.nested._internal.nested_tensor import NestedTensor as _JAGGED
 except ImportError:  # an older torch: no jagged layout
     _JAGGED = ()
+
+_READ_TO_HOST = torch.ops.aten._local_scalar_dense.default
 
 # NOTE: [what locate reports]
 # Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
@@ -60,6 +63,7 @@ class _LocateMode(TorchDispatchMode):
         self.provenance = Provenance()
         self.nodes = NodeVerdicts(_any_nonfinite_values, lambda item: owner._report(*item),
                                   lambda item: owner.masked.append(item[0]))
+        self.off_path = OffPathFindings(lambda item: owner._report(*item), lambda item: owner.masked.append(item[0]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _subclass_first(types):
@@ -79,7 +83,11 @@ class _LocateMode(TorchDispatchMode):
         out = func(*args, **kwargs)
 
         raw, outputs = _outputs(info, out, args, kwargs)
+        if not self.off_path.graph_seen:
+            self.off_path.saw(_on_path(args, kwargs))
         if not outputs:
+            if func is _READ_TO_HOST:  # a held finding's value read to the host (NOTE: [off the gradient path])
+                self._matters([self.provenance.tainted(t) for t in _tensors_in(args)])
             return out
         node = torch._C._current_autograd_node()
         if node is None:
@@ -92,13 +100,22 @@ class _LocateMode(TorchDispatchMode):
         nonfinite = _any_nonfinite(judged)
         tainted = False
         if nonfinite:
+            on_path = _on_path(args, kwargs)
             source = user_frame() if producer.phase == "backward" else producer.source
             finding, tainted = examine(self.provenance, self.owner._dump_path_for_next() is not None, info,
                                        _named_args(info, args, kwargs), before, judged_raw, judged, producer, source)
+            if finding is None:
+                if isinstance(tainted, OffPath) and on_path:
+                    self._matters([tainted])  # it enters the gradient path
+                    tainted = True
+            elif self.off_path.holds(finding[0].kind, producer.phase, on_path):
+                tainted = self.off_path.hold(finding)
             # A backward node's inner producer is judged by the gradients the node returns.
-            if finding is not None and not (producer.phase == "backward" and finding[0].kind != "input"
-                                            and self.nodes.defer(node, finding)):
+            elif not (producer.phase == "backward" and finding[0].kind != "input"
+                      and self.nodes.defer(node, finding)):
                 self.owner._report(*finding)
+            if isinstance(tainted, OffPath):
+                tainted.follow(outputs)
         if info.read_write_args or info.out_args:
             for t in outputs:
                 self.provenance.record_write(t, producer, nonfinite, tainted)
@@ -106,6 +123,11 @@ class _LocateMode(TorchDispatchMode):
         else:
             self.provenance.record_outputs(outputs, producer, tainted)
         return out
+
+    def _matters(self, taints: list) -> None:
+        for taint in taints:
+            if isinstance(taint, OffPath):
+                self.off_path.matters(taint)
 
     def _record_unreturned_writes(self, info: _OpInfo, args: tuple, kwargs: dict, raw: list, producer: Producer,
                                   tainted: bool) -> None:
@@ -118,6 +140,12 @@ class _LocateMode(TorchDispatchMode):
                    for t in _tensors_in(value) if id(t) not in returned and _values(t) is not None]
         for t in written:
             self.provenance.record_write(t, producer, _any_nonfinite([_values(t)]), tainted)
+
+
+def _on_path(args: tuple, kwargs: dict) -> bool:
+    """Whether an op is on the gradient path: grad mode on and a tensor argument requires grad (below
+    autograd its outputs do not yet: NOTE: [off the gradient path])."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in((args, kwargs)))
 
 
 def _subclass_first(types: tuple) -> bool:

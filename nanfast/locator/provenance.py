@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -61,16 +61,17 @@ class Provenance:
         record = self.record(t)
         return record is None or record[2]
 
-    def tainted(self, t: torch.Tensor) -> bool:
+    def tainted(self, t: torch.Tensor) -> Any:
         """Whether t's non-finite values descend from a finding (see NOTE: [producer or propagation]).
 
         Args:
             t: any tensor.
         Returns:
-            The `tainted` flag of the region's record, False without one.
+            The `tainted` value of the region's record (True, or the OffPath of a held finding: NOTE:
+            [off the gradient path]), False without one.
         """
         record = self.record(t)
-        return record is not None and record[3]
+        return record[3] if record is not None else False
 
     def set_producer(self, t: torch.Tensor, producer: Producer) -> None:
         """Records `producer` as having written all of t's storage, tainted (it was reported).
@@ -81,7 +82,7 @@ class Provenance:
         """
         setattr(t.untyped_storage(), _PRODUCER_ATTR, (self.token, producer, False, True))
 
-    def record_outputs(self, outputs: list[torch.Tensor], producer: Producer, tainted: bool) -> None:
+    def record_outputs(self, outputs: list[torch.Tensor], producer: Producer, tainted: Any) -> None:
         """Records `producer` on the storages of an op's freshly made outputs (all of each).
 
         Args:
@@ -93,7 +94,7 @@ class Provenance:
         for t in outputs:
             setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
 
-    def record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool, tainted: bool) -> None:
+    def record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool, tainted: Any) -> None:
         """Records an in-place or out= write of `producer` to t, partial when t covers only part of a
         storage from outside (see NOTE: [partial writes]).
 

@@ -76,13 +76,15 @@ class Locate(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc) -> None:
+        mode = self._mode
         try:
-            self._mode.nodes.close()
-            self._mode.__exit__(*exc)
+            mode.nodes.close()
+            mode.__exit__(*exc)
         finally:
             self._hook.__exit__(*exc)
             self._mode = None
             self._hook = None
+        mode.off_path.close(report_alive=exc[0] is None)  # after the mode: a finding reported here may raise
 
 
 def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = None) -> Locate:

@@ -1,0 +1,99 @@
+"""Forward findings off the gradient path: a non-finite value that a training step computes on the side
+(indices, targets, masks: nothing requiring grad) is reported once it reaches what matters, not where it
+was made."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OffPath", "OffPathFindings"]
+
+# NOTE: [off the gradient path]
+# Models compute values on the side of the gradient path that hold inf by design and are thrown away:
+# T5's relative position buckets take log(0) on the diagonal, cast the -inf to an integer and drop it
+# with a where() (transformers' modeling_t5.py, copied into mt5, longt5, switch_transformers, ...);
+# torchvision's Faster R-CNN encodes the regression targets of an image without boxes as log(0) and
+# reads only the positive rows. Judged op by op, locate stopped every healthy step of those models
+# (a probe, session 43). So in a region with a gradient path (an op has read a tensor that requires
+# grad, in grad mode), a forward producer or scalar finding whose op reads no such tensor is held, and
+# its outputs are tainted with it (NOTE: [producer or propagation]) rather than with True. (Inside the
+# dispatch mode, below autograd, an op's outputs do not require grad yet: its inputs tell.) It is
+# reported when a value it tainted matters:
+#   - an op that propagates it reads a tensor that requires grad (it enters the gradient path);
+#   - it is read to the host (item(), bool(): aten._local_scalar_dense);
+#   - the region ends normally while a storage it tainted is still alive (kept, returned: the caller
+#     will see it).
+# Otherwise (every tainted value was dropped: cast to an integer, not selected, freed) it is a note in
+# `.masked`, as a masked backward finding is. Under no_grad (inference), or in a region where nothing
+# requires grad (ops on plain tensors), every finding is reported at its op, as before: there is no
+# gradient path to be off.
+
+
+class OffPath:
+    """One held finding and weak references to the storages of the values it tainted."""
+
+    __slots__ = ("item", "storages", "settled")
+
+    def __init__(self, item: Any):
+        self.item = item
+        self.storages: list[weakref.ref] = []
+        self.settled = False
+
+    def follow(self, outputs: list[torch.Tensor]) -> None:
+        """Adds the storages of tensors whose non-finite values this finding tainted."""
+        self.storages += [weakref.ref(t.untyped_storage()) for t in outputs]
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.storages)
+
+
+class OffPathFindings:
+    """The held forward findings of one locate region.
+
+    Args:
+        report: called with a held item once a value it tainted matters.
+        note: called with a held item that never mattered.
+    """
+
+    def __init__(self, report: Callable[[Any], None], note: Callable[[Any], None]):
+        self._report = report
+        self._note = note
+        self._held: list[OffPath] = []
+        self.graph_seen = False  # an op of the region read a tensor requiring grad, in grad mode
+
+    def saw(self, on_path: bool) -> None:
+        """Notes an op of the region (`on_path`: it reads a tensor requiring grad, in grad mode)."""
+        self.graph_seen = self.graph_seen or on_path
+
+    def holds(self, kind: str, phase: str, on_path: bool) -> bool:
+        """Whether a finding is held: a forward producer or scalar off the gradient path of a region that
+        has one (an op reading a tensor that requires grad ran, in grad mode; this op reads none)."""
+        return phase == "forward" and kind in ("producer", "scalar") and self.graph_seen and not on_path
+
+    def hold(self, item: Any) -> OffPath:
+        held = OffPath(item)
+        self._held.append(held)
+        return held
+
+    def matters(self, held: OffPath) -> None:
+        """A value `held` tainted matters: its finding is reported (once)."""
+        if not held.settled:
+            held.settled = True
+            self._report(held.item)
+
+    def close(self, report_alive: bool) -> None:
+        """The region ends: a finding whose values are still alive is reported (`report_alive`: the region
+        ended normally), the others are notes."""
+        held, self._held = self._held, []
+        for h in held:
+            if h.settled:
+                continue
+            h.settled = True
+            if report_alive and h.alive():
+                self._report(h.item)
+            else:
+                self._note(h.item)
