@@ -123,3 +123,17 @@ def test_without_a_gradient_path_a_finding_is_reported_at_its_op():
     with torch.no_grad(), pytest.raises(nanfast.NonFiniteError):
         with nanfast.locate():
             RelativeBias()(torch.randn(2, 6, 4))
+
+
+def test_an_optimizer_update_that_makes_inf_is_reported_at_its_op():
+    """optimizer.step() runs under no_grad, beside no gradient path: an update that divides by zero (Adam
+    with eps 0 on a zero gradient's square root) is reported at its op, not held to the region's end."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.Adam(linear.parameters(), eps=0.0, foreach=False)
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            (linear(torch.randn(2, 3)) * 0).sum().backward()  # zero gradients: 0 / (0 + 0)
+            optimizer.step()
+            raise AssertionError("not reached: the update raises at its op")
+    assert raised.value.report.phase == "forward" and "optimizer" not in raised.value.report.op

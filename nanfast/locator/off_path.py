@@ -71,8 +71,10 @@ class OffPathFindings:
 
     def holds(self, kind: str, phase: str, on_path: bool) -> bool:
         """Whether a finding is held: a forward producer or scalar off the gradient path of a region that
-        has one (an op reading a tensor that requires grad ran, in grad mode; this op reads none)."""
-        return phase == "forward" and kind in ("producer", "scalar") and self.graph_seen and not on_path
+        has one (an op reading a tensor that requires grad ran, in grad mode; this op, in grad mode too,
+        reads none)."""
+        return (phase == "forward" and kind in ("producer", "scalar") and self.graph_seen and not on_path
+                and torch.is_grad_enabled())  # an optimizer's update (no_grad) is reported at its op
 
     def hold(self, item: Any) -> OffPath:
         held = OffPath(item)
