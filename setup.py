@@ -23,11 +23,15 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0;12.0+PTX"
 def find_cuda_home():
     # torch guesses the toolkit from the nvcc on PATH; where that nvcc is a wrapper script
     # (e.g. /usr/local/bin/nvcc) it guesses /usr/local, so look for the headers ourselves.
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    for variable in ("CUDA_HOME", "CUDA_PATH", None):
+        home = os.environ.get(variable) if variable else "/usr/local/cuda"
         if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
             os.path.join(home, "include", "cuda_runtime.h")
         ):
             return home
+        if home and variable:  # a mistyped path must not be passed over in silence
+            print(f"WARNING: nanfast: {variable}={home} holds no CUDA toolkit (bin/nvcc and include/cuda_runtime.h): "
+                  "looking further", file=sys.stderr)
     return None
 
 

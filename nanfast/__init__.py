@@ -3,13 +3,17 @@
 Fused kernels (torch.ops.nanfast.*, CPU and CUDA) count NaN/+inf/-inf and compute norms over many
 tensors in one pass; check_all, watch and locate build on them."""
 
-from .check import check_all, named_tensors
-from .clip import clip_grad_norm_
-from .locator import LocateFinding, StepState, locate, locate_step, replay
-from .ops import Stats, any_nonfinite, stats
-from .report import Entry, NonFiniteError, Report
-from .batch import check_batch, checked
-from .watcher import Event, Place, SpikeError, SpikeOptions, StepRecord, Watch, watch
+from ._extension import load as _load_extension
+
+_load_extension()  # first: a checkout not built, or built against another torch, says so
+
+from .check import check_all, named_tensors  # noqa: E402
+from .clip import clip_grad_norm_  # noqa: E402
+from .locator import LocateFinding, StepState, locate, locate_step, replay  # noqa: E402
+from .ops import Stats, any_nonfinite, stats  # noqa: E402
+from .report import Entry, NonFiniteError, Report  # noqa: E402
+from .batch import check_batch, checked  # noqa: E402
+from .watcher import Event, Place, SpikeError, SpikeOptions, StepRecord, Watch, watch  # noqa: E402
 
 __all__ = ["Entry", "NonFiniteError", "Report", "Stats", "any_nonfinite", "check_all", "named_tensors", "stats",
            "LocateFinding", "StepState", "locate", "locate_step", "replay",

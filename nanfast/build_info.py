@@ -7,20 +7,11 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from ._extension import build_record
 
 # The CPU kernels are compiled for every instruction set below (each under its own target pragma);
 # the best one this CPU supports is picked at run time, capped by NANFAST_CPU_ISA.
 CPU_ISAS = ("avx512", "avx2", "baseline")
-
-
-def build_record() -> dict | None:
-    """The record setup.py wrote when it built the extension (nanfast/_build.py), or None for a build
-    that did not go through setup.py."""
-    try:
-        from ._build import BUILD
-    except ImportError:
-        return None
-    return dict(BUILD)
 
 
 def has_cuda_kernels() -> bool:

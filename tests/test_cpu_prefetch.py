@@ -86,6 +86,7 @@ def test_prefetch_environment_variable(value):
     assert out.stdout.strip() == str(value == "1")
 
 
-def test_unknown_prefetch_environment_variable_is_an_error():
-    out = _probe("yes")
+def test_unknown_prefetch_environment_variable_is_an_error_at_import():
+    out = subprocess.run([sys.executable, "-c", "import nanfast"], env=dict(os.environ, NANFAST_CPU_PREFETCH="yes"),
+                         capture_output=True, text=True)
     assert out.returncode != 0 and "NANFAST_CPU_PREFETCH is 'yes' (expected 0 or 1)" in out.stderr

@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <strings.h>
+
 #include <c10/util/Exception.h>
 
 #include "simd_kernels.h"
@@ -26,13 +28,14 @@ const SimdKernels& kernels_of(int isa, bool prefetch) {
   }
 }
 
-int isa_index(const char* isa) {
+// `where` names what gave `isa` (the environment variable, or the function) in the error.
+int isa_index(const char* isa, const char* where) {
   for (int k = 0; k < kNumIsas; ++k) {
-    if (std::strcmp(isa, kIsaNames[k]) == 0) {
+    if (strcasecmp(isa, kIsaNames[k]) == 0) {
       return k;
     }
   }
-  TORCH_CHECK(false, "nanfast: unknown CPU instruction set '", isa, "' (expected avx512, avx2 or baseline)");
+  TORCH_CHECK(false, "nanfast: ", where, " is '", isa, "', not a CPU instruction set (expected avx512, avx2 or baseline)");
 }
 
 int best_supported() {
@@ -51,8 +54,8 @@ int best_supported() {
 }
 
 // The index of `isa`, capped: asking for more than the processor has keeps the best it has.
-int capped(const char* isa) {
-  const int asked = isa_index(isa);
+int capped(const char* isa, const char* where) {
+  const int asked = isa_index(isa, where);
   const int best = best_supported();
   return asked < best ? best : asked;
 }
@@ -72,7 +75,8 @@ bool default_prefetch() {
 std::atomic<const SimdKernels*>& current() {
   static std::atomic<const SimdKernels*> kernels{[] {
     const char* env = std::getenv("NANFAST_CPU_ISA");
-    return &kernels_of(env != nullptr && *env != '\0' ? capped(env) : best_supported(), default_prefetch());
+    return &kernels_of(env != nullptr && *env != '\0' ? capped(env, "NANFAST_CPU_ISA") : best_supported(),
+                       default_prefetch());
   }()};
   return kernels;
 }
@@ -84,12 +88,12 @@ const SimdKernels& simd_kernels() {
 }
 
 const char* set_cpu_isa(const char* isa) {
-  current().store(&kernels_of(capped(isa), simd_kernels().prefetch), std::memory_order_relaxed);
+  current().store(&kernels_of(capped(isa, "set_cpu_isa's isa"), simd_kernels().prefetch), std::memory_order_relaxed);
   return simd_kernels().isa;
 }
 
 bool set_cpu_prefetch(bool on) {
-  current().store(&kernels_of(isa_index(simd_kernels().isa), on), std::memory_order_relaxed);
+  current().store(&kernels_of(isa_index(simd_kernels().isa, "the current table's"), on), std::memory_order_relaxed);
   return simd_kernels().prefetch;
 }
 
