@@ -115,3 +115,63 @@ def test_a_torchscript_model_is_refused_saying_so():
     for action in ("raise", "warn", "skip"):
         with pytest.raises(TypeError, match="is a TorchScript module .*watch the eager module"):
             nanfast.watch(scripted, optimizer, action=action)
+
+
+def _global_hooks() -> int:
+    module = torch.nn.modules.module
+    return len(module._global_module_registration_hooks) + len(module._global_buffer_registration_hooks)
+
+
+def _train_and_drop(**options) -> None:
+    """A watch made, one step, and everything dropped without remove() (a sweep, a notebook cell run again)."""
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    nanfast.watch(model, optimizer, **options)
+    optimizer.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+
+
+def test_watches_dropped_without_remove_leave_no_global_hooks_behind():
+    """Each left its two global registration hooks for good, which every later module attribute set ran:
+    600 of them made building a model 6x slower (a probe, session 43). The next watch removes them."""
+    import gc
+
+    before = _global_hooks()
+    for _ in range(50):
+        _train_and_drop()
+        gc.collect()
+    assert _global_hooks() <= before + 2  # at most the last one's, until another watch is installed
+    model = nn.Linear(4, 2)
+    w = nanfast.watch(model)
+    assert _global_hooks() == before + 2  # its own
+    w.remove()
+    assert _global_hooks() == before
+
+
+def test_a_log_to_file_of_a_watch_dropped_without_remove_can_be_written_again(tmp_path):
+    """The path stayed taken for the life of the process ("already written by another watch")."""
+    import gc
+
+    path = tmp_path / "run.jsonl"
+    _train_and_drop(log_to=path)
+    gc.collect()
+    w = nanfast.watch(nn.Linear(4, 2), log_to=path)
+    w.remove()
+
+
+def test_hooks_of_modules_swapped_out_are_not_kept():
+    """A head swapped in at every step: the handles of the heads gone piled up in the watch. (A head and
+    its hooks hold each other: the garbage collector frees them.)"""
+    import gc
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with nanfast.watch(model, optimizer) as w:
+        for _ in range(20):
+            model[1] = nn.Linear(8, 2)
+            gc.collect()
+            optimizer.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+        assert len(w._handles) < 20

@@ -128,6 +128,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._root = self._site("", type(model).__name__)
         self._input = self._site("input", "")
         self._handles: list = []
+        self._retire: Optional[weakref.finalize] = None  # set by _install
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules with hooks (NOTE: [A model changed after watch()])
         # The step's counts, in execution order; the Step says what each slot id stands for (see
         # NOTE: [The watch's recorder]).
@@ -194,6 +195,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._retire is not None:
+            self._retire.detach()  # its global hooks are removed (NOTE: [Global hooks of a watch never removed])
         if self._scaler_shared is not None:
             scaler_hook.detach(self.scaler, self._scaler_shared, self)
             self._scaler_shared = None

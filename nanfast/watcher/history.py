@@ -12,6 +12,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional, Union
 
@@ -131,7 +132,9 @@ class _Stream:
     """A JSON Lines file written a line per checked step, flushed each time; one writer per file in a
     process (two watches' lines interleaved mid-record made a file no reader could parse)."""
 
-    _open: set[str] = set()  # the real paths streams of this process are writing
+    # The real paths streams of this process are writing: a stream dropped with its watch (never removed)
+    # leaves, its file closed with it (the path stayed taken for the life of the process: a probe, session 43).
+    _open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @staticmethod
     def refuse_taken(paths: list) -> None:
@@ -149,7 +152,7 @@ class _Stream:
         _Stream.refuse_taken([path])
         self._path = os.path.realpath(path)
         self._file = open(path, "w", encoding="utf-8")
-        _Stream._open.add(self._path)
+        _Stream._open[self._path] = self
         self._file.write(_line(first))
         self._file.flush()
 
@@ -160,7 +163,7 @@ class _Stream:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
-            _Stream._open.discard(self._path)
+            _Stream._open.pop(self._path, None)
 
 
 def _give(sink: Callable[[StepRecord], None], rec: StepRecord) -> None:

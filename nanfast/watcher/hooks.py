@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .. import _C, _tree
 from ..recompute import recomputation
@@ -59,8 +60,8 @@ def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> It
 
 
 def weakly_bound(obj: Any, method: str) -> Any:
-    """obj.method, called through a weak reference to obj: a no-op once obj is gone (the function stays
-    behind, a few bytes, as removing a global hook from inside one could break torch's loop over them)."""
+    """obj.method, called through a weak reference to obj: a no-op once obj is gone (until the hook is
+    retired: see _RETIRED)."""
     ref = weakref.ref(obj)
 
     def call(*args: Any) -> None:
@@ -70,6 +71,15 @@ def weakly_bound(obj: Any, method: str) -> Any:
 
     return call
 
+
+# NOTE: [Global hooks of a watch never removed]
+# The watch's two global registration hooks (module and buffer) run on every module attribute set and
+# buffer registered in the process. A watch dropped without remove() (a sweep, a notebook cell run
+# again) left them for good: 600 such watches made building a 61-module model 6x slower (a probe,
+# session 43). Removing them from inside a hook, or from a finalizer that garbage collection may run
+# inside torch's loop over them, would mutate the dict that loop iterates; so a watch's finalizer only
+# retires its handles here, and the next watch installed removes them.
+_RETIRED: list = []
 
 # The watches ever installed on each model (weakly: a dropped model or watch leaves), to tell a second
 # watch on the same model (see Hooks._install).
@@ -133,10 +143,14 @@ class Hooks:
                                                          always_call=True))
         self._follow_model()
         # Global hooks: they hold the watch weakly, or a watch never removed would keep its model alive.
+        while _RETIRED:  # see NOTE: [Global hooks of a watch never removed]
+            _RETIRED.pop().remove()
         registered = weakly_bound(self, "_registered")
-        for register in (torch.nn.modules.module.register_module_module_registration_hook,
-                         torch.nn.modules.module.register_module_buffer_registration_hook):
-            self._handles.append(register(registered))
+        global_hooks = [register(registered) for register in (
+            torch.nn.modules.module.register_module_module_registration_hook,
+            torch.nn.modules.module.register_module_buffer_registration_hook)]
+        self._handles += global_hooks
+        self._retire = weakref.finalize(self, _RETIRED.extend, global_hooks)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
@@ -174,6 +188,8 @@ class Hooks:
         self._params.forget()  # names as the model has them now (a parametrization renames a parameter)
         if not (self._hook_modules and (self._check_activations or self._check_grads)):
             return
+        # The handles of hooks on modules gone since (a head swapped out) are dropped.
+        self._handles = [h for h in self._handles if not isinstance(h, RemovableHandle) or h.hooks_dict_ref() is not None]
         for name, module in hooked_modules(self.model, self.pass_through):
             if module in self._hooked:
                 continue
