@@ -12,7 +12,6 @@ import argparse
 import statistics
 import time
 
-import torch
 
 from nanfast.cli import bench
 
