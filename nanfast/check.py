@@ -70,8 +70,7 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
 
 
 # Leaves that hold no floating-point values (counters, flags, names, settings): nothing to check.
-_NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format,
-               enum.Enum)
+_NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def may_hold_values(leaf: Any) -> bool:
@@ -79,6 +78,8 @@ def may_hold_values(leaf: Any) -> bool:
     reported as not checked): not for numbers without NaN, strings, dates, None and the like."""
     if isinstance(leaf, _NOT_VALUES):
         return False
+    if isinstance(leaf, enum.Enum):  # a setting, unless its value may hold values (a tensor)
+        return may_hold_values(leaf.value)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(leaf, (np.ndarray, np.generic)):
         return np.asarray(leaf).dtype.kind not in "USMm"  # strings, bytes, datetimes, timedeltas

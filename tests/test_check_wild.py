@@ -143,3 +143,71 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_name_not_read():
     shrunk.untyped_storage().resize_(20)  # 5 floats left: the view's last 3 are gone
     with pytest.raises(RuntimeError, match=r"tensors\[0\] reaches 32 bytes"):
         nanfast.stats([view])
+
+
+# Session 43's probe of containers: a container whose own code raises, containers shared by many paths,
+# tensors as mapping keys, an Enum whose value is a tensor.
+
+class _LyingMapping(dict):
+    def items(self):
+        raise KeyError("a")
+
+
+class _RaisingList(list):
+    def __iter__(self):
+        raise RuntimeError("boom")
+
+
+def _unset_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Pair:
+        a: torch.Tensor
+        b: torch.Tensor = dataclasses.field(init=False)  # set later, in a hook
+
+    return Pair(torch.ones(1))
+
+
+@pytest.mark.parametrize("make", [_unset_field, lambda: _LyingMapping(a=torch.ones(1)), lambda: _RaisingList([1])],
+                         ids=["dataclass field never set", "mapping whose items() raise", "list whose iter raises"])
+def test_a_container_whose_own_code_raises_is_listed_not_checked(make):
+    """Its exception escaped check_all and check_batch bare, naming nothing, and the NaN beside it went
+    unreported."""
+    batch = {"x": torch.tensor([NAN]), "c": make()}
+    report = nanfast.check_all(batch, raise_on_nonfinite=False)
+    assert [e.name for e in report.bad] == ["x"] and report.unchecked == ("c",)
+    batch_report = nanfast.check_batch(batch, raise_on_nonfinite=False)
+    assert [f.path for f in batch_report.bad] == ["x"] and "c" in str(batch_report)
+
+
+def test_a_container_shared_by_many_paths_is_walked_in_linear_time():
+    """[x, x] nested 20 deep is a million paths to one tensor: 30 s before, a hang at 30 levels."""
+    import time
+
+    x = [torch.tensor([NAN])]
+    for _ in range(30):
+        x = [x, x]
+    start = time.perf_counter()
+    report = nanfast.check_all({"x": x}, raise_on_nonfinite=False)
+    assert time.perf_counter() - start < 5  # a bound a hang cannot meet, not a timing
+    assert not report.ok and len({e.name for e in report.entries}) == report.num_tensors <= 8
+    shared = [torch.ones(1)]
+    assert [e.name for e in nanfast.check_all({"a": shared, "b": shared}).entries] == ["a.0", "b.0"]
+
+
+def test_a_tensor_used_as_a_mapping_key_is_checked():
+    """Only values were walked: a NaN key was called clean."""
+    report = nanfast.check_all({torch.tensor([NAN]): torch.tensor([1.0])}, raise_on_nonfinite=False)
+    assert [e.name for e in report.bad] == ["<key 0>"] and report.num_tensors == 2
+
+
+def test_an_enum_whose_value_is_a_tensor_is_not_called_clean():
+    import enum
+
+    class Preset(enum.Enum):
+        SCALE = torch.tensor([NAN])
+        ONE = 1
+
+    report = nanfast.check_all({"p": Preset.SCALE, "q": Preset.ONE, "t": torch.ones(1)}, raise_on_nonfinite=False)
+    assert report.unchecked == ("p",)
