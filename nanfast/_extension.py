@@ -23,10 +23,12 @@ def build_record() -> dict | None:
     return dict(BUILD)
 
 
-def built_against() -> str | None:
-    """The torch version the extension was built against, as its record says, or None."""
+def other_torch() -> str | None:
+    """The torch version the extension was built against, as its record says, when it is not the one
+    running; else None (the same one, or no record)."""
     record = build_record()
-    return record.get("torch") if record is not None else None
+    built = record.get("torch") if record is not None else None
+    return built if built != torch.__version__ else None
 
 
 def load() -> None:
@@ -43,8 +45,8 @@ def load() -> None:
     # The CPU kernel table, chosen now: a bad NANFAST_CPU_ISA or NANFAST_CPU_PREFETCH is named here, not
     # in the first check's error, where it was put on whichever tensor came first.
     _C.cpu_isa()
-    built = built_against()
-    if built is not None and built != torch.__version__:
+    built = other_torch()
+    if built is not None:
         warnings.warn(f"nanfast: its extension was built against torch {built}, and torch {torch.__version__} is "
                       f"running: if anything fails, rebuild it: {REBUILD}", UserWarning, stacklevel=3)
 
@@ -55,8 +57,8 @@ def _why_not(error: ImportError) -> str:
              if name.startswith("_C.") and name.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
     if not built:
         return f"nanfast: its compiled extension (nanfast/_C) is not built in {here}: build it with {REBUILD}"
-    against = built_against()
-    if against is not None and against != torch.__version__:
+    against = other_torch()
+    if against is not None:
         return (f"nanfast: its extension ({built[0]}) was built against torch {against}, and torch "
                 f"{torch.__version__} is running, which cannot load it ({error}): rebuild it with {REBUILD}")
     return f"nanfast: its extension ({built[0]}) could not be loaded ({error}): rebuild it with {REBUILD}"

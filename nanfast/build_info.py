@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._extension import build_record
+from ._extension import build_record, other_torch
 
 # The CPU kernels are compiled for every instruction set below (each under its own target pragma);
 # the best one this CPU supports is picked at run time, capped by NANFAST_CPU_ISA.
@@ -28,7 +28,7 @@ def describe() -> str:
     from . import __version__
 
     record = build_record()
-    built_with = f" (built against {record['torch']})" if record and record["torch"] != torch.__version__ else ""
+    built_with = f" (built against {other})" if (other := other_torch()) is not None else ""
     lines = [f"nanfast {__version__}",
              f"torch {torch.__version__}{built_with}",
              f"CPU kernels: {', '.join(CPU_ISAS)} compiled; this CPU runs {_C.cpu_isa()}"]

@@ -100,9 +100,11 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
     if not isinstance(items, dict) or not isinstance(described, dict):
         raise Unreadable(f"its {METADATA} is not a distributed checkpoint's metadata (no storage_data)")
     chunks = {fqn: len(getattr(entry, "chunks", ()) or ()) for fqn, entry in described.items()}
+    placed = False  # with `only`: the metadata places an item in that file
     for index, where in items.items():
         if only is not None and getattr(where, "relative_path", None) != only:
             continue
+        placed = True
         fqn = index.fqn
         name = fqn if index.offset is None or chunks.get(fqn, 1) <= 1 else f"{fqn}{list(index.offset)}"
         if getattr(where, "transform_descriptors", None):
@@ -111,7 +113,7 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
             continue
         yield name, _as_described(_item(path, where), described.get(fqn), index)
     if only is not None:  # the other files hold the rest
-        if not any(getattr(where, "relative_path", None) == only for where in items.values()):
+        if not placed:
             raise Unreadable(f"the {METADATA} beside it names no item stored in {only}: nothing was checked")
         return
     # An item described with no entry saying where its data is (a rank's entries lost in a merge) would

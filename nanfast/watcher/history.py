@@ -149,7 +149,7 @@ class _Stream:
             seen.add(real)
 
     def __init__(self, path: Union[str, os.PathLike], first: dict):
-        _Stream.refuse_taken([path])
+        """Opens `path` for writing (Timeline has refused the paths taken first: refuse_taken)."""
         self._path = os.path.realpath(path)
         self._file = open(path, "w", encoding="utf-8")
         _Stream._open[self._path] = self
