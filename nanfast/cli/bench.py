@@ -146,9 +146,10 @@ BASELINE = "torch.any(isnan + isinf) per tensor"
 AMP = "amp _foreach_non_finite_check_and_unscale_"
 
 
-def time_methods(methods: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
-    """Median seconds per method; methods interleaved within each repeat, in an order shuffled anew each
-    repeat (a fixed seed), after one warm-up round in the given order."""
+def time_samples(methods: dict[str, Callable[[], object]], repeats: int, device: str,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each method in each repeat (by `clock`); methods interleaved within each repeat, in an
+    order shuffled anew each repeat (a fixed seed), after one warm-up round in the given order."""
     # NOTE: [Each method after any other]
     # In a fixed order (a rotated one too) each method always follows the same one. On a workload that
     # fits in cache (5000 tensors of 1024 floats, 20 MB) that decides the result: any_nonfinite came right
@@ -164,12 +165,17 @@ def time_methods(methods: dict[str, Callable[[], object]], repeats: int, device:
         for name in order:
             fn = methods[name]
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             _sync(device)
             if r:
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in samples.items()}
+                samples[name].append(clock() - start)
+    return samples
+
+
+def time_methods(methods: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per method, timed as time_samples() does."""
+    return {name: statistics.median(ts) for name, ts in time_samples(methods, repeats, device).items()}
 
 
 def run_core(device: str, repeats: int, scale: float, only: Sequence[str] = ()) -> list[dict]:
