@@ -55,7 +55,22 @@ def _children(obj: Any) -> list[tuple[Any, int, Any]]:
         return [(i, _POSITION, value) for i, value in enumerate(obj)]
     if isinstance(obj, _SETS):
         return [(i, _MEMBER, value) for i, value in enumerate(obj)]
-    return [(f.name, _KEY, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return [(f.name, _KEY, _field(obj, f.name)) for f in dataclasses.fields(obj)]
+
+
+class Unreadable:
+    """In place of a dataclass field its own code could not give (a field never set: an AttributeError),
+    a leaf that callers list as not checked: the other fields are still walked."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _field(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except Exception as error:  # noqa: BLE001  (a property or __getattr__ of the container's own)
+        return Unreadable(error)
 
 
 def _pairs(items: Iterable) -> list[tuple[Any, int, Any]]:
@@ -179,7 +194,7 @@ def _walk(obj: Any, name_pairs: bool, shared_once: bool, tensor_attributes: bool
             paths[id(value)] = (value, walked + 1)
         try:
             children = _children(value)
-        except Exception:  # noqa: BLE001  (a container's own code raised: a field never set, a lying mapping)
+        except Exception:  # noqa: BLE001  (a container's own code raised: a lying mapping, a list whose iter raises)
             yield node, value  # a leaf that cannot be read: the caller lists it as not checked
             continue
         entered[id(value)] = value
