@@ -232,16 +232,23 @@ def test_skip_adds_no_host_read_and_copies_only_the_buffers():
             syncs.append(ops.host_syncs)
         assert syncs == [1, 1, 1]
         bn = model.bn
-        assert w._undo.bytes_per_step == (bn.running_mean.numel() + bn.running_var.numel()) * 4 + 8
+        # The BatchNorm's statistics and count, and the mask: at most 64 KB, copied whatever its dtype
+        assert w._undo.bytes_per_step == (bn.running_mean.numel() + bn.running_var.numel()) * 4 + 8 + 1000
+    model.register_buffer("mask", torch.ones(100_000, dtype=torch.bool))
+    with nanfast.watch(model, opt, action="skip") as w:
+        for s in range(3):
+            train_step(model, opt, *batch(s))
+        assert w._undo.bytes_per_step == (bn.running_mean.numel() + bn.running_var.numel()) * 4 + 8  # not the mask
 
 
 class CountsLargeBatches(torch.nn.Module):
-    """Changes an integer buffer in place only for batches of more than 6 rows."""
+    """Changes an integer buffer in place only for batches of more than 6 rows (one too large to be
+    copied at every step: a small one is, see the next test)."""
 
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(8, 4)
-        self.register_buffer("large_batches", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("large_batches", torch.zeros(10_000, dtype=torch.int64))
         self.register_buffer("ema", torch.zeros(8))
 
     def forward(self, x):

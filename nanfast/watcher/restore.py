@@ -112,16 +112,33 @@ def warn_of_parameters_outside(model: torch.nn.Module, optimizer: torch.optim.Op
                       "optimizer steps.", UserWarning, stacklevel=user_stacklevel())
 
 
+# Buffers of at most this many bytes are copied at every step whatever their dtype (see BufferUndo).
+_ALWAYS_COPIED_BYTES = 65536
+
+
 class BufferUndo:
     """Remembers, at the start of each step, the module buffers of a model so that `restore()` can put
     them back as they were (see NOTE: [What a step writes besides the update]).
 
-    Floating-point buffers are copied at every step: BatchNorm's kernel writes its running statistics
-    without bumping their version counters (pytorch/pytorch#13402), so only their values could tell.
-    Other buffers (masks, position ids, counters) are copied once some step has changed them (version
-    counter or re-assignment), all on the first step. Buffers are listed as (module, name) at
-    construction and by `relist()` (the watch calls it at a step's start once the model gained a module
-    or buffer: see NOTE: [A model changed after watch()]); a buffer re-assigned later is followed by name."""
+    Floating-point buffers, and any of at most _ALWAYS_COPIED_BYTES, are copied at every step: kernels
+    write some without bumping their version counters (BatchNorm's running statistics,
+    pytorch/pytorch#13402; QAT's fused_moving_avg_obs_fake_quant its int32 zero_point, left at the bad
+    batch's value by a skip: a probe, session 44), so only their values could tell. Larger ones of other
+    dtypes (masks, lookup tables) are copied once some step has changed them (version counter or
+    re-assignment), all on the first step. A buffer a step resized in place (a per-channel observer's
+    min_val, empty until its first forward) is resized back before its values are. Buffers are listed
+    as (module, name) at construction and by `relist()` (the watch calls it at a step's start once the
+    model gained a module or buffer: see NOTE: [A model changed after watch()]); a buffer re-assigned
+    later is followed by name.
+
+    NOTE: [Buffers swapped in for one forward]
+    torch.func.functional_call(model, (params, buffers), x) installs the caller's buffers in the model
+    for the forward and puts the model's own back after it: the watch's step start (the model's forward
+    pre-hook) notes the caller's, and at the step's end every such slot looks re-assigned. Put "back", a
+    skip made the caller's tensors the model's own buffers for the rest of the run (a probe, session 44).
+    So a slot that at a step's end holds the tensor it held at the end of the step before is not taken
+    as re-assigned by the step: the step's writes went to the tensor it noted, whose values a skip puts
+    back, and the slot is left as it is."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
@@ -142,6 +159,11 @@ class BufferUndo:
         self._buffers = _C.BufferSlots([module for module, _, _ in self._slots], [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
         self._tensors: list[Optional[torch.Tensor]] = []  # each slot's tensor at the step start
+        # Each slot's tensor at the end of the last step that closed, and of the one before the step now
+        # open (see NOTE: [Buffers swapped in for one forward]).
+        self._ends: list[Optional[torch.Tensor]] = self._buffers.state()[0]
+        self._prior = self._ends
+        self._saved_shapes: dict[int, torch.Size] = {}  # each copied slot's shape when its twin was made
         self._versions: list[int] = []  # and its version counter (-1: None or an inference tensor: not tracked)
         self._saved: list[int] = []  # the slots copied into the twins
         self._twins: Optional[Twins] = None
@@ -171,6 +193,7 @@ class BufferUndo:
         if self._replan or not all(map(operator.is_, tensors, self._tensors)):
             self._plan(tensors)
         self._tensors, self._versions = tensors, versions
+        self._prior = self._ends
         if self._twins is not None:
             self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
@@ -181,8 +204,10 @@ class BufferUndo:
         self._replan = False
         copied = self._copied
         self._saved = [i for i, t in enumerate(tensors) if _copyable(t) and (
-            copied is None or i in copied or t.is_floating_point() or t.is_complex())]
+            copied is None or i in copied or t.is_floating_point() or t.is_complex()
+            or t.numel() * t.element_size() <= _ALWAYS_COPIED_BYTES)]
         saved = [tensors[i] for i in self._saved]
+        self._saved_shapes = {i: t.shape for i, t in zip(self._saved, saved)}
         if not saved:
             self._twins = None
         elif self._twins is None or not self._twins.fits(saved):
@@ -197,11 +222,19 @@ class BufferUndo:
             return
         self._open = False
         reassigned, in_place = self._buffers.changed(self._tensors, self._versions)
-        saved = set(self._saved)
-        self.missed = [self._slots[i][2] for i in in_place if i not in saved]
-        self.host_only = any(not _same_kind(self._tensors[i], self._slots[i][0]._buffers.get(self._slots[i][1]))
-                             for i in reassigned)
+        shapes = self._saved_shapes
+        self.missed = [self._slots[i][2] for i in in_place if i not in shapes]
+        # Every copied slot, not those whose version changed: the fused QAT kernel resizes min_val and
+        # scale without a bump.
+        resized = [i for i, shape in shapes.items() if self._tensors[i].shape != shape]
+        self._ends = list(self._tensors) if reassigned else self._tensors
+        for i in reassigned:
+            self._ends[i] = self._slots[i][0]._buffers.get(self._slots[i][1])
+        self.host_only = bool(resized) or any(not _same_kind(self._tensors[i], self._ends[i])
+                                              for i in self._stepped(reassigned))
         changed = set(in_place).union(reassigned)
+        if resized:
+            self._replan = True
         if self._copied is None or not changed <= self._copied:
             self._copied = changed if self._copied is None else self._copied | changed
             self._replan = True
@@ -219,13 +252,29 @@ class BufferUndo:
         self._restorable = False
         if self._weight_twins is not None:
             self._weight_twins.restore(self._weights, where)
+        resized = [i for i, shape in self._saved_shapes.items() if self._tensors[i].shape != shape]
+        if resized and where is not None:
+            if not bool(where):  # a read on the host, as for a step `host_only` (a rare first step)
+                return self.missed
+            where = None
+        with torch.no_grad():
+            for i in resized:
+                self._tensors[i].resize_(self._saved_shapes[i])
         if self._twins is not None:
             self._twins.restore([self._tensors[i] for i in self._saved], where)
-        for (module, name, _), t in zip(self._slots, self._tensors):
-            now = module._buffers.get(name)
-            if now is not t:
-                module._buffers[name] = t if where is None else torch.where(where, t, now)
+        now = [module._buffers.get(name) for module, name, _ in self._slots]
+        for i in self._stepped([i for i, (a, b) in enumerate(zip(now, self._tensors)) if a is not b]):
+            module, name, _ = self._slots[i]
+            module._buffers[name] = self._tensors[i] if where is None else torch.where(where, self._tensors[i], now[i])
+            if self._ends is not self._tensors:
+                self._ends[i] = module._buffers[name]
         return self.missed
+
+    def _stepped(self, reassigned: list[int]) -> list[int]:
+        """The slots among `reassigned` (holding another tensor than at the step's start) that the step
+        re-assigned: not those holding again the tensor they held before it, which a caller swapped out
+        for its forward (see NOTE: [Buffers swapped in for one forward])."""
+        return [i for i in reassigned if self._slots[i][0]._buffers.get(self._slots[i][1]) is not self._prior[i]]
 
     def as_found(self) -> Optional[list[tuple[torch.nn.Module, str, torch.Tensor]]]:
         """The plain dense buffers with their values as the step that closed last found them, for a
@@ -235,14 +284,22 @@ class BufferUndo:
 
         Returns:
             The triples in the model's order; None when the values cannot be told (the step began no
-            forward, or changed a buffer in place with no copy taken: `missed`)."""
+            forward, changed a buffer in place with no copy taken: `missed`, or resized one). A slot a
+            caller swapped a tensor into for the step's forward gives the model's own buffer, which the
+            step did not write (see NOTE: [Buffers swapped in for one forward])."""
         if not self._slots:
             return []
-        if not self._closed_begun or self.missed:
+        if (not self._closed_begun or self.missed
+                or any(self._tensors[i].shape != shape for i, shape in self._saved_shapes.items())):
             return None
         copies = dict(zip(self._saved, self._twins.copies())) if self._twins is not None else {}
-        return [(module, name, copies.get(i, t))
-                for i, ((module, name, _), t) in enumerate(zip(self._slots, self._tensors)) if _copyable(t)]
+        found = []
+        for i, ((module, name, _), t, end) in enumerate(zip(self._slots, self._tensors, self._ends)):
+            if end is not t and end is self._prior[i]:
+                found.append((module, name, end))
+            elif _copyable(t):
+                found.append((module, name, copies.get(i, t)))
+        return [(module, name, t) for module, name, t in found if _copyable(t)]
 
 
 def lacks_state(optimizer: torch.optim.Optimizer) -> bool:
