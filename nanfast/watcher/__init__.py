@@ -26,6 +26,7 @@ from .hooks import Hooks, weakly_bound, walked_floating_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
                       typed_options, unknown_options, validate)
+from .owned_hook import remove_inert_hooks
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo, warn_of_parameters_outside
@@ -101,6 +102,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self.on_event = on_event
         self.rerun = rerun
         self._step_state: Optional[Any] = None  # locate.StepState of the current step (on_event="locate")
+        self._entered = False  # its `with` block is open
+        self._idling = False  # the hooks stand down while the watch runs a re-run or a callable action (Actions._idle)
         self._check_inputs = inputs
         self._check_activations = activations
         self._check_grads = grads
@@ -195,6 +198,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        remove_inert_hooks(self.model)
         if self._retire is not None:
             self._retire.detach()  # its global hooks are removed (NOTE: [Global hooks of a watch never removed])
         if self._scaler_shared is not None:
@@ -209,6 +213,10 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         if not self._installed:
             raise RuntimeError("nanfast.watch: this watch was removed (its `with` block ended, or remove() was called) "
                                "and checks nothing: make a new one, nanfast.watch(...), for each `with`")
+        if self._entered:  # the inner block's end would remove it, and the outer block check nothing
+            raise RuntimeError("nanfast.watch: this watch's `with` block is already open; the end of a `with` block "
+                               "removes the watch, so enter it once (the outer block)")
+        self._entered = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

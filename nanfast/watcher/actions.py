@@ -5,8 +5,10 @@ on_event="locate", re-running the step under nanfast.locate first."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -115,7 +117,8 @@ class Actions:
         watch's callable action gets it too), raise SpikeError, only record it, skip the step (the
         watch's skip: action="skip", eager), or call the given callable."""
         if callable(action):
-            action(event)
+            with self._idle():
+                action(event)
         elif action == "raise":
             raise SpikeError(event)
         elif action == "skip":
@@ -123,7 +126,8 @@ class Actions:
         elif action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
             if callable(self.action):
-                self.action(event)
+                with self._idle():
+                    self.action(event)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # args: the step's own arguments, the optimizer first
@@ -213,12 +217,21 @@ class Actions:
             return None
         from ..locator import locate_step
 
-        active, self._active = self._active, False
-        try:
+        with self._idle():
             return locate_step(self.rerun, self._step_state)
+
+    @contextlib.contextmanager
+    def _idle(self) -> Iterator[None]:
+        """The hooks stay idle while the watch runs code that may run the model and is no step: the
+        locate re-run, or a callable action (one that ran the model again to look at it was a bad step
+        of its own, which called it again, without end: a probe, session 44)."""
+        active, idling = self._active, self._idling
+        self._active, self._idling = False, True
+        try:
+            yield
         finally:
-            self._active = active
-            self._steps.reset()  # the re-run's forwards are not the next step's
+            self._active, self._idling = active, idling
+            self._steps.reset()  # the forwards run meanwhile are not the next step's
 
     def _act(self, event: Event, scaler_skipped: bool, before_step: bool, unrestored: tuple = ()) -> None:
         """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
@@ -227,7 +240,8 @@ class Actions:
         forward's event has no optimizer step to skip: a skip or rollback watch puts back the buffers it
         changed and warns."""
         if callable(self.action):
-            self.action(event)
+            with self._idle():
+                self.action(event)
         elif self.action == "warn":
             warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
         else:

@@ -5,7 +5,10 @@ whether a training step is open and whether the loop moved on to another step wi
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
+from types import FrameType
 from typing import NamedTuple, Optional
 
 import torch
@@ -61,6 +64,35 @@ class Forward(NamedTuple):
     training: bool  # whether a training forward had opened the step before this one
 
 
+# NOTE: [A forward interrupted by Ctrl-C]
+# torch calls a forward hook registered with always_call=True when the forward raises an Exception, not
+# a KeyboardInterrupt (a BaseException): a forward stopped by Ctrl-C in a notebook stayed open, and the
+# healthy steps after it raised over its records (a probe, session 44). So each forward notes the frame
+# of torch's call that runs it; a forward that begins while one is still open drops the open one (as
+# NOTE: [A forward that raised] says) unless that frame is still on the stack: a model calling itself
+# within its forward. The frame is let go by the model's last forward hook.
+_CALL_CODES = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
+
+# NOTE: [One watched model called from several threads]
+# A watch follows one step at a time: its records, call numbers and step belong to the forward running.
+# A model served by a pool of threads, each calling it while another's forward ran, mixed them: healthy
+# calls raised over another thread's bad batch, an IndexError escaped a hook, modules were named with
+# call numbers they never had (a probe, session 44). So a forward that begins while another thread's
+# forward of the model is running is refused, and the running one is left as it is. Calls from several
+# threads one after another are fine.
+CONCURRENT = ("nanfast.watch: the watched {model} was called in thread {thread} while its forward in thread {other} "
+              "was running: a watch follows one forward at a time. Give each thread its own copy of the model with a "
+              "watch of its own (copy.deepcopy(model) before watching), or call the model from one thread at a time.")
+
+
+def calling_frame() -> Optional[FrameType]:
+    """In a model's forward pre-hook: the frame of torch's call that runs the forward (None if not found)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in _CALL_CODES:
+        frame = frame.f_back
+    return frame
+
+
 class StepState:
     """The forward running now and the last one, and (without an optimizer) the training step left open."""
 
@@ -70,6 +102,10 @@ class StepState:
         renormed = {id(m.weight) for m in rewritten_in_forward(model)}
         self._trainable = [p for p in model.parameters() if p.requires_grad and id(p) not in renormed]
         self.forward: Optional[Forward] = None  # running now
+        # The frame of the model's call that runs now, and its thread (see enter()).
+        self._frame: Optional[FrameType] = None
+        self._thread = 0
+        self._lock = threading.Lock()
         self.last: Optional[Forward] = None  # the last one that began in this step
         self.training = False  # a forward with gradients ran in this step (without an optimizer)
         self.grad_forwards = 0  # forwards with gradients in this step
@@ -94,6 +130,41 @@ class StepState:
         """The forward returned or raised: returns it if it was still running (it raised)."""
         forward, self.forward = self.forward, None
         return forward
+
+    def enter(self, model: torch.nn.Module) -> Optional[Forward]:
+        """At the model's forward pre-hook: takes the model's forward for this thread (see NOTE: [One
+        watched model called from several threads]).
+
+        Returns:
+            The forward to drop, still open from a call no longer running (see NOTE: [A forward
+            interrupted by Ctrl-C]), or None.
+
+        Raises:
+            RuntimeError: another thread's forward of the model is running."""
+        me = threading.get_ident()
+        with self._lock:
+            stale = None
+            if self._frame is not None:
+                frame = sys._getframe(1) if self._thread == me else sys._current_frames().get(self._thread)
+                while frame is not None and frame is not self._frame:
+                    frame = frame.f_back
+                if frame is not None:  # still running
+                    if self._thread != me:
+                        raise RuntimeError(CONCURRENT.format(
+                            model=type(model).__name__, thread=threading.current_thread().name,
+                            other=next((t.name for t in threading.enumerate() if t.ident == self._thread), "?")))
+                    return None  # the model calls itself within its forward: the outer call keeps it
+                stale = self.end_forward()
+            self._frame, self._thread = calling_frame(), me
+        return stale
+
+    def leave(self) -> bool:
+        """At the model's last forward hook, called when the forward returns or raises: gives the model's
+        forward back. Returns False when another thread holds it (this call was refused by enter())."""
+        if self._frame is not None and self._thread != threading.get_ident():
+            return False
+        self._frame = None
+        return True
 
     def unended(self, grad_enabled: bool, has_optimizer: bool) -> bool:
         """At the start of a forward: True if the current step is one the loop left without ending it

@@ -320,9 +320,13 @@ class Hooks:
     # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.
 
     def _before_model(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling() or recomputation() is not None or transformed():
+        if self._idling or torch.compiler.is_compiling() or recomputation() is not None or transformed():
             return
         self._drop_failed_backward()
+        interrupted = self._steps.enter(self.model)
+        if interrupted is not None:
+            self._hooks.in_forward = False
+            self._drop_forward(interrupted)
         if self._outside_evaluation is not None:
             self._end_outside_evaluation()
         self._hooks.enter_forward()
@@ -362,7 +366,7 @@ class Hooks:
         hooks.enter(self._root, args)
 
     def _after_model(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
-        if torch.compiler.is_compiling() or recomputation() is not None or transformed():
+        if self._idling or torch.compiler.is_compiling() or recomputation() is not None or transformed():
             return
         forward = self._steps.end_forward()
         self._hooks.in_forward = False
@@ -394,8 +398,8 @@ class Hooks:
             self._end_evaluation(*((forward.first_slot, forward.microbatch) if forward is not None else (0, None)))
 
     def _after_model_raised(self, model: torch.nn.Module, args: tuple, output: Any) -> None:
-        if torch.compiler.is_compiling() or transformed():
-            return
+        if self._idling or torch.compiler.is_compiling() or transformed() or not self._steps.leave():
+            return  # (not leave(): another thread's forward is running, this one was refused at its start)
         forward = self._steps.end_forward()
         self._hooks.in_forward = False
         if forward is not None:

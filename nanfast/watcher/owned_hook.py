@@ -17,7 +17,8 @@ import torch
 # is the one it was installed on (a shallow copy, which shares the hook dicts, does nothing either), and
 # it is copied and pickled as an inert hook that holds nothing. The copy is not watched: watch it with a
 # watch of its own. A copy assigned into the watched model is hooked at the next step's start, as any
-# module set after watch() (NOTE: [A model changed after watch()] in hooks.py).
+# module set after watch() (NOTE: [A model changed after watch()] in hooks.py); remove() takes the inert
+# hooks of such copies out of the model with its own.
 
 
 class OwnedHook:
@@ -43,3 +44,16 @@ class OwnedHook:
 
     def __reduce__(self) -> tuple:
         return OwnedHook, (None, None)
+
+
+def remove_inert_hooks(model: torch.nn.Module) -> None:
+    """Takes out of `model`'s modules the inert hooks that copies of watched modules carry (a submodule
+    deep-copied while watched and set back into the model kept them after remove(), and so did every
+    copy of the model made after that: a probe, session 44)."""
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, hook in hooks.items() if isinstance(hook, OwnedHook) and hook.owner is None]:
+                del hooks[key]
+                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    extra.pop(key, None)

@@ -4,6 +4,7 @@ so that removing the watches in any order puts `scaler.step` back as it was."""
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Protocol
 
 
@@ -20,6 +21,7 @@ class _Shared:
         self.had_step = "step" in vars(scaler)
         self.saved = vars(scaler).get("step")
         self.original = scaler.step
+        self.scaler = weakref.ref(scaler)
         self.watchers: list[ScalerWatcher] = []
 
 
@@ -38,6 +40,10 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
         shared = _Shared(scaler)
 
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if scaler is not shared.scaler():
+                # A copy (copy.deepcopy rebinds the method to it): not watched, its own step, not the
+                # watched scaler's (a deep-copied scaler stepped the original: a probe, session 44).
+                return type(scaler).step(scaler, optimizer, *args, **kwargs)
             watchers = list(shared.watchers)
             for w in watchers:
                 w._scaler_step_begins()
