@@ -6,6 +6,7 @@ checks what they give."""
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
 import importlib
 import io
 import os
@@ -34,6 +35,32 @@ class Refused(Exception):
 
 class Unreadable(Exception):
     """The file cannot be read here; the message says what it is and why."""
+
+
+@contextlib.contextmanager
+def openable_path(path: str) -> Iterator[str]:
+    """`path`, or, where its name is not valid UTF-8 (bytes a str holds as surrogates: legal on Linux),
+    the same file open under /proc/self/fd: torch's zip reader and safetensors take UTF-8 paths only,
+    and called a healthy file whose name was not "damaged or truncated" (a probe, session 44).
+
+    Raises:
+        Unreadable: such a name where /proc is not mounted."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield path
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        through = f"/proc/self/fd/{fd}"
+        if not os.path.exists(through):
+            raise Unreadable("its name is not valid UTF-8, which torch's and safetensors' readers cannot open: "
+                             "rename it (nothing was checked)")
+        yield through
+    finally:
+        os.close(fd)
 
 
 def first_sentence(e: BaseException) -> str:
@@ -84,7 +111,16 @@ def _torchscript_load(path: str) -> tuple[Any, tuple[str, ...]]:
     returns and raises."""
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
-        prefix = names[0].split("/", 1)[0] + "/"
+        # torch's reader, and so torch.jit.load, refuses an archive whose records are not all in one
+        # folder, and one without its module: read, either came out "no tensors in it" (a probe, session 44).
+        folders = sorted({name.split("/", 1)[0] for name in names})
+        if len(folders) > 1:
+            raise Unreadable(f"a TorchScript archive whose records lie in {len(folders)} folders ({', '.join(folders[:3])}), "
+                             "where torch.jit.save writes one: damaged or crafted (nothing was checked)")
+        prefix = folders[0] + "/"
+        if prefix + "data.pkl" not in names:
+            raise Unreadable("a TorchScript archive without its module's record (data.pkl): damaged (nothing was "
+                             "checked)")
 
         def as_checkpoint(pickle_name: str) -> io.BytesIO:
             folder = prefix + pickle_name[: -len(".pkl")] + "/"
@@ -158,8 +194,16 @@ def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
     if isinstance(loaded, np.ndarray):
         yield os.path.basename(path), loaded
         return
+    # Each member is read whole, inflated: one larger than the memory available is not (a 14 MB file
+    # inflating to 3.7 GB was read whole: a probe, session 44).
+    sizes = {record.filename: record.file_size for record in _zip_directory(path) or ()}
+    available = available_memory()
     with loaded:
         for name in loaded.files:
+            size = sizes.get(f"{name}.npy", sizes.get(name, 0))
+            if available is not None and size > available:
+                yield name, NotRead(f"it inflates to {_mib(size)}, more than the {_mib(available)} of memory available")
+                continue
             try:
                 array = loaded[name]
             except ValueError as e:
@@ -314,7 +358,7 @@ def torch_load(path: str) -> tuple[Any, tuple[str, ...]]:
     # does), a zip Python cannot read and the legacy (non-zip) format are read whole.
     mappable = records is not None and all(r.compress_type == zipfile.ZIP_STORED for r in records)
     if records is not None and not mappable:
-        _check_inflated_size(path, records)
+        _check_inflated_size(records, os.path.getsize(path))
     if records is not None:
         _check_checksums(path)
     return load_weights_only(path, is_zip, records=records if mappable else None)
@@ -351,17 +395,17 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def _check_inflated_size(path: str, records: list[zipfile.ZipInfo]) -> None:
-    """Refuses a file whose compressed records, read whole, would take more memory than is available: a
-    3.9 MB file whose one record inflates to 4 GB was read (peak 4.4 GB), and one of 20 MB would have
-    the process killed rather than say why.
+def _check_inflated_size(records: list[zipfile.ZipInfo], file_bytes: int) -> None:
+    """Refuses a zip of `file_bytes` whose compressed records, read whole, would take more memory than is
+    available: a 3.9 MB file whose one record inflates to 4 GB was read (peak 4.4 GB), and one of 20 MB
+    would have the process killed rather than say why.
 
     Raises:
         Unreadable: their inflated size exceeds the available memory."""
     inflated = sum(r.file_size for r in records if r.compress_type != zipfile.ZIP_STORED)
     available = available_memory()
     if available is not None and inflated > available:
-        ratio = inflated / max(1, os.path.getsize(path))
+        ratio = inflated / max(1, file_bytes)
         raise Unreadable(f"its compressed records inflate to {_mib(inflated)} ({ratio:.0f}x the file), more than the "
                          f"{_mib(available)} of memory available: nothing was checked (torch.save never compresses; "
                          "an uncompressed copy is read mapped, in no memory)")
@@ -470,6 +514,8 @@ def saved_item(blob: bytes) -> Any:
     try:
         if is_zip:  # see NOTE: [Records checked against their checksums]
             _check_checksums(io.BytesIO(blob))
+            with zipfile.ZipFile(io.BytesIO(blob)) as z:
+                _check_inflated_size(z.infolist(), len(blob))
         value, _ = load_weights_only(io.BytesIO(blob), is_zip=is_zip)
     except Unreadable as e:
         return NotRead(str(e))
@@ -487,7 +533,12 @@ def safetensors_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                          "(pip install 'nanfast[safetensors]')") from None
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name)
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as e:  # noqa: BLE001  (one entry of a dtype torch lacks: the others are still read)
+                yield name, NotRead(f"it could not be read ({type(e).__name__}: {first_sentence(e)})")
+                continue
+            yield name, tensor
 
 
 def is_numpy(obj: Any) -> bool:

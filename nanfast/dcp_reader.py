@@ -4,8 +4,8 @@ through an unpickler that knows only DCP's own record classes, then each stored 
 
 from __future__ import annotations
 
-import collections
 import functools
+import math
 import os
 import pathlib
 import pickle
@@ -101,6 +101,7 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
         raise Unreadable(f"its {METADATA} is not a distributed checkpoint's metadata (no storage_data)")
     chunks = {fqn: len(getattr(entry, "chunks", ()) or ()) for fqn, entry in described.items()}
     placed = False  # with `only`: the metadata places an item in that file
+    unread: set[str] = set()  # the items a chunk of which was not read
     for index, where in items.items():
         if only is not None and getattr(where, "relative_path", None) != only:
             continue
@@ -111,27 +112,46 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
             yield name, NotRead(f"stored through {', '.join(map(str, where.transform_descriptors))}, which nanfast "
                                 "does not read")
             continue
-        yield name, _as_described(_item(path, where), described.get(fqn), index)
+        value = _as_described(_item(path, where), described.get(fqn), index)
+        if isinstance(value, NotRead):
+            unread.add(fqn)
+        yield name, value
     if only is not None:  # the other files hold the rest
         if not placed:
             raise Unreadable(f"the {METADATA} beside it names no item stored in {only}: nothing was checked")
         return
-    # An item described with no entry saying where its data is (a rank's entries lost in a merge) would
-    # otherwise be left out unsaid; DCP's own load fails on it.
-    stored = collections.Counter(index.fqn for index in items)
-    for fqn in described:
-        expected = max(chunks[fqn], 1)  # a non-tensor item is one entry
-        if stored[fqn] < expected:
-            yield fqn, NotRead(f"its {METADATA} describes {expected} chunk(s) of it but says where only "
-                                f"{stored[fqn]} are stored")
+    # An item or chunk described with no entry saying where its data is (a rank's entries lost in a merge)
+    # would otherwise be left out unsaid; DCP's own load fails on it. Each chunk is matched by its offsets:
+    # counted, an entry with no offset stood for the missing chunk holding a NaN (a probe, session 44).
+    stored = {(index.fqn, None if index.offset is None else tuple(index.offset)) for index in items}
+    for fqn, entry in described.items():
+        described_chunks = getattr(entry, "chunks", None) or ()
+        if not described_chunks:  # a non-tensor item: one entry
+            if not any(stored_fqn == fqn for stored_fqn, _ in stored):
+                yield fqn, NotRead(f"its {METADATA} describes it but says where no data of it is stored")
+            continue
+        for chunk in described_chunks:
+            if (fqn, tuple(chunk.offsets)) not in stored:
+                several = len(described_chunks) > 1
+                unread.add(fqn)
+                yield (f"{fqn}{list(chunk.offsets)}" if several else fqn,
+                       NotRead(f"its {METADATA} describes {'this chunk' if several else 'it'} but says where no data "
+                               "of it is stored"))
+        size = getattr(entry, "size", None)
+        if size is not None and fqn not in unread and sum(math.prod(c.sizes) for c in described_chunks) != math.prod(size):
+            yield fqn, NotRead(f"its {METADATA} describes a tensor of {math.prod(size)} elements {list(size)} in chunks "
+                               f"of {sum(math.prod(c.sizes) for c in described_chunks)} in all: some of it is stored "
+                               "nowhere, or twice")
 
 
 def _as_described(item: Any, described: Any, index: Any) -> Any:
     """A tensor chunk as the `.metadata` describes it (its chunk's sizes, its tensor's dtype), else NotRead:
     a damaged `.metadata` (a flipped bit in a size) still points at intact items, which read clean
     while DCP's own load of the checkpoint fails on them."""
-    if not isinstance(item, torch.Tensor) or index.offset is None:
+    if not isinstance(item, torch.Tensor):
         return item
+    if index.offset is None:  # DCP places each chunk of a tensor at its offsets
+        return NotRead(f"its {METADATA} stores it with no chunk offset: damaged") if getattr(described, "chunks", None) else item
     chunk = next((c for c in getattr(described, "chunks", None) or () if c.offsets == index.offset), None)
     dtype = getattr(getattr(described, "properties", None), "dtype", None)
     if chunk is None or tuple(chunk.sizes) != tuple(item.shape) or dtype != item.dtype:

@@ -6,6 +6,7 @@ unreadable, or some of its tensors not checked)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -18,7 +19,8 @@ import torch
 from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
 from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, is_torch_save,
-                                 numpy_file_arrays, require_regular_file, safetensors_tensors, torch_load)
+                                 numpy_file_arrays, openable_path, require_regular_file, safetensors_tensors,
+                                 torch_load)
 from .dcp_reader import METADATA, dcp_items, dcp_shard, is_dcp_directory
 from .pt2_archive import exported_program_items
 from .ops import reads_dtype
@@ -144,6 +146,7 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     chunk: list[tuple[str, torch.Tensor]] = []
     chunk_bytes = 0
     stand_ins: tuple[str, ...] = ()
+    opened = contextlib.ExitStack()  # the file under another name (openable_path), while it is read
     try:
         if is_dcp_directory(path):  # see NOTE: [Distributed checkpoints]
             found = _leaves(dcp_items(path))
@@ -155,14 +158,15 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             found = _leaves(dcp_items(directory, only=os.path.basename(path)))
         else:
             require_regular_file(path)
+            source = opened.enter_context(openable_path(path))
             if path.endswith(".safetensors"):
-                found = safetensors_tensors(path)
+                found = safetensors_tensors(source)
             elif path.endswith((".npy", ".npz")):
-                found = numpy_file_arrays(path)
-            elif (items := exported_program_items(path)) is not None:  # NOTE: [PT2 archives]
+                found = numpy_file_arrays(source)
+            elif (items := exported_program_items(source)) is not None:  # NOTE: [PT2 archives]
                 found = _leaves(items)
             else:
-                obj, stand_ins = torch_load(path)
+                obj, stand_ins = torch_load(source)
                 found = _leaves([("", obj)])
         seen: set[tuple] = set()  # the views read (see _view_key)
         for name, leaf in found:
@@ -204,6 +208,8 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
         return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
                                                   f"{first_sentence(e)})")
+    finally:
+        opened.close()
     report = Report(tuple(entries))
     status = ("nonfinite" if not report.ok else "incomplete" if not_checked else
               "clean" if entries else "empty")

@@ -5,6 +5,7 @@ scanned clean, or hung; none is a file a tool writes by accident."""
 from __future__ import annotations
 
 import enum
+import json
 import pickle
 import struct
 import threading
@@ -109,7 +110,7 @@ def test_a_distributed_checkpoint_item_described_but_not_stored_is_not_checked(c
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     code, out = run_scan(capsys, path)
     assert code == 2 and out.strip() == (f"{path}: 1 tensor, 3 elements checked: no NaN/inf; 1 not checked: 'w' "
-                                         "(its .metadata describes 1 chunk(s) of it but says where only 0 are stored)")
+                                         "(its .metadata describes it but says where no data of it is stored)")
 
 
 def test_a_torch_save_cut_short_anywhere_says_it_is_damaged(capsys, tmp_path):
@@ -197,3 +198,121 @@ def test_compressed_records_larger_than_the_memory_are_refused_by_name(capsys, t
     assert run_scan(capsys, stored)[0] == 0  # stored, it is mapped: no memory asked
     monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 64 << 20)
     assert run_scan(capsys, deflated)[0] == 0
+
+
+# Session 44's probe of damaged and hostile files: a TorchScript archive missing its module, a DCP chunk
+# placed with no offset or covering part of its tensor, a name that is not UTF-8, an .npz member
+# inflating past the memory, a safetensors entry of a dtype torch lacks.
+
+def _torchscript_records(tmp_path):
+    """A TorchScript archive of a module with a NaN weight, and its records as (name, bytes)."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, NAN]))
+
+        def forward(self, x):
+            return x * self.w
+
+    good = tmp_path / "good.pt"
+    torch.jit.save(torch.jit.script(Scaled()), str(good))
+    return good, [(r.filename, zipfile.ZipFile(good).read(r)) for r in zipfile.ZipFile(good).infolist()]
+
+
+def test_a_torchscript_archive_missing_its_module_or_split_over_folders_is_damaged(capsys, tmp_path):
+    """Both were scanned "no tensors in it", exit 0, the module's NaN never read; torch.jit.load fails."""
+    good, records = _torchscript_records(tmp_path)
+    assert run_scan(capsys, good)[0] == 1
+    decoy, lost = tmp_path / "decoy.pt", tmp_path / "lost.pt"
+    with zipfile.ZipFile(decoy, "w") as z:
+        z.writestr("decoy/version", b"3\n")
+        for name, data in records:
+            z.writestr(name, data)
+    with zipfile.ZipFile(lost, "w") as z:
+        for name, data in records:
+            if not name.endswith("/data.pkl"):
+                z.writestr(name, data)
+    code, out = run_scan(capsys, decoy)
+    assert code == 2 and "records lie in 2 folders (decoy, good)" in out
+    code, out = run_scan(capsys, lost)
+    assert code == 2 and "without its module's record (data.pkl)" in out
+
+
+def _dcp_of_two_chunks(tmp_path, name, offsets, storage):
+    """A DCP checkpoint of one tensor 'w' of 8 elements described in chunks of 4 at `offsets`, its data
+    where `storage` ((offset or None) per entry) says: the first entry's file holds [1, 2, 3, 4], the
+    second's [5, nan, 7, 8]."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    path = tmp_path / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP says it saves as a single process
+        dcp.save({"a": torch.tensor([1.0, 2.0, 3.0, 4.0]), "b": torch.tensor([5.0, NAN, 7.0, 8.0])},
+                 checkpoint_id=str(path))
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # ours: written just above
+    where = {index.fqn: place for index, place in metadata.storage_data.items()}
+    changed = copy.deepcopy(metadata)
+    changed.state_dict_metadata = {"w": TensorStorageMetadata(
+        properties=metadata.state_dict_metadata["a"].properties, size=torch.Size([8]),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([4])) for o in offsets])}
+    changed.storage_data = {MetadataIndex("w", None if o is None else torch.Size([o]), i): where["ab"[i]]
+                            for i, o in enumerate(storage)}
+    (path / ".metadata").write_bytes(pickle.dumps(changed))
+    return path
+
+
+def test_distributed_chunks_are_matched_by_offset_and_must_cover_their_tensor(capsys, tmp_path):
+    """An entry with no offset counted for the chunk at [4] holding the NaN: "clean", exit 0, while DCP's
+    load fails; chunks covering half the tensor were "clean" too, and DCP's load leaves the rest as it was."""
+    assert run_scan(capsys, _dcp_of_two_chunks(tmp_path, "whole", [0, 4], [0, 4]))[0] == 1
+    code, out = run_scan(capsys, _dcp_of_two_chunks(tmp_path, "no_offset", [0, 4], [0, None]))
+    assert code == 2 and "'w' (its .metadata stores it with no chunk offset: damaged)" in out
+    assert "'w[4]' (its .metadata describes this chunk but says where no data of it is stored)" in out
+    code, out = run_scan(capsys, _dcp_of_two_chunks(tmp_path, "half", [0], [0]))
+    assert code == 2 and "'w' (its .metadata describes a tensor of 8 elements [8] in chunks of 4 in all" in out
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_checkpoint_whose_name_is_not_utf8_is_read(tmp_path, suffix):
+    """torch's zip reader and safetensors take UTF-8 paths only: a healthy file so named (legal on Linux)
+    was "damaged or truncated", its NaN unreported."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from nanfast import scan
+
+    written = tmp_path / f"plain{suffix}"
+    tensors = {"w": torch.tensor([1.0, NAN])}
+    torch.save(tensors, written) if suffix == ".pt" else save_file(tensors, written)
+    path = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xffname" + suffix.encode())
+    os.replace(written, path)
+    result = scan.scan_file(path)
+    assert result.status == "nonfinite" and [e.name for e in result.report.bad] == ["w"]
+
+
+def test_an_npz_member_inflating_past_the_memory_is_not_read_and_its_siblings_are(capsys, tmp_path, monkeypatch):
+    """Members are read whole: a 14 MB file inflating to 3.7 GB was read (the memory is made small here)."""
+    from nanfast import checkpoint_readers
+
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, zeros=np.zeros(2_000_000, dtype=np.float32), bad=np.array([NAN], dtype=np.float32))
+    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 4 << 20)
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "'zeros' (it inflates to 8 MiB, more than the 4 MiB of memory available)" in out
+    assert "1 of them hold non-finite values" in out
+
+
+def test_a_safetensors_entry_torch_cannot_read_is_named_and_the_others_are_checked(capsys, tmp_path):
+    """One entry of a dtype torch lacks made the whole file unreadable, unnamed, and the NaN beside it
+    went unreported."""
+    header = json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                         "b": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [4, 7]}}).encode()
+    path = tmp_path / "mixed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<f", NAN) + b"\0\0\0")
+    code, out = run_scan(capsys, path)
+    assert code == 2 and "1 not checked: 'b' (it could not be read (SafetensorError: Dtype not understood" in out
+    assert "a     (1,)   float32    1" in out
