@@ -3,6 +3,7 @@ forward again inside backward, to rebuild the activations it did not keep."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,14 @@ UNPACK = "unpack"
 # recomputed region pushes its forward ones): the innermost hooks are that module's. With
 # use_reentrant=True it runs in the backward of CheckpointFunction. Neither is a public API: on a torch
 # that changes them, a recomputation is taken for backward (locate) or a second call (watch).
+# Those hooks are innermost too while a backward with create_graph=True runs inside the checkpointed
+# forward (a gradient penalty in a checkpointed block), in the forward and again in its recomputation:
+# its ops were taken for a recomputation, judged op by op, and a healthy step raised (a probe, session
+# 44). So an op is a recomputation only when, going up the stack, an unpack hook of torch.utils.checkpoint
+# (which the recomputation runs in) comes before a run of the autograd engine (which a backward inside
+# it runs in).
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
+_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -35,8 +43,14 @@ def recomputation_in(node: Any) -> Optional[str]:
     if type(node).__name__ == _REENTRANT_NODE:
         return REENTRANT
     hooks = _top_hooks(False) if _top_hooks is not None else None
-    if hooks is not None and getattr(hooks[1], "__module__", None) == _CHECKPOINT_MODULE:
-        return UNPACK
+    if hooks is None or getattr(hooks[1], "__module__", None) != _CHECKPOINT_MODULE:
+        return None
+    checkpoint_file = hooks[1].__code__.co_filename
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _ENGINE_RUN:
+        if frame.f_code.co_name == "unpack_hook" and frame.f_code.co_filename == checkpoint_file:
+            return UNPACK
+        frame = frame.f_back
     return None
 
 

@@ -111,3 +111,26 @@ def test_a_skip_leaves_the_models_buffers_when_functional_call_swapped_in_others
                 assert _differ(domain_before, domain) == []  # the caller's statistics put back
         for name, buffer in model.named_buffers():
             assert buffer is own[name][0] and torch.equal(buffer, own[name][1])
+
+
+def test_rollback_snapshots_the_sparse_momentum_of_a_sparse_embedding():
+    """SGD's momentum for a sparse gradient is a sparse tensor: the snapshot copied it into a dense twin,
+    and a healthy run crashed at its first snapshot with optimizer state."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.01, momentum=0.9)
+    with nanfast.watch(emb, opt, action="rollback", rollback_every=1) as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rollback's own
+        for step in range(4):
+            if step == 2:  # the state the last snapshot holds, as step 2 began
+                weight = emb.weight.detach().clone()
+                momentum = opt.state[emb.weight]["momentum_buffer"].to_dense()
+            if step == 3:
+                with torch.no_grad():
+                    emb.weight[0, 0] = NAN
+            opt.zero_grad()
+            emb(torch.tensor([1, 2, 3])).sum().backward()
+            opt.step()
+        assert w.last_rollback == (3, 2) and w.events[-1].kind == "nonfinite"
+        assert torch.equal(emb.weight, weight)
+        assert torch.equal(opt.state[emb.weight]["momentum_buffer"].to_dense(), momentum)

@@ -24,7 +24,11 @@ __all__ = ["NodeVerdicts"]
 # inf weight's NaN weight gradient). And it could not be asked reliably: the hook is added while the
 # node runs, and torch hands such a hook the node's incoming gradients only if the node had a post hook
 # before it ran, so the verdict depended on unrelated hooks (a user's on the same node silenced it).
-_JUDGED_PER_OP = frozenset(("AccumulateGrad",))
+# BackwardHookFunctionBackward passes gradients through unchanged: it exists to run a module's backward
+# hooks and pre-hooks (register_full_backward_hook), as its post hooks, where a hook added while they run
+# is never called: a NaN a user's hook made was held forever, then noted as masked (a probe, session 44).
+# Every op under it is a hook's: judged per op too.
+_JUDGED_PER_OP = frozenset(("AccumulateGrad", "BackwardHookFunctionBackward"))
 
 
 class NodeVerdicts:

@@ -174,7 +174,7 @@ def validate(model: Any, optimizer: Any, action: Union[str, Callable], every: An
         if sync == "lagged" and not skip_on_device:
             raise ValueError(
                 f"nanfast.watch: action={action!r} with sync='lagged' needs an optimizer that skips on the device "
-                f"(fused=True Adam, AdamW or SGD); {type(optimizer).__name__} needs the host's verdict before "
+                f"(fused=True Adam, AdamW, SGD or Adagrad); {type(optimizer).__name__} needs the host's verdict before "
                 "its step: use sync='eager'")
     return skip_on_device
 

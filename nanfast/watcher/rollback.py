@@ -180,10 +180,10 @@ class Rollback:
                 continue
             items = []
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and value.layout == torch.strided:
                     items.append((key, len(sources), None))
                     sources.append(value)
-                else:
+                else:  # a sparse one too (SGD's momentum for a sparse gradient): a twin holds dense tensors
                     items.append((key, -1, copy.deepcopy(value)))
             state.append(items)
         sources += [t for _, _, t in buffers]
