@@ -86,7 +86,7 @@ class StepEnd:
             if fused is None or not fused.grads:
                 return torch.zeros(())
             n = fused.n_params
-            total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type)
+            total = total_norm([fused.norm[n:]], [fused.absmax[n:]], norm_type, fused.grads)
             scale_grads_(fused.grads, total, max_norm)
         self._step.clipped = fused  # counts are unchanged by a finite scale <= 1; norms are those before clipping
         self._step.clipped_versions = tuple(g._version for g in fused.grads)
@@ -100,8 +100,10 @@ class StepEnd:
         if clipped is None:
             return None
         _, _, grads, _ = self._gathered()
+        # A sparse gradient is gathered as its values, a new view at each gather: the same view's memory.
         if len(grads) == len(clipped.grads) and all(
-                g is c and g._version == v for g, c, v in zip(grads, clipped.grads, self._step.clipped_versions)):
+                (g is c or (g.data_ptr() == c.data_ptr() and g.shape == c.shape and g.dtype == c.dtype))
+                and g._version == v for g, c, v in zip(grads, clipped.grads, self._step.clipped_versions)):
             return clipped
         return None
 
