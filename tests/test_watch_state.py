@@ -604,8 +604,9 @@ def test_a_validation_loss_with_nothing_to_check_makes_no_read_of_its_own(checke
 def test_an_optimizer_made_after_watch_is_named_once_and_a_perturbed_forward_is_not():
     """A loop that rebuilt its optimizer after watch() (a common step after unfreezing layers) stepped one
     the watch did not hook: no step ended, a NaN batch later went unreported and made the parameters NaN,
-    and nothing was said for 1024 forwards. SAM-style steps (perturb the weights once, forward again,
-    restore, step) and gradient accumulation change nothing between forwards more than once a step."""
+    and nothing was said for 1024 forwards. SAM-style steps (perturb the weights, forward again, restore,
+    step), with gradient accumulation too, change them between forwards, and their steps end: they
+    warned from two microbatches a step (a probe, session 44)."""
     torch.manual_seed(0)
     model = MLP()
     watched = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -614,17 +615,18 @@ def test_an_optimizer_made_after_watch_is_named_once_and_a_perturbed_forward_is_
         warnings.simplefilter("always")
         for s in range(4):  # SAM: ascend, forward and backward again at the perturbed weights, restore, step
             watched.zero_grad()
-            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p += 1e-2 * p.grad
-            F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 1e-2 * p.grad
+            for k in range(1 + s % 3):  # microbatches
+                F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p += 1e-2 * p.grad
+                F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 1e-2 * p.grad
             watched.step()
         rebuilt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        for s in range(6):
+        for s in range(forwards.UNSEEN_AFTER + 2):
             rebuilt.zero_grad()
             F.mse_loss(model(batch(seed=s)[0]), batch(seed=s)[1]).backward()
             rebuilt.step()
@@ -783,3 +785,34 @@ def test_the_watchs_warnings_point_at_the_loops_line():
     [skipped] = [c for c in caught if "skipped the optimizer step" in str(c.message)]
     assert skipped.filename == __file__ and skipped.category is RuntimeWarning
     w.remove()
+
+
+def test_a_batch_the_loop_abandons_ends_its_step_with_w_step():
+    """A loop's own NaN-loss guard (`continue` before backward and step) left the abandoned forward in the
+    step, and the skip at the next, healthy batch's optimizer.step() dropped that batch too (a probe,
+    session 44). w.step() in the guard ends the abandoned step: the run is as if the batch never came."""
+    def run(batches, watch):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with (nanfast.watch(model, opt, action="skip") if watch else warnings.catch_warnings()) as w:
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for x, y in batches:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                if not torch.isfinite(loss):
+                    w.step()
+                    continue
+                loss.backward()
+                opt.step()
+            events = [(e.step, e.first.phase) for e in w.events] if watch else None
+        return model.state_dict(), opt.state_dict()["state"], events
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(5)]
+    batches[2][0][0, 0] = float("nan")
+    model, state, events = run(batches, watch=True)
+    ref_model, ref_state, _ = run(batches[:2] + batches[3:], watch=False)
+    assert events == [(2, "input")]
+    assert all(torch.equal(model[k], ref_model[k]) for k in ref_model)
+    assert all(torch.equal(state[i][k], ref_state[i][k]) for i in ref_state for k in ref_state[i])

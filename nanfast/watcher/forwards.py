@@ -33,11 +33,14 @@ MAX_FORWARDS_PER_STEP = 1024
 # NOTE: [An optimizer the watch no longer sees]
 # With an optimizer, a step ends at its step(). A loop that builds a new optimizer after watch()
 # (common when unfreezing layers) steps one the watch does not hook: no step ends, nothing is read,
-# and every fault goes unreported. A step can legitimately change its parameters in place between two
-# of its forwards once (SAM and adversarial weight perturbation: perturb, forward again, restore, then
-# step), never at every forward; so the second forward with gradients in one step that finds them
-# updated again since the previous one warns (once). Reading nothing it cannot read in a hook, the
-# watch only says so; its records are dropped at MAX_FORWARDS_PER_STEP as above.
+# and every fault goes unreported. A step can legitimately change its parameters in place between its
+# forwards (SAM and adversarial weight perturbation: perturb, forward again, restore, then step; with
+# gradient accumulation, at every microbatch: a warning at the second change was false there, a probe,
+# session 44), but its steps end. So a step that found the parameters changed between its forwards at
+# least twice warns (once) only when it has gone on for more forwards with gradients than twice the
+# longest step that ended, and than UNSEEN_AFTER. Reading nothing it cannot read in a hook, the watch
+# only says so; its records are dropped at MAX_FORWARDS_PER_STEP as above.
+UNSEEN_AFTER = 16
 UNSEEN_OPTIMIZER = ("nanfast.watch: the parameters were updated in place between forwards {updates} times "
                     "without optimizer.step() of the optimizer given to watch(), so no step has ended: is another "
                     "optimizer stepping them (one made after watch())? Watch that one instead (w.remove(); "
@@ -112,6 +115,7 @@ class StepState:
         self.ended_by_user = False  # w.step() was called at least once
         self._versions = 0
         self._updates = 0  # forwards of this step that found the parameters updated since the previous one
+        self._longest = 0  # the most forwards with gradients of a step that ended
         self._warned = False
         self._warned_unseen = False
         self._warned_outside = False
@@ -120,6 +124,7 @@ class StepState:
         """The step ended (or was dropped)."""
         self.forward = self.last = None
         self.training = False
+        self._longest = max(self._longest, self.grad_forwards)
         self.grad_forwards = 0
         self._updates = 0
 
@@ -207,14 +212,15 @@ class StepState:
 
     def _note_updates(self) -> None:
         """A forward with gradients after the step's first, with an optimizer: counts an in-place update of
-        the parameters since the previous one, and warns at the second (NOTE: [An optimizer the watch no
-        longer sees])."""
+        the parameters since the previous one, and warns once the step is long (NOTE: [An optimizer the
+        watch no longer sees])."""
         versions = self._version_sum()
         if versions == self._versions:
             return
         self._versions = versions
         self._updates += 1
-        if self._updates >= 2 and not self._warned_unseen:
+        if (self._updates >= 2 and self.grad_forwards > max(UNSEEN_AFTER, 2 * self._longest)
+                and not self._warned_unseen):
             self._warned_unseen = True
             warnings.warn(UNSEEN_OPTIMIZER.format(updates=self._updates), UserWarning, stacklevel=user_stacklevel())
 

@@ -30,8 +30,10 @@ class StepEnd:
         self._steps.reset()
 
     def step(self) -> None:
-        """Ends the step in a loop without an optimizer: checks parameters and gradients and reads the
-        step's results. (With an optimizer, optimizer.step() does this.)"""
+        """Ends the step: checks parameters and gradients and reads the step's results. In a loop without
+        an optimizer, at every step; with one (whose step() does this), where the loop abandons a batch
+        itself before optimizer.step() (its own NaN-loss guard), so that the next batch's step does not
+        hold that forward's checks (see docs/watch.md, "Where a step begins and ends")."""
         self._steps.ended_by_user = True
         self._end_step()
 
