@@ -243,7 +243,7 @@ def test_skip_adds_no_host_read_and_copies_only_the_buffers():
 
 class CountsLargeBatches(torch.nn.Module):
     """Changes an integer buffer in place only for batches of more than 6 rows (one too large to be
-    copied at every step: a small one is, see the next test)."""
+    copied at every step: a small one is, see the test above)."""
 
     def __init__(self):
         super().__init__()
