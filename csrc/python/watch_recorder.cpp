@@ -9,6 +9,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace nanfast::python {
 
@@ -111,11 +112,23 @@ void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t
 void WatchRecorder::hook_grads(py::handle tensors, int64_t slot) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
   for (const at::Tensor& t : inputs.list()) {
-    const NodePtr& node = t.grad_fn();
+    // NOTE: [A leaf's gradient]
+    // A tensor made by no op has no grad_fn: its gradient arrives at its grad accumulator, whose pre-hook
+    // sees it. Activation checkpointing with use_reentrant=True hands the checkpointed block its inputs
+    // as such leaves, detached: the gradient out of the block's first module went unchecked, and a fault
+    // there was named at a parameter's gradient further on (a probe, session 44).
+    NodePtr node = t.grad_fn();
+    uint32_t output_nr = t.output_nr();
     if (!node) {
-      continue;
+      if (!t.requires_grad()) {
+        continue;
+      }
+      node = torch::autograd::impl::grad_accumulator(t);
+      output_nr = 0;
+      if (!node) {
+        continue;
+      }
     }
-    const uint32_t output_nr = t.output_nr();
     const auto [it, added] = hooked_.try_emplace(Key{node.get(), output_nr});
     if (!added) {
       it->second.slot->id = slot;

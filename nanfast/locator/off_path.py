@@ -4,13 +4,29 @@ was made."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["OffPath", "OffPathFindings"]
+
+_REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside activation checkpointing's first forward with use_reentrant=True
+    (CheckpointFunction.forward, which runs the block under no_grad). Walks frames: called per finding."""
+    code = getattr(_REENTRANT_FORWARD, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 # NOTE: [off the gradient path]
 # Models compute values on the side of the gradient path that hold inf by design and are thrown away:
@@ -72,9 +88,12 @@ class OffPathFindings:
     def holds(self, kind: str, phase: str, on_path: bool) -> bool:
         """Whether a finding is held: a forward producer or scalar off the gradient path of a region that
         has one (an op reading a tensor that requires grad ran, in grad mode; this op, in grad mode too,
-        reads none)."""
-        return (phase == "forward" and kind in ("producer", "scalar") and self.graph_seen and not on_path
-                and torch.is_grad_enabled())  # an optimizer's update (no_grad) is reported at its op
+        reads none). A forward that activation checkpointing runs again in backward ("recompute"), or
+        runs first under no_grad (use_reentrant=True), is such a forward too: T5's relative-position
+        log(0), held without checkpointing, stopped every checkpointed T5 step (a probe, session 44)."""
+        return (phase in ("forward", "recompute") and kind in ("producer", "scalar") and self.graph_seen
+                and not on_path  # an optimizer's update (no_grad) is reported at its op
+                and (torch.is_grad_enabled() or _in_reentrant_checkpoint()))
 
     def hold(self, item: Any) -> OffPath:
         held = OffPath(item)
