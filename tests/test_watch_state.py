@@ -816,3 +816,26 @@ def test_a_batch_the_loop_abandons_ends_its_step_with_w_step():
     assert events == [(2, "input")]
     assert all(torch.equal(model[k], ref_model[k]) for k in ref_model)
     assert all(torch.equal(state[i][k], ref_state[i][k]) for i in ref_state for k in ref_state[i])
+
+
+def test_a_last_evaluation_through_a_submodule_is_read_when_the_watch_ends():
+    """A trainer's last validation calling a submodule (self.net(x)) is read at the next forward or step
+    end, and at the end of training none comes: its dirty batch was never reported (a probe of Lightning,
+    session 44). flush(), which the `with` block's end and the callbacks call, reads it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, nanfast.watch(model, opt, action="warn") as w:
+        warnings.simplefilter("always")
+        for s in range(2):
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(8, 4)), torch.zeros(8, 1)).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            x = torch.randn(2, 4)
+            x[0, 0] = float("nan")
+            model[0](x)  # the validation loop calls a submodule
+        assert w.events == []  # not yet: read when the watch ends
+    assert [(e.step, e.evaluation, e.first.name) for e in w.events] == [(2, True, "0")]
+    assert any("an evaluation" in str(c.message) for c in caught)

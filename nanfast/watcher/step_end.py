@@ -46,10 +46,15 @@ class StepEnd:
             self._end_step(scaler_skipped=True)
 
     def flush(self) -> None:
-        """Reads the results still pending in a lagged watch now (one host sync) and acts on them."""
+        """Reads the results still pending now and acts on them: a lagged watch's last step (one host
+        sync), then the checks of submodules an evaluation ran outside the model's forward, read at the
+        next forward otherwise (a trainer's last validation calls self.net(x): its dirty batch was never
+        reported, a probe, session 44)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._evaluate(pending)
+        if self._outside_evaluation is not None:
+            self._end_outside_evaluation()
 
     def _record_pending(self) -> None:
         """Keeps the step still pending in a lagged watch in the events and the timeline without acting on
