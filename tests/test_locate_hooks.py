@@ -52,3 +52,63 @@ def test_a_gradient_penalty_inside_activation_checkpointing_is_judged_as_backwar
     with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():
         run(lambda x: _penalized(lin, x), x).backward()
     assert "SqrtBackward0" in str(raised.value.report.node)
+
+
+# Session 44's probe of locate's resource use: copies kept for held findings, fake tensors.
+
+def test_held_findings_keep_one_copy_of_their_inputs_for_a_dump(tmp_path):
+    """With dump=, each forward inf held off the gradient path kept a copy of its op's inputs until the
+    region ended (100 x 4 MB), and a value kept past the region kept its copy through its storage."""
+    import gc
+    import warnings
+
+    def copies():
+        gc.collect()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # isinstance() on torch.distributed's deprecated names
+            return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == 100_000)
+
+    w = torch.randn(4, requires_grad=True)
+    with nanfast.locate(action="record", dump=str(tmp_path / "first.pt")) as region:
+        (w * 2).sum()  # the region has a gradient path
+        for _ in range(20):
+            torch.log(torch.zeros(100_000))  # off the gradient path and dropped: held, then a note
+        assert copies() <= 1
+        kept = torch.log(torch.zeros(100_000))  # alive at the region's end: reported
+    assert len(region.findings) == 1 and len(region.masked) == 20
+    del region
+    assert copies() == 1  # `kept` alone, not a copy of its op's inputs
+    del kept
+
+
+def test_fake_tensors_run_unchecked_inside_a_region():
+    """FakeTensor hands an op back to the modes, and locate returned NotImplemented for it: shape
+    inference under FakeTensorMode raised inside a region."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with nanfast.locate():
+        with FakeTensorMode():
+            assert (torch.randn(8, 16) @ torch.randn(16, 4)).log().shape == (8, 4)
+    with FakeTensorMode():
+        a, w = torch.randn(8, 16), torch.randn(16, 4)
+        with nanfast.locate():
+            assert (a @ w).relu().shape == (8, 4)
+    with pytest.raises(nanfast.NonFiniteError, match="aten.log"), nanfast.locate():
+        torch.zeros(3).log()  # real tensors are still checked
+
+
+def test_finite_min_max_and_absmax_are_of_the_finite_values():
+    """Reductions instead of a boolean index (a copy and an 8-byte index per element: 7x a 256 MB input
+    for one finding); the values are those of a float64 reference."""
+    from nanfast.locator.values import finite_absmax, finite_min_max
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        t = (torch.randn(1000) * 100).to(dtype)
+        t[::7], t[3], t[5] = float("nan"), float("inf"), -float("inf")
+        finite = t.double()[torch.isfinite(t)]
+        assert finite_min_max(t) == (finite.min().item(), finite.max().item())
+        assert finite_absmax(t) == finite.abs().max().item()
+    assert finite_min_max(torch.full((3,), float("nan"))) == (None, None)
+    assert finite_absmax(torch.full((3,), float("inf"))) is None
+    assert finite_min_max(torch.tensor([3, -2, 7])) == (-2, 7)

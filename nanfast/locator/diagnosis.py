@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from .values import finite_absmax, finite_min_max
+
 __all__ = ["DIAGNOSES", "diagnose"]
 
 Args = dict[str, Any]  # the op's arguments by schema name, tensors as the op read them
@@ -133,9 +135,9 @@ def _overflow(name: str) -> Callable:
             value = args.get(key)
             t = _tensor(args, key)
             if t is not None and not t.is_complex() and t.numel():
-                finite = t[torch.isfinite(t)]
-                if finite.numel():
-                    operands.append(f"`{key}` max |x| {finite.abs().max().item():.6g}")
+                largest = finite_absmax(t)
+                if largest is not None:
+                    operands.append(f"`{key}` max |x| {largest:.6g}")
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 operands.append(f"`{key}` {value:.6g}")
         inf = _count(torch.isinf(out))
@@ -153,10 +155,10 @@ def _exp_overflow(log_of_base: float) -> Callable:
         if x is None or not x.is_floating_point() or not outputs:
             return None
         limit = math.log(torch.finfo(outputs[0].dtype).max) / log_of_base
-        finite = x[torch.isfinite(x)]
-        if finite.numel() == 0 or finite.max().item() <= limit:
+        largest = finite_min_max(x)[1]
+        if largest is None or largest <= limit:
             return None
-        return (f"exp overflow: the largest input {finite.max().item():.6g} exceeds "
+        return (f"exp overflow: the largest input {largest:.6g} exceeds "
                 f"{limit:.6g}, the largest whose exp {outputs[0].dtype} holds")
 
     return diagnose_exp

@@ -14,7 +14,7 @@ from .provenance import _OUTSIDE, Provenance
 from .replay import _repro
 from .schema import _OpInfo
 from .source import SourceLine
-from .values import _at_dtype_limit, _counts, _dense, _finite_min_max, _scalar_nonfinite, _scalar_text, _values
+from .values import _at_dtype_limit, _counts, _dense, _scalar_nonfinite, _scalar_text, _values, finite_min_max
 
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
@@ -100,7 +100,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         reason = f"first op to consume NaN that no op under locate produced (input {names})"
 
     def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], record: Optional[tuple]) -> TensorInfo:
-        lo, hi = _finite_min_max(t)
+        lo, hi = finite_min_max(t)
         prod = record[1] if record is not None and record[1] is not _OUTSIDE else None
         return TensorInfo(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), *counts,
                           lo, hi, prod, record is not None and record[2])

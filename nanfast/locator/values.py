@@ -75,16 +75,28 @@ def _counts(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
     return rows
 
 
-def _finite_min_max(t: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
+def finite_min_max(t: torch.Tensor) -> tuple[Optional[float], Optional[float]]:
+    """The smallest and largest finite values of `t` (None, None for none, a complex or non-strided
+    tensor). Reductions over `t` with the non-finite values replaced, no copy of the finite ones: a
+    boolean index built an index list of 8 bytes per element and a copy, 7x a 256 MB input and 6 s for
+    one finding (a probe, session 44)."""
     if t.is_complex() or t.numel() == 0 or t.layout != torch.strided or t.is_meta:
         return None, None
     if t.dtype == torch.bool or t.element_size() == 1 and t.is_floating_point():  # float8: no aminmax kernel
         t = t.to(torch.float32 if t.is_floating_point() else torch.uint8)
-    values = t[torch.isfinite(t)] if t.is_floating_point() else t.reshape(-1)
-    if values.numel() == 0:
+    if not t.is_floating_point():
+        lo, hi = torch.aminmax(t)
+        return float(lo), float(hi)
+    finite = torch.isfinite(t)
+    if not bool(finite.any()):
         return None, None
-    lo, hi = torch.aminmax(values)
-    return float(lo), float(hi)
+    return float(torch.where(finite, t, math.inf).amin()), float(torch.where(finite, t, -math.inf).amax())
+
+
+def finite_absmax(t: torch.Tensor) -> Optional[float]:
+    """The largest |x| of the finite values of a real tensor `t` (one fused pass, no copy); None for none."""
+    counts, _, absmax = _stats_op([t])
+    return None if int(counts.sum()) >= t.numel() else float(absmax[0])
 
 
 def _scalar_text(value: Any) -> Optional[str]:
