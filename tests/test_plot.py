@@ -324,3 +324,20 @@ def test_a_value_with_no_finite_neighbour_is_drawn_as_a_dot(tmp_path):
 
     assert dots(loss) == [1.0, 6.0, 11.0, 16.0]
     assert dots(headroom) == [pytest.approx(5.0)] * 10  # percent of the largest finite value
+
+
+def test_damaged_or_extreme_files_are_refused_by_name_not_a_traceback(tmp_path, capsys):
+    """Session 44's probe: a record cut off before any whole one was "not JSON" (not said to be cut
+    off); an integer past float64's range and losses of +-1e308 (the axes' span overflows) were tracebacks
+    with exit 1."""
+    path = tmp_path / "run.jsonl"
+    header = json.dumps({"nanfast": "0.1.0"}) + "\n"
+    path.write_text(header + '{"step": 0, "loss": 0.7, "losses": {"lo')
+    assert cli.main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "no per-step records" in capsys.readouterr().err
+    path.write_text(header + '{"step": 0, "loss": 1' + "0" * 400 + "}\n")
+    assert cli.main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "'loss' is a number past float64's range" in capsys.readouterr().err
+    path.write_text(header + '{"step": 0, "loss": 1e308}\n{"step": 1, "loss": -1e308}\n')
+    assert cli.main(["plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
+    assert "cannot draw it" in capsys.readouterr().err

@@ -77,3 +77,30 @@ def test_two_watches_cannot_stream_into_one_file(tmp_path):
     first.remove()  # its file is free again
     _, _, second = setup(log_to=path)
     second.remove()
+
+
+# Session 44's probe of the timeline's files.
+
+def test_save_onto_a_file_a_stream_is_writing_is_refused(tmp_path):
+    """save() truncated the file under the stream, which wrote on at its offset: NUL bytes, and a file
+    plot refused."""
+    path = tmp_path / "run.jsonl"
+    model, opt, w = setup(log_to=path, history=2)
+    steps(model, opt, 4)
+    with pytest.raises(ValueError, match="a log_to stream of this process is writing that file"):
+        w.save(str(tmp_path / "." / "run.jsonl"))
+    steps(model, opt, 2)
+    w.remove()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 7 and all(json.loads(line) for line in lines)  # the header and 6 records, whole
+
+
+@pytest.mark.parametrize("bad", ["missing/run.jsonl", "a_directory"])
+def test_a_bad_log_to_entry_leaves_the_files_before_it_as_they_were(tmp_path, bad):
+    """Each entry was opened, truncating it, before a later one failed: a previous run's file was lost."""
+    previous = tmp_path / "previous.jsonl"
+    previous.write_text('{"nanfast": "0.1.0"}\n{"step": 0, "loss": 1.0}\n')
+    (tmp_path / "a_directory").mkdir()
+    with pytest.raises(OSError):
+        setup(log_to=[previous, tmp_path / bad])
+    assert previous.read_text() == '{"nanfast": "0.1.0"}\n{"step": 0, "loss": 1.0}\n'

@@ -248,13 +248,17 @@ def run(args: argparse.Namespace) -> int:
         timeline = read_timeline(args.path, parse_steps(args.steps) if args.steps else (None, None))
     except TimelineError as e:
         return _fail(str(e))
-    fig = figure(timeline, args.title)
+    fig = None
     try:
+        fig = figure(timeline, args.title)
         fig.savefig(output, dpi=120)
     except OSError as e:
         return _fail(f"{output}: cannot write ({e.strerror or e})")
+    except (ValueError, OverflowError) as e:  # finite values near float64's largest: an axis' span overflows
+        return _fail(f"{args.path}: cannot draw it: {e} (values near float64's largest, {sys.float_info.max:.3g}?)")
     finally:
-        plt.close(fig)
+        if fig is not None:
+            plt.close(fig)
     print(f"{output}: {_counts(timeline)}")
     return 0
 

@@ -81,7 +81,10 @@ def _number(record: dict, key: str, where: str) -> Optional[float]:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TimelineError(f"{where}: {key!r} must be a number or null, not {_short(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float64's range (a file written by hand)
+        raise TimelineError(f"{where}: {key!r} is a number past float64's range, {_short(value)}") from None
 
 
 def _short(value: Any) -> str:
@@ -140,7 +143,7 @@ def read_timeline(path: str, steps: tuple[Optional[int], Optional[int]] = (None,
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    if not line.endswith("\n") and timeline.steps:  # the last line, cut off mid-write
+                    if not line.endswith("\n") and (timeline.steps or timeline.header):  # the last line, cut off mid-write
                         timeline.cut_off = True
                         break
                     raise TimelineError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None

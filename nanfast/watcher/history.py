@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import errno
 import json
 import math
 import os
@@ -138,7 +139,9 @@ class _Stream:
 
     @staticmethod
     def refuse_taken(paths: list) -> None:
-        """Raises ValueError if a file of `paths` is written by a stream of this process, or named twice."""
+        """Raises ValueError if a file of `paths` is written by a stream of this process, or named twice,
+        and what open() would raise if one is a directory or lies in none: before any is opened, so a bad
+        second entry leaves the first file as it was (it was truncated: a probe, session 44)."""
         seen: set[str] = set()
         for path in paths:
             real = os.path.realpath(path)
@@ -146,6 +149,10 @@ class _Stream:
                 raise ValueError(f"nanfast.watch: log_to {os.fspath(path)!r} is already written by another watch in "
                                  "this process (or named twice); give each watch its own file (or remove() the other "
                                  "watch first)")
+            if os.path.isdir(real):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+            if not os.path.isdir(os.path.dirname(real)):
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
             seen.add(real)
 
     def __init__(self, path: Union[str, os.PathLike], first: dict):
@@ -240,6 +247,9 @@ class Timeline:
         return list(kept)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
+        if os.path.realpath(path) in _Stream._open:  # truncated under the stream, which wrote on at its offset
+            raise ValueError(f"nanfast.watch: save({os.fspath(path)!r}): a log_to stream of this process is writing "
+                             "that file (it holds every record already); save to another path")
         with open(path, "w", encoding="utf-8") as f:
             f.write(_line(header(*self._header)))
             f.writelines(_line(rec.to_dict()) for rec in self.records)
