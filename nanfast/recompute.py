@@ -1,5 +1,6 @@
 """Whether the op or module running now is activation checkpointing (torch.utils.checkpoint) running a
-forward again inside backward, to rebuild the activations it did not keep."""
+forward again inside backward, to rebuild the activations it did not keep, or running it the first time
+under no_grad (use_reentrant=True)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import sys
 from typing import Any, Optional
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["REENTRANT", "UNPACK", "recomputation", "recomputation_in"]
+from ._stack import frames_up
+
+__all__ = ["REENTRANT", "UNPACK", "in_reentrant_first_forward", "recomputation", "recomputation_in"]
 
 # The two ways torch.utils.checkpoint recomputes.
 # use_reentrant=True: in CheckpointFunction's backward; backward then flows through the graph it builds.
@@ -32,6 +36,7 @@ UNPACK = "unpack"
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 _ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
+_REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
@@ -46,11 +51,11 @@ def recomputation_in(node: Any) -> Optional[str]:
     if hooks is None or getattr(hooks[1], "__module__", None) != _CHECKPOINT_MODULE:
         return None
     checkpoint_file = hooks[1].__code__.co_filename
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _ENGINE_RUN:
+    for frame in frames_up(sys._getframe(1)):
+        if frame.f_code is _ENGINE_RUN:
+            break
         if frame.f_code.co_name == "unpack_hook" and frame.f_code.co_filename == checkpoint_file:
             return UNPACK
-        frame = frame.f_back
     return None
 
 
@@ -59,3 +64,10 @@ def recomputation() -> Optional[str]:
     else None (one C call when not in backward)."""
     node = torch._C._current_autograd_node()
     return None if node is None else recomputation_in(node)
+
+
+def in_reentrant_first_forward() -> bool:
+    """Whether the caller runs inside activation checkpointing's first forward with use_reentrant=True
+    (CheckpointFunction.forward, which runs the block under no_grad). Walks the stack: for rare calls."""
+    code = getattr(_REENTRANT_FORWARD, "__code__", None)
+    return code is not None and any(frame.f_code is code for frame in frames_up(sys._getframe(1)))

@@ -4,29 +4,15 @@ was made."""
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.utils.checkpoint
+
+from ..recompute import in_reentrant_first_forward
 
 __all__ = ["OffPath", "OffPathFindings"]
-
-_REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
-
-
-def _in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside activation checkpointing's first forward with use_reentrant=True
-    (CheckpointFunction.forward, which runs the block under no_grad). Walks frames: called per finding."""
-    code = getattr(_REENTRANT_FORWARD, "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None and code is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
 
 # NOTE: [off the gradient path]
 # Models compute values on the side of the gradient path that hold inf by design and are thrown away:
@@ -94,7 +80,7 @@ class OffPathFindings:
         log(0), held without checkpointing, stopped every checkpointed T5 step (a probe, session 44)."""
         return (phase in ("forward", "recompute") and kind in ("producer", "scalar") and self.graph_seen
                 and not on_path  # an optimizer's update (no_grad) is reported at its op
-                and (torch.is_grad_enabled() or _in_reentrant_checkpoint()))
+                and (torch.is_grad_enabled() or in_reentrant_first_forward()))
 
     def hold(self, item: tuple[Any, Any]) -> OffPath:
         """Holds `item` (a finding and the copy of its op's inputs for a dump, or None). One held item at a

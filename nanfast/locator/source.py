@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._stack import frames_up
+
 _FORWARD_SOURCE_KEY = "nanfast.forward_source"
 
 
@@ -88,9 +90,8 @@ def user_frame() -> Optional[SourceLine]:
     code = frame.f_code
     caller = None
     if _in_library(code.co_filename):
-        outer = frame.f_back
-        while outer is not None and (_in_library(outer.f_code.co_filename) or _internal(outer.f_code.co_filename)):
-            outer = outer.f_back
+        outer = next((f for f in frames_up(frame.f_back)
+                      if not (_in_library(f.f_code.co_filename) or _internal(f.f_code.co_filename))), None)
         if outer is not None:
             caller = SourceLine(outer.f_code.co_filename, outer.f_lineno, outer.f_code.co_name)
     return SourceLine(code.co_filename, frame.f_lineno, code.co_name, caller)
@@ -105,14 +106,10 @@ def user_stacklevel() -> int:
 
 
 def _first_user_frame(frame) -> tuple:
-    """The first frame from `frame` outward outside torch and nanfast (None if none), and its depth
-    counted from `frame` as 1."""
-    level = 1
-    while frame is not None:
-        if not _internal(frame.f_code.co_filename):
-            return frame, level
-        frame, level = frame.f_back, level + 1
-    return None, level
+    """The first frame from `frame` outward outside torch and nanfast, and its depth counted from `frame`
+    as 1; (None, 0) if none."""
+    return next(((f, level) for level, f in enumerate(frames_up(frame), 1) if not _internal(f.f_code.co_filename)),
+                (None, 0))
 
 
 def _record_forward_source(node) -> None:

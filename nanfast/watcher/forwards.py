@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._stack import frames_up
 from ..locator.source import user_stacklevel
 from .restore import rewritten_in_forward
 
@@ -90,10 +91,7 @@ CONCURRENT = ("nanfast.watch: the watched {model} was called in thread {thread} 
 
 def calling_frame() -> Optional[FrameType]:
     """In a model's forward pre-hook: the frame of torch's call that runs the forward (None if not found)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code not in _CALL_CODES:
-        frame = frame.f_back
-    return frame
+    return next((frame for frame in frames_up(sys._getframe(1)) if frame.f_code in _CALL_CODES), None)
 
 
 class StepState:
@@ -151,9 +149,7 @@ class StepState:
             stale = None
             if self._frame is not None:
                 frame = sys._getframe(1) if self._thread == me else sys._current_frames().get(self._thread)
-                while frame is not None and frame is not self._frame:
-                    frame = frame.f_back
-                if frame is not None:  # still running
+                if any(f is self._frame for f in frames_up(frame)):  # still running
                     if self._thread != me:
                         raise RuntimeError(CONCURRENT.format(
                             model=type(model).__name__, thread=threading.current_thread().name,
