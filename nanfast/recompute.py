@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 import torch.utils.checkpoint
 
-from ._stack import frames_up
+from ._stack import ENGINE_RUN, frames_up
 
 __all__ = ["REENTRANT", "UNPACK", "in_reentrant_first_forward", "recomputation", "recomputation_in"]
 
@@ -34,7 +34,6 @@ UNPACK = "unpack"
 # (which the recomputation runs in) comes before a run of the autograd engine (which a backward inside
 # it runs in).
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
-_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
 _REENTRANT_NODE = "CheckpointFunctionBackward"
 _REENTRANT_FORWARD = getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None)
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -52,7 +51,7 @@ def recomputation_in(node: Any) -> Optional[str]:
         return None
     checkpoint_file = hooks[1].__code__.co_filename
     for frame in frames_up(sys._getframe(1)):
-        if frame.f_code is _ENGINE_RUN:
+        if frame.f_code is ENGINE_RUN:
             break
         if frame.f_code.co_name == "unpack_hook" and frame.f_code.co_filename == checkpoint_file:
             return UNPACK

@@ -1,6 +1,8 @@
 """locate where autograd runs the user's code or backward inside a forward (session 44's probe): a module's
 backward hooks, and a gradient penalty inside activation checkpointing."""
 
+import sys
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -25,6 +27,51 @@ def test_a_nan_a_modules_backward_hook_makes_is_found_there(kind):
     finding = raised.value.report
     assert finding.op == "aten.div.Tensor" and finding.kind == "producer"
     assert "BackwardHookFunctionBackward" in str(finding.node)
+
+
+class _InvSqrt(torch.autograd.Function):
+    """1/sqrt(x) with a hand-written backward: at x = 0 the backward divides by 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sqrt()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / (2 * x.sqrt())
+
+
+def _hook_dividing(grad):
+    return grad / torch.zeros_like(grad)
+
+
+@pytest.mark.parametrize("kind", ["tensor_hook", "module_hook", "custom_backward", "builtin"])
+def test_an_op_in_code_autograd_calls_is_placed_at_its_own_line(kind):
+    """An op that a tensor hook or an autograd.Function's backward runs was placed at the node's forward
+    line, and its hook's line was printed as the line that called backward."""
+    lin = torch.nn.Linear(3, 3)
+    x = torch.zeros(2, 3, requires_grad=True)
+    if kind == "module_hook":
+        lin.register_full_backward_pre_hook(lambda module, grad_out: (_hook_dividing(grad_out[0]),))
+    with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():
+        y = lin(x)
+        if kind == "tensor_hook":
+            y.register_hook(_hook_dividing)
+        loss = (_InvSqrt.apply(x) if kind == "custom_backward" else x.sqrt() if kind == "builtin" else y).sum()
+        called = sys._getframe().f_lineno + 1
+        loss.backward()
+    finding = raised.value.report
+    assert finding.phase == "backward" and finding.op == "aten.div.Tensor"
+    assert (finding.source.function, finding.source.lineno) == (sys._getframe().f_code.co_name, called)
+    if kind == "builtin":  # torch's own formula (sqrt's): no Python ran it
+        assert finding.backward_source is None and finding.where == finding.forward_source
+        return
+    function = "backward" if kind == "custom_backward" else "_hook_dividing"
+    assert finding.where == finding.backward_source and finding.where.function == function
+    assert finding.where.filename == __file__ and f"at {finding.where}" in str(finding)
+    assert finding.to_dict()["backward_source"] == str(finding.where)
 
 
 def _penalized(lin, x):

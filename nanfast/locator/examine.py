@@ -19,7 +19,7 @@ from .values import _at_dtype_limit, _counts, _dense, _scalar_nonfinite, _scalar
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
             before: dict[int, torch.Tensor], raw: list[torch.Tensor], outputs: list[torch.Tensor],
-            producer: Producer, source: Optional[SourceLine]
+            producer: Producer, source: Optional[SourceLine], backward_source: Optional[SourceLine] = None
             ) -> tuple[Optional[tuple[LocateFinding, Optional[dict]]], bool]:
     """Judges an op whose outputs hold NaN/inf.
 
@@ -30,7 +30,8 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         named: the op's arguments as (name, value).
         before: pre-op copies of the arguments it reads and overwrites, by id.
         raw: its checked outputs as returned; outputs: their values.
-        producer: the op as a Producer; source: the user's line it ran at.
+        producer: the op as a Producer; source: the user's line it ran at (in backward: the line that
+            called backward); backward_source: in backward, the Python code autograd called that ran it.
     Returns:
         (its finding with the arguments to dump, or None for propagation; whether its outputs'
         non-finite values descend from a finding, this one's or an input's: True, or the OffPath of a
@@ -126,6 +127,6 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     finding = LocateFinding(
         kind, info.name, producer.phase, producer.node, source,
         producer.source if producer.phase == "backward" else None, reason,
-        tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis)
+        tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis, backward_source=backward_source)
     return (finding, repro), True
 

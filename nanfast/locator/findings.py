@@ -100,7 +100,9 @@ class LocateFinding:
     `phase` is "forward", "backward", or "recompute" (a forward op that activation checkpointing ran
     again in backward). `source` is where the op ran (in backward: the line that called backward, when
     the engine ran on a thread with Python frames); `forward_source` (backward only) is where the
-    forward op of `node` ran. `diagnosis`: the pattern in words, where the op and its inputs show a
+    forward op of `node` ran; `backward_source` (backward only) is the line of the Python code autograd
+    called that ran the op (a tensor or module hook, an autograd.Function's backward), None for torch's
+    own backward formulas. `diagnosis`: the pattern in words, where the op and its inputs show a
     known one (nanfast.locator.diagnosis: a fully masked softmax row, division by exact zeros, ...), else None."""
 
     kind: str
@@ -115,11 +117,15 @@ class LocateFinding:
     scalars: tuple[str, ...]  # the op's non-tensor arguments, as name=value
     dump: Optional[str] = None
     diagnosis: Optional[str] = None
+    backward_source: Optional[SourceLine] = None
 
     @property
     def where(self) -> Optional[SourceLine]:
-        """The user's line responsible: the forward line of the node in backward, the op's own line in forward."""
-        return self.forward_source if self.phase == "backward" else self.source
+        """The user's line responsible: in backward, the line of the hook or custom backward that ran the
+        op, else the forward line of the node; the op's own line in forward."""
+        if self.phase == "backward":
+            return self.backward_source or self.forward_source
+        return self.source
 
     def summary(self) -> str:
         """One line: the op, its phase, the user's line responsible, the reason and the diagnosis.
@@ -136,6 +142,9 @@ class LocateFinding:
         lines = [self.summary()]
         if self.phase == "backward":
             lines.append(f"  autograd node: {self.node}, forward op at {self.forward_source or 'unknown'}")
+            if self.backward_source:
+                lines.append(f"  run in backward by Python code autograd called (a hook, a custom backward) at "
+                             f"{self.backward_source}")
             lines.append(f"  backward called at {self.source or 'unknown (autograd worker thread)'}")
         else:
             lines.append(f"  op called at {self.source or 'unknown'}")
@@ -159,6 +168,7 @@ class LocateFinding:
             "kind": self.kind, "op": self.op, "phase": self.phase, "node": self.node,
             "source": str(self.source) if self.source else None,
             "forward_source": str(self.forward_source) if self.forward_source else None,
+            "backward_source": str(self.backward_source) if self.backward_source else None,
             "reason": self.reason, "outputs": [o.to_dict() for o in self.outputs],
             "inputs": [i.to_dict() for i in self.inputs], "scalars": list(self.scalars), "dump": self.dump,
             "diagnosis": self.diagnosis,

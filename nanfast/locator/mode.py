@@ -15,7 +15,7 @@ from .node_verdict import NodeVerdicts
 from .off_path import OffPath, OffPathFindings
 from .provenance import Provenance
 from .schema import _named_args, _op_info, _OpInfo
-from .source import forward_source, user_frame
+from .source import backward_lines, forward_source, user_frame
 from .values import _any_nonfinite, _any_nonfinite_values, _tensors_in, _values
 
 if TYPE_CHECKING:
@@ -110,9 +110,10 @@ class _LocateMode(TorchDispatchMode):
         tainted = False
         if nonfinite:
             on_path = _on_path(args, kwargs)
-            source = user_frame() if producer.phase == "backward" else producer.source
+            code, source = backward_lines() if producer.phase == "backward" else (None, producer.source)
             finding, tainted = examine(self.provenance, self.owner._dump_path_for_next() is not None, info,
-                                       _named_args(info, args, kwargs), before, judged_raw, judged, producer, source)
+                                       _named_args(info, args, kwargs), before, judged_raw, judged, producer, source,
+                                       code)
             if finding is None:
                 if isinstance(tainted, OffPath) and on_path:
                     self._matters([tainted])  # it enters the gradient path

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._stack import frames_up
+from .._stack import ENGINE_RUN, frames_up
 
 _FORWARD_SOURCE_KEY = "nanfast.forward_source"
 
@@ -84,7 +84,24 @@ def user_frame() -> Optional[SourceLine]:
     Returns:
         That frame's line, or None on threads that run no user code (the CUDA autograd workers).
     """
+    return _line_of(_first_user_frame(sys._getframe(1))[0])
+
+
+def backward_lines() -> tuple[Optional[SourceLine], Optional[SourceLine]]:
+    """For an op that runs in backward: the line of the Python code autograd called that ran it (a tensor
+    or module hook, an autograd.Function's backward; None for torch's own backward formulas), and the
+    line that called backward() (as user_frame() answers from outside the engine; None on threads that
+    run no user code)."""
     frame, _ = _first_user_frame(sys._getframe(1))
+    engine = next((f for f in frames_up(frame) if f.f_code is ENGINE_RUN), None) if ENGINE_RUN else None
+    if engine is None:
+        return None, _line_of(frame)
+    return _line_of(frame), _line_of(_first_user_frame(engine.f_back)[0])
+
+
+def _line_of(frame) -> Optional[SourceLine]:
+    """`frame`'s line (None for None), with the innermost line outside every library as its `called_from`
+    when `frame` is in an installed library."""
     if frame is None:
         return None
     code = frame.f_code

@@ -63,7 +63,7 @@ def disagreement(model: torch.nn.Module, phase: str, name: str, where: str, find
         A sentence for the event's summary, or None.
     """
     module = _module_of(model, phase, name)
-    line = finding.where
+    line = finding.forward_source if finding.phase == "backward" else finding.source
     if module is None or line is None or _ran_inside(module, line.filename, line.lineno):
         return None
     made = f"backward of {finding.node} (forward at {line})" if finding.phase == "backward" else f"{line}"
