@@ -1,6 +1,7 @@
 """nanfast.watch's step state (nanfast issue 13, "Nothing lost, nothing falsely clean"): a forward that
 raised is forgotten, eval forwards inside a step, a loop that never calls w.step(), sparse gradients,
-a non-finite loss value with finite gradients, and a GradScaler shared by two watches."""
+a non-finite loss value with finite gradients, a GradScaler shared by two watches, and one whose step
+the watch raised in."""
 
 import gc
 import warnings
@@ -410,6 +411,57 @@ def test_two_watches_sharing_a_scaler_restore_it_in_any_order():
     assert (w2.scaler_skipped_steps, w2.step_count) == (1, 1)
     w2.remove()
     assert "step" not in vars(scaler) and scaler.step.__func__ is torch.amp.GradScaler.step
+
+
+class SideOutput(torch.nn.Module):
+    """An MLP that also returns a side output, left out of the loss: NaN there leaves the gradients finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = MLP()
+        self.side = torch.nn.Linear(8, 2)
+
+    def forward(self, x, bad_side=False):
+        side = self.side(x)
+        return self.main(x), side * NAN if bad_side else side
+
+
+@pytest.mark.parametrize("fault", ["off_the_loss", "in_the_loss"])
+def test_a_caught_error_inside_gradscaler_step_leaves_the_scaler_ready(fault):
+    """The watch raised inside GradScaler.step and scaler.update() never ran. When the scaler had called
+    optimizer.step() (the NaN off the loss, gradients finite), its next step() took the gradients for
+    unscaled already and applied them multiplied by the scale; when it had skipped the step (the NaN in
+    the loss), its next step() raised "step() has already been called since the last update()"."""
+    def run(watched):
+        torch.manual_seed(0)
+        model = SideOutput()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        w = nanfast.watch(model, opt, scaler=scaler) if watched else None
+        for seed in range(3):
+            if seed == 1 and not watched:
+                continue  # the reference never sees the bad batch
+            x, y = batch(seed=seed)
+            if seed == 1 and fault == "in_the_loss":
+                x[0, 0] = NAN
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = model(x, bad_side=seed == 1 and fault == "off_the_loss")
+            scaler.scale(F.mse_loss(out.float(), y)).backward()
+            try:
+                scaler.step(opt)
+                scaler.update()
+            except nanfast.NonFiniteError:
+                assert watched and seed == 1
+        if w is not None:
+            assert w.step_count == 3 and len(w.events) == 1
+            w.remove()
+        return model, scaler.get_scale()
+
+    (model, scale), (reference, reference_scale) = run(watched=True), run(watched=False)
+    assert scale == reference_scale == 2.0 ** 10
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_the_locate_rerun_opens_no_step():

@@ -7,6 +7,8 @@ import types
 import weakref
 from typing import Any, Protocol
 
+from ..report import NonFiniteError
+
 
 class ScalerWatcher(Protocol):
     def _scaler_step_begins(self) -> None: ...
@@ -47,15 +49,34 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
             watchers = list(shared.watchers)
             for w in watchers:
                 w._scaler_step_begins()
-            result = shared.original(optimizer, *args, **kwargs)
-            for w in watchers:
-                w._scaler_step_ended(optimizer)
+            try:
+                result = shared.original(optimizer, *args, **kwargs)
+                for w in watchers:
+                    w._scaler_step_ended(optimizer)
+            except NonFiniteError:
+                _ready_for_next_step(scaler)
+                raise
             return result
 
         step.nanfast_shared = shared
         scaler.step = types.MethodType(step, scaler)
     shared.watchers.append(watcher)
     return shared
+
+
+# NOTE: [A watch raising inside GradScaler.step]
+# A watch with action="raise" raises from the optimizer step that GradScaler.step calls, or, when the
+# scaler skips the step, right after it. Either way scaler.update() never runs, and the scaler keeps its
+# state for this iteration: after a step it skipped, its next step() refused ("step() has already been
+# called since the last update()"); after an optimizer step the watch stopped, its next step() took the
+# gradients as already unscaled and applied them multiplied by the scale (1024 times the update, a
+# probe, session 45), where a caught error should leave training as the step found it. So before the
+# error leaves scaler.step, the scaler's state for the iteration is cleared as update() clears it,
+# at the scale it had: update(new_scale=) sets the scale without growing or backing it off. One host
+# read, on a path that raises.
+def _ready_for_next_step(scaler: Any) -> None:
+    if scaler.is_enabled():
+        scaler.update(new_scale=scaler.get_scale())
 
 
 def detach(scaler: Any, shared: _Shared, watcher: ScalerWatcher) -> None:
