@@ -123,10 +123,27 @@ def leaves(obj: Any, shared_once: bool = False) -> Iterator[Any]:
     return (leaf for _, leaf in _walk(obj, False, shared_once, False))
 
 
-def leaves_with_nodes(obj: Any) -> Iterator[tuple[_Node, Any]]:
-    """`leaves(obj)` with each leaf's node, from which `path_steps` gives its path when it is needed (a
-    watch names its input's entries only on a bad step): a node holds its keys, not the values."""
-    return _walk(obj, False, False, False)
+def leaves_with_nodes(obj: Any, shared_once: bool = False) -> Iterator[tuple[_Node, Any]]:
+    """`leaves(obj, shared_once)` with each leaf's node, from which `path_steps` gives its path when it is
+    needed (a watch names its input's entries only on a bad step): a node holds its keys, not the values."""
+    return _walk(obj, False, shared_once, False)
+
+
+def positions_on(obj: Any, steps: Sequence[tuple[Any, int]]) -> list[tuple[int, Any, list]]:
+    """For each list, tuple or deque that `steps` (path_steps of a leaf of `obj`) go through by position,
+    outermost first: (the position, the sequence, the other values of the container that holds it; []
+    for `obj` itself). Stops at an elided middle."""
+    found = []
+    node, siblings = obj, []
+    for key, how in steps:
+        if how == _ELIDED:
+            break
+        children = _children(node)
+        if how == _POSITION:
+            found.append((key, node, siblings))
+        siblings = [value for k, _, value in children if k != key]
+        node = next(value for k, _, value in children if k == key)
+    return found
 
 
 def _steps_up(node: _Node, limit: int) -> list[tuple[Any, int]]:

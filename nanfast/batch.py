@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
 
-from ._tree import group_by_device, named_leaves
+from ._tree import group_by_device, leaves_with_nodes, path_of, path_steps, positions_on
 from .check import may_hold_values, naming_entries, values_tensor
 from ._nested import shape as shape_of
 from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
@@ -137,6 +137,29 @@ def _packed_samples(path: str, t: torch.Tensor, pairs: list[tuple[str, torch.Ten
     return positions if order is None else order.cpu()[positions]
 
 
+# NOTE: [Samples as list items]
+# A detection batch is a list of images and a list of target dicts, one of each per sample (torchvision's
+# detection models and collate_fn=lambda b: tuple(zip(*b)); the labels of a DETR batch), where each
+# tensor's first dimension is a channel or a box: named as samples, a NaN box of image 1 was "sample 0
+# of field 'targets[1].boxes'" (a probe, session 45). A batch collated by default is a list of batched
+# tensors instead ([x, y]), whose positions are fields. So a field inside a list or tuple of records
+# (dicts or dataclasses, one per sample: torch's default collate makes a dict of batched tensors of a
+# dataset's dicts, never a list of them), or inside a list or tuple as long as such a list beside it, is
+# in the sample of its position there.
+def _list_sample(batch: Any, steps: list) -> Optional[int]:
+    """The sample a field belongs to by its position in a list of samples (see the NOTE), or None."""
+    for position, sequence, siblings in positions_on(batch, steps):
+        if _records(sequence) or any(_records(s) and len(s) == len(sequence) for s in siblings):
+            return position
+    return None
+
+
+def _records(value: Any) -> bool:
+    """Whether `value` is a list or tuple of dicts or dataclass instances (one per sample)."""
+    return (isinstance(value, (list, tuple)) and not hasattr(type(value), "_fields") and len(value) > 0
+            and all(isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)) for v in value))
+
+
 def _bad_samples(t: torch.Tensor, samples: Optional[torch.Tensor] = None) -> tuple[int, ...]:
     """The indices along `t`'s first dimension of the samples holding non-finite values; with `samples`
     (the sample of each row: a PackedSequence's data), those samples, sorted."""
@@ -160,7 +183,8 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     """Checks every tensor in `batch` (a tensor, or mappings, dataclasses, named tuples, lists, tuples,
     deques and sets of them; a container met twice is walked once; numpy arrays and Python floats are
     read as check_all reads them) and names the fields and samples
-    (indices along the first dimension) that hold NaN or inf. A clean batch costs one fused check and
+    (indices along the first dimension; for a field inside a list of samples, its position there: see
+    NOTE: [Samples as list items]) that hold NaN or inf. A clean batch costs one fused check and
     one host sync per device; only a bad one is counted per field and per sample. A field named as a
     mask whose only non-finite values are -inf (an additive attention mask, "tgt_mask") is not bad: it
     is listed in `BatchReport.masks` (a batch holding one costs a second read).
@@ -181,10 +205,12 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
                         "optimizer with nanfast.check_all")
     # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
-    pairs, unchecked = [], []
-    for path, leaf in named_leaves(batch, brackets=True, shared_once=True):
+    pairs, steps, unchecked = [], [], []
+    for node, leaf in leaves_with_nodes(batch, shared_once=True):
+        path = path_of(leaf_steps := path_steps(node), brackets=True)
         if (t := values_tensor(leaf)) is not None:
             pairs.append((path or "tensor", t))  # a batch that is one tensor: named as check_all names it
+            steps.append(leaf_steps)
         elif may_hold_values(leaf):  # never "finite" for what was not read
             unchecked.append(path or f"the batch ({type(leaf).__name__})")
     _validate(pairs)
@@ -199,9 +225,11 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
             if nan or posinf or neginf:
                 path, t = pairs[i]
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
+                sample = None if mask else _list_sample(batch, steps[i])
+                samples = () if mask else (sample,) if sample is not None else _bad_samples(
+                    t, _packed_samples(path, t, pairs))
                 (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),
-                                                             nan, posinf, neginf,
-                                                             () if mask else _bad_samples(t, _packed_samples(path, t, pairs)))))
+                                                             nan, posinf, neginf, samples)))
     report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),
                          masks=tuple(field for _, field in sorted(masks, key=lambda b: b[0])),
                          unchecked=tuple(unchecked))

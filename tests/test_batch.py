@@ -249,3 +249,46 @@ def test_a_packed_sequence_names_the_sequences_not_the_packed_rows(enforce_sorte
     assert [(f.path, f.samples) for f in report.bad] == [("x.data", want)], report
     # Reference: each sequence checked alone.
     assert tuple(i for i, s in enumerate(seqs) if not torch.isfinite(s).all()) == want
+
+
+class _DetectionDataset(torch.utils.data.Dataset):
+    """Samples as torchvision's detection models take them: an image of its own size and a dict of boxes
+    and labels, some samples with a NaN box or a NaN pixel."""
+
+    def __init__(self, bad_box=(), bad_pixel=()):
+        self.bad_box, self.bad_pixel = bad_box, bad_pixel
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        image = torch.rand(3, 20 + 4 * i, 24)
+        boxes = torch.tensor([[1.0, 2.0, 10.0, 12.0], [0.0, 0.0, 5.0, 5.0]])
+        if i in self.bad_pixel:
+            image[0, 5, 7] = NAN  # channel 0, of sample i
+        if i in self.bad_box:
+            boxes[0, 2] = NAN  # box 0, of sample i
+        return image, {"boxes": boxes, "labels": torch.tensor([1, 2])}
+
+
+def test_fields_in_lists_of_samples_are_named_by_their_sample():
+    """A detection batch (a tuple of images and a tuple of target dicts, as torchvision's references'
+    collate_fn makes it) named a NaN box of image 1 "sample 0" (the box row) and a NaN pixel of image 2
+    "sample 0" (its channel). A default-collated [x, y] keeps dim 0 as the sample."""
+    loader = torch.utils.data.DataLoader(_DetectionDataset(bad_box=(1,), bad_pixel=(2,)), batch_size=4,
+                                         collate_fn=lambda b: tuple(zip(*b)))
+    images, targets = next(iter(loader))
+    for batch, prefix in [((images, targets), ("[0]", "[1]")), ({"images": list(images), "targets": list(targets)},
+                                                               ("images", "targets"))]:
+        report = nanfast.check_batch(batch, raise_on_nonfinite=False)
+        assert [(f.path, f.samples) for f in report.bad] == [(f"{prefix[0]}[2]", (2,)), (f"{prefix[1]}[1].boxes", (1,))]
+    # DETR-style: batched pixels, one dict of labels per image
+    detr = {"pixel_values": torch.rand(4, 3, 8, 8), "labels": list(targets)}
+    detr["pixel_values"][3, 0, 0, 0] = NAN
+    report = nanfast.check_batch(detr, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("pixel_values", (3,)), ("labels[1].boxes", (1,))]
+    x, y = torch.randn(6, 3), torch.randn(6, 3)
+    x[4, 1] = NAN
+    batch = next(iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)))
+    assert isinstance(batch, list)
+    assert [(f.path, f.samples) for f in nanfast.check_batch(batch, raise_on_nonfinite=False).bad] == [("[0]", (4,))]
