@@ -25,7 +25,8 @@ MAX_SAMPLES_IN_MESSAGE = 8
 @dataclasses.dataclass(frozen=True)
 class BadField(NonfiniteCounts):
     """A tensor of a batch that holds non-finite values, and the samples (indices along its first
-    dimension; a nested tensor's components; the sequences of a PackedSequence's data) that hold them;
+    dimension; a nested tensor's components; the sequences of a PackedSequence's data; a field's position in
+    a list of samples) that hold them;
     `samples` is empty for a 0-dim tensor. A nested tensor's ragged dimensions are -1 in `shape`."""
 
     path: str
