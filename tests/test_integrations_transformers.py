@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 import socket
 import sys
+import warnings
 
 import huggingface_hub.constants
+
 import pytest
 import torch
 
@@ -142,7 +144,9 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     assert bad["nanfast/posinf"] > 0 and bad["nanfast/nan"] > 0 and bad["nanfast/skipped_steps"] == 1
     assert steps[2]["nanfast/posinf"] == 0 and steps[2]["nanfast/skipped_steps"] == 0
     assert steps[4]["nanfast/param_norm"] == bad["nanfast/param_norm"] > 0  # the skipped step moved nothing
-    assert steps[3]["learning_rate"] < steps[2]["learning_rate"]  # the LR scheduler still stepped
+    # Each log has the learning rate its step used. The skipped step did not step the LR scheduler:
+    # accelerate's optimizer says it was skipped, as after a GradScaler's overflow (it did step before).
+    assert steps[2]["learning_rate"] > steps[3]["learning_rate"] == steps[4]["learning_rate"] > steps[5]["learning_rate"]
     # A callback before this one (where the Trainer puts report_to's reporters) saw the statistics.
     seen = [logs for logs in recorder.logs if "loss" in logs]
     assert len(seen) == 5 and all("nanfast/grad_norm" in logs for logs in seen)
@@ -315,6 +319,45 @@ def test_a_hand_written_accelerate_loop_watches_the_prepared_optimizer():
             optimizer.step()
     assert [e.step for e in w.events] == [1] and w.skipped_steps == 1
     w.remove()
+
+
+def test_a_skip_in_an_accelerate_loop_leaves_the_prepared_lr_scheduler_as_it_was():
+    """accelerate's AcceleratedScheduler steps only after an optimizer step that was not skipped; a skip of
+    the watch's went unseen there, so the schedule ran a step ahead of a run that never saw the batch
+    (StepLR halved the learning rate a step early, and every later update differed)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+
+    def run(bad_step):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model, optimizer, scheduler = accelerator.prepare(
+            model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+        w = nanfast.watch(model, optimizer, action="skip") if bad_step is not None else None
+        for step in range(4):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step))
+            if step == bad_step:
+                x[0, 0] = float("nan")
+            elif bad_step is None and step == 1:
+                continue  # the reference never sees the bad batch
+            optimizer.zero_grad()
+            accelerator.backward(model(x).pow(2).mean())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the skip's
+                optimizer.step()
+            scheduler.step()
+        if w is not None:
+            assert w.skipped_steps == 1
+            w.remove()
+        return model, optimizer, scheduler
+
+    (model, optimizer, scheduler), (reference, ref_optimizer, ref_scheduler) = run(bad_step=1), run(bad_step=None)
+    assert scheduler.scheduler.state_dict() == ref_scheduler.scheduler.state_dict()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    for p, q in zip(optimizer.optimizer.state.values(), ref_optimizer.optimizer.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in p)
 
 
 def test_the_statistics_go_to_training_logs_only(tmp_path):

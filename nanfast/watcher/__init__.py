@@ -82,7 +82,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         log_to: Any = None,
         spikes: Union[bool, dict, SpikeOptions] = True,
     ):
-        optimizer = stepped_optimizer(optimizer)
+        wrapper, optimizer = optimizer, stepped_optimizer(optimizer)
         self._skip_on_device = validate(model, optimizer, action, every, sync, scaler, on_event, rerun)
         checks(inputs=inputs, activations=activations, grads=grads, params=params, modules=modules, loss=loss)
         self.pass_through = typed_options(nan_only=nan_only, profile=profile, scaler=scaler,
@@ -150,6 +150,10 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._stepped = False
         self._skip_now = False
         self._held_grads: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []  # None: given back as None
+        # accelerate's AcceleratedOptimizer, told of the steps a skip left unapplied (see NOTE: [A skipped
+        # step for accelerate's scheduler]); True while it holds the watch's word.
+        self._accelerated = wrapper if wrapper is not optimizer and hasattr(wrapper, "_is_overflow") else None
+        self._told_skipped = False
         self._found: Optional[torch.Tensor] = None
         self._saved_found_inf: Optional[torch.Tensor] = None
         # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before

@@ -137,6 +137,8 @@ class Actions:
                              "runs the step's forward and backward after the point where the watch decides; call "
                              "backward before optimizer.step()")
         self._stepped = True
+        if self._told_skipped:
+            self._accelerated._is_overflow = self._told_skipped = False
         gradless = self._step.gradless  # the step's, before _end_step starts the next one
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
         if self.action not in SKIPPING:
@@ -184,6 +186,22 @@ class Actions:
             for p, grad in self._held_grads:
                 p.grad = None if grad is None else grad.zero_()
             self._held_grads = []
+            if self._accelerated is not None:
+                self._tell_accelerate_skipped()
+
+    def _tell_accelerate_skipped(self) -> None:
+        """NOTE: [A skipped step for accelerate's scheduler]
+        accelerate's AcceleratedScheduler (a prepared LR scheduler) and HF's Trainer step the LR schedule
+        only after an optimizer step that was not skipped, as its `step_was_skipped` says; a skip of the
+        watch's left it False, and the schedule ran one step ahead of a run that never saw the batch (its
+        learning rate halved a step early under StepLR: a probe, session 45). So a skip sets it, as a
+        GradScaler's overflow does: without a scaler accelerate never writes the flag (the watch clears
+        it when the next step begins); with one, accelerate sets it after the step from whether the
+        optimizer's step ran, which the watch says did not. Only for a skip decided on the host: a skip
+        on the device is a flag no host code sees."""
+        self._accelerated._is_overflow = self._told_skipped = True
+        if hasattr(self._accelerated, "_accelerate_step_called"):
+            self._accelerated._accelerate_step_called = False
 
     def _needs_host_verdict(self) -> bool:
         """A lagged skip on the device cannot undo this step: it creates optimizer state (fused SGD makes
