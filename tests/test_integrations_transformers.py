@@ -360,6 +360,40 @@ def test_a_skip_in_an_accelerate_loop_leaves_the_prepared_lr_scheduler_as_it_was
         assert all(torch.equal(p[k], q[k]) for k in p)
 
 
+@pytest.mark.parametrize("with_scaler", [False, True])
+def test_accelerates_optimizer_says_which_step_a_skip_left_unapplied(with_scaler):
+    """With a GradScaler accelerate sets step_was_skipped after the step from whether the optimizer's step
+    ran; the NaN is off the loss here, so the scaler steps and only the watch skips."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # its state, which AcceleratedOptimizer reads
+
+    class SideOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.main, self.side = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+        def forward(self, x, bad):
+            return self.main(x), self.side(x) * (float("nan") if bad else 1.0)
+
+    model = SideOutput()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if with_scaler else None
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    w = nanfast.watch(model, optimizer, action="skip", scaler=scaler)
+    said = []
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = model(torch.randn(3, 4), bad=step == 1)[0].pow(2).mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the skip's
+            optimizer.step()
+        said.append(optimizer.step_was_skipped)
+    assert said == [False, True, False] and (w.skipped_steps, w.scaler_skipped_steps) == (1, 0)
+    w.remove()
+
+
 def test_the_statistics_go_to_training_logs_only(tmp_path):
     """Added once per step to whichever log came first at it: with evaluations every 2 steps and logs
     every 3, the evaluation entries of steps 2 and 4 and the end-of-training summary got them, as
