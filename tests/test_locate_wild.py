@@ -195,3 +195,26 @@ def test_locate_step_puts_back_a_reassigned_buffer_and_the_gradient_tensors():
     assert (finding.kind, finding.op) == ("producer", "aten.log.default")
     assert torch.equal(model.ema, ema)
     assert all(p.grad is g and torch.equal(g, v) for p, g, v in zip(model.parameters(), grads, values))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_an_infinite_loss_made_of_a_masks_infinities_is_reported_at_the_op_that_made_it(smoothing):
+    """cross_entropy with label smoothing sums log_softmax over every class, the masked ones too: the loss
+    of -inf-masked logits is +inf (candle-org/MindAct#1633), its gradients finite. The mask's -inf are
+    allowed and the ops after it propagate them: locate reported nothing, as detect_anomaly."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 6)
+
+    def step():
+        logits = lin(torch.randn(3, 4)).masked_fill(torch.tensor([False] * 4 + [True] * 2), float("-inf"))
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2]), label_smoothing=smoothing)  # <ls-loss>
+        loss.backward()
+
+    findings = run(step).findings
+    if not smoothing:  # a finite loss: the mask's -inf stay allowed
+        assert findings == []
+        return
+    (finding,) = findings
+    assert (finding.kind, finding.phase, finding.source.lineno) == ("producer", "forward", line_of("<ls-loss>"))
+    assert finding.outputs[0].posinf == 1 and "backward() was called on" in finding.reason
+    assert torch.isfinite(lin.weight.grad).all()  # why the backward ops saw nothing

@@ -130,3 +130,33 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis, backward_source=backward_source)
     return (finding, repro), True
 
+
+
+# NOTE: [a non-finite value backward is called on]
+# Infinities allowed where they are made (a mask's -inf from masked_fill, an input's) are not findings,
+# and ops that carry them on are propagation. Label smoothing sums log_softmax over every class, the
+# masked ones too: cross_entropy(logits.masked_fill(mask, -inf), y, label_smoothing=0.1) is +inf, its
+# gradients finite, and locate said nothing (the same in candle-org/MindAct#1633; a probe, session 45).
+# The value backward() is called on is where such infinities stop being allowed: a loss is never meant
+# to be infinite. So when autograd makes the implicit gradient of a non-finite scalar (its ones_like, in
+# torch.autograd._make_grads) and no finding explains the value, the op that made it is reported, when
+# the region ends without a finding of its own: an inf weight (from outside, allowed too) makes an inf
+# loss and then inf - inf in the weight's gradient, a finding nearer the cause.
+def root_finding(provenance: Provenance, root: torch.Tensor) -> LocateFinding:
+    """The finding for `root`, a non-finite value backward() (or autograd.grad) was called on that no
+    finding explains: the op under locate that last wrote it, or, when none did, the value as an input
+    from outside (see NOTE: [a non-finite value backward is called on])."""
+    values = _values(root)
+    lo, hi = finite_min_max(values)
+    info = TensorInfo("the value backward() was called on", tuple(root.shape), str(root.dtype).removeprefix("torch."),
+                      str(root.device), *_counts([values])[0], lo, hi)
+    record = provenance.record(root)
+    producer = record[1] if record is not None and record[1] is not _OUTSIDE else None
+    if producer is None:
+        return LocateFinding("input", "(outside locate)", "forward", None, None, None,
+                             "backward() was called on a non-finite value that no op under locate made", (info,), (), ())
+    backward = producer.phase == "backward"
+    return LocateFinding("producer", producer.op, producer.phase, producer.node, None if backward else producer.source,
+                         producer.source if backward else None,
+                         "made the non-finite value that backward() was called on, from infinities allowed where they "
+                         "were made (a mask's -inf, an input's)", (info,), (), ())

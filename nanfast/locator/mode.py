@@ -3,14 +3,17 @@ an op whose outputs hold NaN/inf to `examine`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import itertools
+import sys
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._stack import frames_up
 from ..recompute import recomputation_in
-from .examine import examine
-from .findings import Producer
+from .examine import examine, root_finding
+from .findings import LocateFinding, Producer
 from .node_verdict import NodeVerdicts
 from .off_path import OffPath, OffPathFindings
 from .provenance import Provenance
@@ -32,6 +35,8 @@ except ImportError:
     _FAKE = ()
 
 _READ_TO_HOST = torch.ops.aten._local_scalar_dense.default
+_ONES_LIKE = torch.ops.aten.ones_like.default
+_MAKE_GRADS = getattr(getattr(torch.autograd, "_make_grads", None), "__code__", None)
 
 # NOTE: [what locate reports]
 # Every ATen op that runs under locate (forward ops after autograd's composite decompositions, and the
@@ -69,6 +74,7 @@ class _LocateMode(TorchDispatchMode):
         self.nodes = NodeVerdicts(_any_nonfinite_values, lambda item: owner._report(*item),
                                   lambda item: owner.masked.append(item[0]))
         self.off_path = OffPathFindings(lambda item: owner._report(*item), lambda item: owner.masked.append(item[0]))
+        self.unexplained_root: Optional[LocateFinding] = None  # see NOTE: [a non-finite value backward is called on]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +96,8 @@ class _LocateMode(TorchDispatchMode):
                         if _values(t) is not None:
                             before[id(t)] = t.clone()
         out = func(*args, **kwargs)
+        if func is _ONES_LIKE and _implicit_gradient():
+            self._backward_root(args[0])
 
         raw, outputs = _outputs(info, out, args, kwargs)
         if not self.off_path.graph_seen:
@@ -134,6 +142,19 @@ class _LocateMode(TorchDispatchMode):
             self.provenance.record_outputs(outputs, producer, tainted)
         return out
 
+    def _backward_root(self, root: torch.Tensor) -> None:
+        """backward() was called on `root` (its implicit gradient is being made): the first non-finite root
+        that no finding explains is kept, reported when the region ends without a finding (NOTE: [a
+        non-finite value backward is called on])."""
+        values = _values(root)
+        if values is None or not _any_nonfinite([values]):
+            return
+        taint = self.provenance.tainted(root)
+        if isinstance(taint, OffPath):
+            self._matters([taint])
+        elif not taint and self.unexplained_root is None:
+            self.unexplained_root = root_finding(self.provenance, root)
+
     def _matters(self, taints: list) -> None:
         for taint in taints:
             if isinstance(taint, OffPath):
@@ -150,6 +171,13 @@ class _LocateMode(TorchDispatchMode):
                    for t in _tensors_in(value) if id(t) not in returned and _values(t) is not None]
         for t in written:
             self.provenance.record_write(t, producer, _any_nonfinite([_values(t)]), tainted)
+
+
+def _implicit_gradient() -> bool:
+    """Whether the ones_like running now is autograd's implicit gradient of a scalar backward() was called
+    on (torch.autograd._make_grads, a few frames up)."""
+    return _MAKE_GRADS is not None and any(frame.f_code is _MAKE_GRADS
+                                           for frame in itertools.islice(frames_up(sys._getframe(1)), 8))
 
 
 def _on_path(args: tuple, kwargs: dict) -> bool:
