@@ -7,6 +7,7 @@ Environment:
   TORCH_CUDA_ARCH_LIST   GPU architectures (default: the visible GPUs, else DEFAULT_CUDA_ARCHS)
   NANFAST_CPU_ONLY=1     skip the CUDA kernels
   NANFAST_WERROR=1       treat compiler warnings in csrc/ as errors (CI)
+  NANFAST_ISOLATED_BUILD=1  build against the torch of pip's isolated build environment (refused by default)
 """
 
 import glob
@@ -42,6 +43,22 @@ if cuda_home:
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+# NOTE: [The torch a build runs against]
+# The extension works only with the torch it was compiled against. A plain `pip install .` builds in an
+# isolated environment, into which pip installs the newest torch the requirement admits: on a machine
+# with torch 2.13.0 (CPU), 2.14.1 with CUDA (5 GB) was fetched and a CUDA build begun, with no word of
+# it, for an extension that would not load beside the user's torch (a probe, session 45). So a build
+# whose torch lies in such an environment stops at once and says what to run instead; and the package
+# requires the torch it was built against, so that a wheel does not pull in another one.
+_ISOLATED = ("pip-build-env-", "build-env-")
+if any(mark in torch.__file__ for mark in _ISOLATED) and os.environ.get("NANFAST_ISOLATED_BUILD") != "1":
+    sys.exit(f"nanfast: this build would compile against torch {torch.__version__}, which pip installed into an "
+             f"isolated build environment ({os.path.dirname(torch.__file__)}), not against the torch you run: the "
+             "extension only loads beside the torch it was built for. Install torch first, then build against it: "
+             "pip install --no-build-isolation .  (python -m build --no-isolation for a wheel; set "
+             "NANFAST_ISOLATED_BUILD=1 to build against the isolated environment's torch anyway)")
+TORCH_RELEASE = torch.__version__.split("+")[0]  # 2.14.1+cu130 -> 2.14.1 (any local build of it)
 
 
 def cuda_skip_reason():
@@ -90,7 +107,6 @@ def loaded_libstdcxx() -> list[str]:
 link_flags = ["-fopenmp"] + loaded_libstdcxx()
 
 
-
 def write_build_record(path: str) -> None:
     """nanfast/_build.py: what this build was made from and for, for `nanfast --version`."""
     if with_cuda:
@@ -127,6 +143,7 @@ if with_cuda:
     define_macros.append(("NANFAST_WITH_CUDA", None))
 
 setup(
+    install_requires=[f"torch=={TORCH_RELEASE}"],  # the torch it was built against (see the NOTE above)
     packages=find_packages(include=["nanfast", "nanfast.*"]),
     ext_modules=[
         extension(
