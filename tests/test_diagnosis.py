@@ -107,6 +107,25 @@ CASES = [
     ("mul_", lambda: _half(300, 2).mul_(300), "aten.mul_.Tensor", "`other` 300"),
     ("pow", lambda: _half(300, 2).pow(2), "aten.pow.Tensor_Scalar",
      "torch.float16 overflow in pow: `self` max |x| 300, `exponent` 2 give a result past 65504"),
+    # Found without a diagnosis by a probe (session 45), in public bug reports: float16 sums, an exploding
+    # float32 RNN's matmul, Beta.log_prob at 0 (pytorch/pytorch#92260), Adam's eps rounding to 0 in float16
+    # (afiaka87/glide-finetune#5), 0 * inf and logsumexp's backward over a row all -inf (pytorch/pytorch#31829).
+    ("sum", lambda: _half(30000, 4).sum(), "aten.sum.default",
+     "torch.float16 overflow in sum: `self` max |x| 30000 give a result past 65504"),
+    ("mm", lambda: torch.full((2, 4), 1e20) @ torch.full((4, 2), 1e20), "aten.mm.default",
+     "torch.float32 overflow in a matmul: the inputs' max |x| are 1e+20 and 1e+20 over 4 terms"),
+    ("xlogy", lambda: torch.distributions.Beta(torch.tensor(2.0), torch.tensor(2.0)).log_prob(torch.tensor(0.0)),
+     "aten.xlogy.Tensor", "x * log(y) at y = 0 with x != 0: log(0) is -inf"),
+    ("addcdiv", lambda: torch.addcdiv(_half(1, 2), _half(1, 2), torch.tensor([1e-8, 1.0]).half()),
+     "aten.addcdiv.default", "divides by exact zeros: 1 of 2 elements of the divisor `tensor2` is 0"),
+    ("addcdiv_", lambda: _half(1, 2).addcdiv_(_half(1, 2), torch.tensor([1e-8, 1.0]).half()), "aten.addcdiv_.default",
+     "of the divisor `tensor2` is 0"),
+    ("mul", lambda: torch.tensor([0.0, -INF]) * torch.zeros(2), "aten.mul.Tensor",
+     "0 * inf at 1 of 2 elements: infinities it was given (a mask's, an input's) meet"),
+    ("sub", lambda x=torch.tensor([-INF, 0.0]): x - x, "aten.sub.Tensor", "inf - inf at 1 of 2 elements"),
+    ("add", lambda: torch.tensor([-INF, 1.0]) + torch.tensor([INF, 1.0]), "aten.add.Tensor", "inf - inf at 1 of 2"),
+    ("sub", lambda: torch.logsumexp(torch.full((2,), -INF, requires_grad=True), 0).backward(), "aten.sub.Tensor",
+     "inf - inf at 2 of 2 elements"),
     # Found without a diagnosis by a probe (session 38): LayerNorm(eps=0), std of one sample, the fused
     # attention of MultiheadAttention and TransformerEncoderLayer in eval mode with a row all padding.
     ("native_layer_norm", lambda: torch.nn.LayerNorm(4, eps=0.0)(torch.tensor([[1.0, 2, 3, 4], [5.0, 5, 5, 5]])),

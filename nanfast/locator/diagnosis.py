@@ -149,6 +149,58 @@ def _overflow(name: str) -> Callable:
     return diagnose_overflow
 
 
+def _inf_arithmetic(name: str) -> Callable:
+    """NaN from infinities an op was given (a mask's -inf, an input's; allowed where they were made): 0 * inf
+    in mul, inf - inf in add and sub (logsumexp's backward over a row all -inf, pytorch/pytorch#31829)."""
+    def diagnose_inf_arithmetic(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        a, b = args.get("self"), args.get("other")
+        if not (isinstance(a, torch.Tensor) and a.is_floating_point()) or not isinstance(b, (torch.Tensor, int, float)):
+            return None
+        b = torch.as_tensor(b, dtype=a.dtype) * args.get("alpha", 1)
+        a, b = torch.broadcast_tensors(a, b)
+        if name == "mul":
+            bad, what = (a.isinf() & (b == 0)) | ((a == 0) & b.isinf()), "0 * inf"
+        else:
+            same = a.sign() == b.sign()
+            bad, what = a.isinf() & b.isinf() & (same if name == "sub" else ~same), "inf - inf"
+        n = _count(bad)
+        return f"{what} at {_of(n, a)}: infinities it was given (a mask's, an input's) meet" if n else None
+
+    return diagnose_inf_arithmetic
+
+
+def _first(*diagnoses: Callable) -> Callable:
+    """The first of `diagnoses` that recognizes its pattern."""
+    def diagnose_first(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        return next((text for d in diagnoses if (text := d(args, outputs)) is not None), None)
+
+    return diagnose_first
+
+
+def _xlogy_at_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    """xlogy(x, y) is -inf where y is 0 and x is not (torch.distributions' Beta.log_prob at 0,
+    pytorch/pytorch#92260)."""
+    x, y = args.get("self"), args.get("other")
+    if not isinstance(y, torch.Tensor) or y.is_complex():
+        return None
+    x, y = torch.broadcast_tensors(torch.as_tensor(x, dtype=y.dtype), y)
+    n = _count((y == 0) & (x != 0))
+    return f"x * log(y) at y = 0 with x != 0: log(0) is -inf at {_of(n, y)}" if n else None
+
+
+def _divisor_zero(divisor: str) -> Callable:
+    """Division by exact zeros in an op whose divisor is `divisor` (addcdiv: Adam's update divides by
+    sqrt(v) + eps, and an eps of 1e-8 rounds to 0 in float16; afiaka87/glide-finetune#5)."""
+    def diagnose_divisor(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        t = _tensor(args, divisor)
+        if t is None or t.is_complex():
+            return None
+        n = _count(t == 0)
+        return f"divides by exact zeros: {_of(n, t)} of the divisor `{divisor}` {_are(n)} 0" if n else None
+
+    return diagnose_divisor
+
+
 def _exp_overflow(log_of_base: float) -> Callable:
     def diagnose_exp(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
         x = _tensor(args, "self")
@@ -258,7 +310,7 @@ _MATMUL_INPUTS = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("ma
 
 
 def _matmul_overflow(args: Args, outputs: list[torch.Tensor], packet: str) -> Optional[str]:
-    if not outputs or outputs[0].dtype not in (torch.float16, torch.bfloat16):
+    if not outputs or not outputs[0].is_floating_point():
         return None
     a, b = (_tensor(args, n) for n in _MATMUL_INPUTS[packet])
     if a is None or b is None or not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
@@ -293,7 +345,10 @@ DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "asin": _domain("asin", lambda x: x.abs() > 1, "outside [-1, 1]"),
     "atanh": _domain("atanh", lambda x: x.abs() >= 1, "outside (-1, 1)"),
     "pow": _pow_domain,
-    **{packet: _overflow(packet.rstrip("_")) for packet in ("add", "add_", "sub", "sub_", "mul", "mul_")},
+    **{packet: _first(_overflow(packet.rstrip("_")), _inf_arithmetic(packet.rstrip("_")))
+       for packet in ("add", "add_", "sub", "sub_", "mul", "mul_")},
+    "sum": _overflow("sum"), "xlogy": _xlogy_at_zero,
+    "addcdiv": _divisor_zero("tensor2"), "addcdiv_": _divisor_zero("tensor2"),
     "exp": _exp_overflow(1.0), "exp_": _exp_overflow(1.0), "expm1": _exp_overflow(1.0),
     "exp2": _exp_overflow(math.log(2.0)),
     "nll_loss_forward": _loss_over_nothing, "nll_loss2d_forward": _loss_over_nothing,
