@@ -282,9 +282,6 @@ def masked_logsumexp_loss(x):
     # 1/x overflows float32 at a denormal x whose log is finite
     (log_loss, [[1e-45, 1.0]], "aten.div.Tensor", "LogBackward0", "fwd-log"),
     (rsqrt_loss, [[1e-45, 1.0]], "aten.pow.Tensor_Scalar", "RsqrtBackward0", "fwd-rsqrt"),
-    # logsumexp of a fully masked row is -inf (allowed); its gradient takes -inf - -inf
-    (masked_logsumexp_loss, [[[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]], "aten.sub.Tensor", "LogsumexpBackward0",
-     "fwd-logsumexp"),
 ])
 def test_backward_producer(loss_fn, values, op, node, marker):
     leaves = [torch.tensor(v, requires_grad=True) for v in values]
@@ -300,6 +297,48 @@ def test_backward_producer(loss_fn, values, op, node, marker):
     assert f"backward of {node}" in finding.summary()
     assert finding.outputs[0].nonfinite > 0 and all(i.nonfinite == 0 for i in finding.inputs
                                                      if finding.reason.endswith("finite inputs"))
+
+
+def test_a_loss_of_a_fully_masked_logsumexp_row_is_reported_not_its_masked_gradient():
+    """logsumexp of a fully masked row is -inf (allowed), so the loss is -inf; its gradient takes -inf - -inf
+    (NaN), which masked_fill's backward zeroes: the leaf's gradient is finite. The backward NaN was the
+    finding; it is masked (noted), and the -inf loss backward() was called on is reported."""
+    x = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], requires_grad=True)
+    with nanfast.locate(action="record") as region:
+        masked_logsumexp_loss(x).backward()
+    assert torch.isfinite(x.grad).all()
+    assert [(f.op, f.node) for f in region.masked] == [("aten.sub.Tensor", "LogsumexpBackward0")]
+    (finding,) = region.findings
+    assert (finding.kind, finding.phase, finding.outputs[0].neginf) == ("producer", "forward", 1)
+    assert_forward_line(finding.source, "fwd-logsumexp")
+
+
+def _clamped_acos(cosine):
+    return torch.acos(cosine.clamp(-1.0, 1.0)).sum()  # <clamped-acos>
+
+
+def _arcface_sine(cosine):
+    return torch.sqrt((1.0 - cosine.pow(2)).clamp(0, 1)).sum()  # <arcface-sine>
+
+
+@pytest.mark.parametrize("loss_fn, value", [(_clamped_acos, 1.0000001), (_arcface_sine, 1.0)],
+                         ids=["acos-8069", "arcface-91"])
+def test_a_backward_inf_that_a_later_node_masks_is_no_finding(loss_fn, value):
+    """acos(clamp(cos, -1, 1)) with a cosine rounded past 1 (pytorch/pytorch#8069) and ArcFace's
+    sqrt((1 - cos^2).clamp(0, 1)) at cos = 1 (ronghuaiyang/arcface-pytorch#91): the inner node returns
+    ±inf, the clamp's backward zeroes it, the leaf's gradient is finite; locate stopped that healthy step.
+    The same inf reaching the leaf is still reported, when backward ends, before the optimizer runs."""
+    cosine = torch.tensor([0.5, value], requires_grad=True)
+    with nanfast.locate():
+        loss_fn(cosine).backward()
+    assert torch.isfinite(cosine.grad).all()
+    if loss_fn is _clamped_acos:  # without the clamp the inf reaches the leaf
+        leaf = torch.tensor([0.5, 1.0], requires_grad=True)
+        with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():
+            torch.acos(leaf).sum().backward()
+            raise AssertionError("backward() returned")  # the report comes out of backward()
+        assert raised.value.report.node == "AcosBackward0" and torch.isinf(leaf.grad).any()
+
 
 
 def test_backward_inputs_name_their_producers():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -36,6 +37,7 @@ except ImportError:
 
 _READ_TO_HOST = torch.ops.aten._local_scalar_dense.default
 _ONES_LIKE = torch.ops.aten.ones_like.default
+_FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 _MAKE_GRADS = getattr(getattr(torch.autograd, "_make_grads", None), "__code__", None)
 
 # NOTE: [what locate reports]
@@ -71,9 +73,12 @@ class _LocateMode(TorchDispatchMode):
         super().__init__()
         self.owner = owner
         self.provenance = Provenance()
-        self.nodes = NodeVerdicts(_any_nonfinite_values, lambda item: owner._report(*item),
+        self.nodes = NodeVerdicts(_any_nonfinite_values, self._node_returned_nonfinite,
                                   lambda item: owner.masked.append(item[0]))
         self.off_path = OffPathFindings(lambda item: owner._report(*item), lambda item: owner.masked.append(item[0]))
+        # Backward findings held until their backward pass ends (NOTE: [a backward finding masked downstream]).
+        self._held_in_backward: list[OffPath] = []
+        self._backward_lock = threading.Lock()
         self.unexplained_root: Optional[LocateFinding] = None  # see NOTE: [a non-finite value backward is called on]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -141,6 +146,37 @@ class _LocateMode(TorchDispatchMode):
         else:
             self.provenance.record_outputs(outputs, producer, tainted)
         return out
+
+    # NOTE: [a backward finding masked downstream]
+    # A node that returns a non-finite gradient confirms its finding, but a later node may still mask it:
+    # acos(clamp(cos, -1, 1)) with a cosine rounded past 1 (pytorch/pytorch#8069) returns -inf from
+    # AcosBackward0, and ClampBackward0 zeroes the gradient where the clamp was active: every parameter's
+    # gradient is finite, and locate stopped a healthy step (as in ArcFace's sqrt(1 - cos^2) at cos = 1; a
+    # probe, session 45). So a confirmed finding is held as a forward one off the gradient path is: the
+    # gradients it returned are tainted with it, the ops that carry them on follow it, and when the
+    # backward pass ends (a callback queued on the engine) it is reported if a value it tainted is still
+    # alive (a parameter's .grad, autograd.grad's result, a retained grad) and noted as masked otherwise.
+    # A value it tainted read to the host, or by an op on a gradient path (create_graph), reports it at once;
+    # so does a gradient of torch.func's transforms (vmap, grad), a wrapper with no storage to follow.
+    def _node_returned_nonfinite(self, item: tuple, gradients: list[torch.Tensor]) -> None:
+        if any(_FUNCTORCH_WRAPPED(g) for g in gradients):  # torch.func's: no storage of their own to follow
+            self.owner._report(*item)
+            return
+        held = self.off_path.hold(item)
+        held.follow(gradients)
+        for g in gradients:
+            self.provenance.retaint(g, held)
+        with self._backward_lock:
+            first = not self._held_in_backward
+            self._held_in_backward.append(held)
+        if first:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        with self._backward_lock:
+            held, self._held_in_backward = self._held_in_backward, []
+        for h in held:
+            self.off_path.settle(h, report=h.alive())
 
     def _backward_root(self, root: torch.Tensor) -> None:
         """backward() was called on `root` (its implicit gradient is being made): the first non-finite root

@@ -36,7 +36,8 @@ class NodeVerdicts:
 
     Args:
         any_nonfinite: whether a list of tensors (any dtype, Nones removed) holds NaN/inf.
-        report: called with the held item (a finding and its dump) that a node confirmed.
+        report: called with the held item (a finding and its dump) that a node confirmed, and the
+            non-finite gradients the node returned.
         note: called with each held item a node did not confirm.
     """
 
@@ -81,11 +82,11 @@ class NodeVerdicts:
         with self._lock:
             items, handle = self._pending.pop(key)
         handle.remove()  # a retained graph run again is judged again, from scratch
-        confirmed = self._any_nonfinite([g for g in grad_inputs if isinstance(g, torch.Tensor)])
-        for item in items[1:] if confirmed else items:
+        nonfinite = [g for g in grad_inputs if isinstance(g, torch.Tensor) and self._any_nonfinite([g])]
+        for item in items[1:] if nonfinite else items:
             self._note(item)
-        if confirmed:
-            self._report(items[0])
+        if nonfinite:
+            self._report(items[0], nonfinite)
 
     def close(self) -> None:
         """Drops what nodes that never returned (their backward raised) held, as notes."""

@@ -98,6 +98,11 @@ class OffPathFindings:
         if not held.settled:
             self._settle(held, self._report)
 
+    def settle(self, held: OffPath, report: bool) -> None:
+        """Reports (`report`) or notes `held`, unless a value it tainted has already mattered."""
+        if not held.settled:
+            self._settle(held, self._report if report else self._note)
+
     def _settle(self, held: OffPath, act: Callable[[Any], None]) -> None:
         """Reports or notes `held`, then lets go of its copy (the storages it tainted still point at it)."""
         held.settled = True

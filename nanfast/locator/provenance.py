@@ -94,6 +94,17 @@ class Provenance:
         for t in outputs:
             setattr(t.untyped_storage(), _PRODUCER_ATTR, record)
 
+    def retaint(self, t: torch.Tensor, taint: Any) -> None:
+        """Marks the non-finite values this region recorded on t's storage as descending from `taint`.
+
+        Args:
+            t: a tensor an op of the region wrote.
+            taint: the new `tainted` value (an OffPath: NOTE: [a backward finding masked downstream]).
+        """
+        record = self.record(t)
+        if record is not None:
+            setattr(t.untyped_storage(), _PRODUCER_ATTR, record[:3] + (taint,))
+
     def record_write(self, t: torch.Tensor, producer: Producer, nonfinite: bool, tainted: Any) -> None:
         """Records an in-place or out= write of `producer` to t, partial when t covers only part of a
         storage from outside (see NOTE: [partial writes]).
