@@ -495,8 +495,11 @@ def test_a_second_watch_on_a_watched_model_warns():
     model, other = MLP(), MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = nanfast.watch(model, opt)
-    with pytest.warns(UserWarning, match=r"MLP is already watched by Watch\(MLP, .*installed\): both check every step"):
+    with pytest.warns(UserWarning, match=r"MLP is already watched by Watch\(MLP, .*installed\): all check every step"):
         second = nanfast.watch(model, opt)
+    # A watch dropped without remove() keeps checking (a notebook cell run again): the count is said.
+    with pytest.warns(UserWarning, match=r"installed\) and 1 other watch\(es\): all check every step.*keeps checking"):
+        nanfast.watch(model, opt).remove()
     with pytest.raises(nanfast.NonFiniteError):
         train_step(model, opt, batch()[0] * math.nan, batch()[1])
     assert (len(first.events), len(second.events)) == (1, 0)  # the first to act reported it

@@ -158,6 +158,34 @@ def test_a_log_to_file_of_a_watch_dropped_without_remove_can_be_written_again(tm
     gc.collect()
     w = nanfast.watch(nn.Linear(4, 2), log_to=path)
     w.remove()
+    # Without a collection in between (a sweep, one model and one watch per run): the watch and its model
+    # hold each other, and the path stayed taken until the cyclic collector happened to run.
+    gc.disable()
+    try:
+        for _ in range(3):
+            _train_and_drop(log_to=path)
+        nanfast.watch(nn.Linear(4, 2), log_to=path).remove()
+    finally:
+        gc.enable()
+
+
+def test_event_warnings_leave_no_text_in_the_warning_registry():
+    """Each event warning names its step, so Python's registry (one entry per text shown, for the life of
+    the process) only grew: 0.7 MB per 1000 steps of a watch with action="warn" on a NaN weight."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.weight[0, 0] = NAN
+    registry = globals().setdefault("__warningregistry__", {})
+    registry.clear()
+    with nanfast.watch(model, optimizer, action="warn") as w, warnings.catch_warnings():
+        warnings.simplefilter("default")  # as outside a test run: each text once per line, kept in the registry
+        for _ in range(20):
+            optimizer.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+    assert len(w.events) == 20
+    assert [k for k in registry if k != "version"] == []
 
 
 def test_hooks_of_modules_swapped_out_are_not_kept():

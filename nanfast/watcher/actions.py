@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -16,7 +15,7 @@ import torch
 from .located_agrees import disagreement
 from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
-from ..locator.source import user_stacklevel
+from ..locator.source import warn_at_user_line
 from .events import Event
 from .inputs import entry_names
 from .options import SKIPPING
@@ -124,7 +123,7 @@ class Actions:
         elif action == "skip":
             self._act(event, scaler_skipped=False, before_step=before_step)
         elif action == "warn":
-            warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
+            warn_at_user_line(event.summary(), RuntimeWarning)
             if callable(self.action):
                 with self._idle():
                     self.action(event)
@@ -261,7 +260,7 @@ class Actions:
             with self._idle():
                 self.action(event)
         elif self.action == "warn":
-            warnings.warn(event.summary(), RuntimeWarning, stacklevel=user_stacklevel())
+            warn_at_user_line(event.summary(), RuntimeWarning)
         else:
             missed = self._undo.restore() if before_step and self._undo is not None else list(unrestored)
             # A rank that cannot skip makes every rank raise (NOTE: [Decisions that only one rank can see]);
@@ -270,8 +269,8 @@ class Actions:
                          and self.action != "raise" and agree.any_rank(bool(missed), self.process_group) and not missed)
             if event.evaluation and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
-                warnings.warn(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
-                              RuntimeWarning, stacklevel=user_stacklevel())
+                warn_at_user_line(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
+                                  RuntimeWarning)
                 return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
             unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
@@ -291,8 +290,8 @@ class Actions:
             # The GradScaler already skipped it, or (lagged) the optimizer skips it on the device (found_inf).
             self._skip_now = not scaler_skipped and before_step
             self.skipped_steps += 1
-            warnings.warn(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
-                          "buffers unchanged, grads zeroed)", RuntimeWarning, stacklevel=user_stacklevel())
+            warn_at_user_line(f"{event.summary()}: skipped the optimizer step (parameters, optimizer state and module "
+                              "buffers unchanged, grads zeroed)", RuntimeWarning)
 
     def _roll_back(self, event: Event) -> None:
         """action="rollback" with non-finite parameters: puts back the last snapshot proven finite and
@@ -314,6 +313,6 @@ class Actions:
         self.rolled_back_steps += 1
         self.last_rollback = (event.step, restored)
         undone = f"step {restored}" if restored == event.step - 1 else f"steps {restored} to {event.step - 1}"
-        warnings.warn(f"{event.summary()}: rolled back to the state step {restored} began with (parameters, "
-                      f"optimizer state and module buffers; the updates of {undone} are undone) and skipped the "
-                      "optimizer step", RuntimeWarning, stacklevel=user_stacklevel())
+        warn_at_user_line(f"{event.summary()}: rolled back to the state step {restored} began with (parameters, "
+                          f"optimizer state and module buffers; the updates of {undone} are undone) and skipped the "
+                          "optimizer step", RuntimeWarning)

@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import datetime
 import errno
+import gc
 import json
 import math
 import os
@@ -145,6 +146,11 @@ class _Stream:
         seen: set[str] = set()
         for path in paths:
             real = os.path.realpath(path)
+            if real in _Stream._open:
+                # A watch dropped with its model without remove() is a reference cycle (the model's hooks
+                # hold it), freed only by the cyclic collector: a sweep making a model and a watch on one
+                # path per run was refused until a collection happened to run (a probe, session 45).
+                gc.collect()
             if real in _Stream._open or real in seen:
                 raise ValueError(f"nanfast.watch: log_to {os.fspath(path)!r} is already written by another watch in "
                                  "this process (or named twice); give each watch its own file (or remove() the other "

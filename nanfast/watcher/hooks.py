@@ -130,9 +130,12 @@ class Hooks:
         # reports it: almost always a mistake, so said at once.
         watching = [w for w in _WATCHES.get(model, ()) if w._installed]
         if watching:
-            warnings.warn(f"nanfast.watch: {type(model).__name__} is already watched by {watching[0]!r}: both check "
-                          "every step, at twice the cost, and only the first to act on a bad step reports it; call "
-                          "remove() on the other (or leave its `with` block) first", UserWarning, stacklevel=4)
+            more = f" and {len(watching) - 1} other watch(es)" if len(watching) > 1 else ""
+            warnings.warn(f"nanfast.watch: {type(model).__name__} is already watched by {watching[0]!r}{more}: all "
+                          "check every step, each at the full cost, and only the first to act on a bad step reports "
+                          "it. A watch dropped without remove() keeps checking, for the model's hooks hold it (a "
+                          "notebook cell run again adds one each time): call remove() on the other (or leave its "
+                          "`with` block) first", UserWarning, stacklevel=4)
         _WATCHES.setdefault(model, weakref.WeakSet()).add(self)
         # Each module hook acts for its own module only (NOTE: [Copies of a watched model]).
         self._handles.append(model.register_forward_pre_hook(OwnedHook(model, hook(self._before_model)),
