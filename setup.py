@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 from setuptools import find_packages, setup
 
@@ -51,8 +52,15 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 # it, for an extension that would not load beside the user's torch (a probe, session 45). So a build
 # whose torch lies in such an environment stops at once and says what to run instead; and the package
 # requires the torch it was built against, so that a wheel does not pull in another one.
-_ISOLATED = ("pip-build-env-", "build-env-")
-if any(mark in torch.__file__ for mark in _ISOLATED) and os.environ.get("NANFAST_ISOLATED_BUILD") != "1":
+def isolated_build_environment(path: str) -> bool:
+    """Whether `path` lies in a build environment pip or `python -m build` made for this build: a
+    temporary folder named pip-build-env-* or build-env-* (a venv of one's own so named is not one)."""
+    temporary = os.path.realpath(tempfile.gettempdir()) + os.sep
+    path = os.path.realpath(path)
+    return path.startswith(temporary) and path[len(temporary):].startswith(("pip-build-env-", "build-env-"))
+
+
+if isolated_build_environment(torch.__file__) and os.environ.get("NANFAST_ISOLATED_BUILD") != "1":
     sys.exit(f"nanfast: this build would compile against torch {torch.__version__}, which pip installed into an "
              f"isolated build environment ({os.path.dirname(torch.__file__)}), not against the torch you run: the "
              "extension only loads beside the torch it was built for. Install torch first, then build against it: "
