@@ -311,7 +311,8 @@ def _stand_ins(source: Union[str, io.BytesIO], is_zip: bool) -> list[tuple[type,
         names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     if any(_runs_code(name) for name in names):
         return []
-    return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in names]
+    # Sorted: torch lists them in a set's order, which changed from run to run what "and 1 more" hid.
+    return [(type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": __name__}), name) for name in sorted(names)]
 
 
 def is_torch_save(path: str) -> bool:

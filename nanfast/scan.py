@@ -223,7 +223,8 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
         path: a checkpoint file; a directory (a Trainer's checkpoint-500/, a save_pretrained output),
             for its entries ending in CHECKPOINT_SUFFIXES (a dangling link or a FIFO among them is
             then reported as not read) and the torch.save files named otherwise (accelerate's *.pkl),
-            not its subdirectories, and the shards any index in it names
+            and those of its subdirectories (NOTE: [A directory's subdirectories]), and the shards any
+            index in them names
             (a missing one is reported); or the index of a
             sharded checkpoint (*.index.json, as transformers writes), for the shards its "weight_map"
             names, next to it.
@@ -235,20 +236,21 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
     if is_dcp_directory(path):  # one checkpoint, read as a whole (NOTE: [Distributed checkpoints])
         return [path]
     if os.path.isdir(path):
-        # Every entry named as a checkpoint but a directory: one that cannot be read (a dangling link, a
-        # FIFO) is then reported, never left out; and the shards an index in it names, so that a missing
-        # one is reported too.
-        names = os.listdir(path)
-        files = {os.path.join(path, name) for name in names
-                 if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(os.path.join(path, name))}
-        # torch.save files named otherwise (accelerate's random_states_0.pkl and custom_checkpoint_0.pkl,
-        # which hold tensors: left out, a directory was called clean without them)
-        files.update(full for name in names if is_torch_save(full := os.path.join(path, name)))
-        for name in names:
-            if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(path, name)), list):
-                files.update(shards)
-        return sorted(files) or FileScan(path, "refused", error="a directory with no checkpoint file directly in it (*"
-                                         f"{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
+        files: set[str] = set()
+        for folder, names in _folders(path, files):
+            # Every entry named as a checkpoint but a directory: one that cannot be read (a dangling link, a
+            # FIFO) is then reported, never left out; and the shards an index in it names, so that a missing
+            # one is reported too.
+            files.update(full for name in names
+                         if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(full := os.path.join(folder, name)))
+            # torch.save files named otherwise (accelerate's random_states_0.pkl and custom_checkpoint_0.pkl,
+            # which hold tensors: left out, a directory was called clean without them)
+            files.update(full for name in names if is_torch_save(full := os.path.join(folder, name)))
+            for name in names:
+                if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(folder, name)), list):
+                    files.update(shards)
+        return sorted(files) or FileScan(path, "refused", error="a directory with no checkpoint file in it or its "
+                                         f"subdirectories (*{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
     if path.endswith(".index.json") and os.path.isfile(path):
         return _index_shards(path)
     return [path]
@@ -275,13 +277,35 @@ def _index_shards(path: str) -> Union[list[str], FileScan]:
 
 
 def indexes_of(path: str) -> list[str]:
-    """The sharded checkpoints' indexes (*.index.json) `path` names: itself, or those directly in a
-    directory."""
+    """The sharded checkpoints' indexes (*.index.json) `path` names: itself, or those in a directory and
+    its subdirectories."""
     if path.endswith(".index.json") and os.path.isfile(path):
         return [path]
     if os.path.isdir(path) and not is_dcp_directory(path):
-        return sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".index.json"))
+        return sorted(os.path.join(folder, name) for folder, names in _folders(path, set())
+                      for name in names if name.endswith(".index.json"))
     return []
+
+
+# NOTE: [A directory's subdirectories]
+# A Trainer's output directory holds the final weights and a checkpoint-N/ folder per save: a scan of it
+# that read the top folder only said "clean" (exit 0) while checkpoint-4/optimizer.pt held inf (a probe,
+# session 45). So a directory is read with every folder under it; a distributed checkpoint among them is
+# one checkpoint, read whole; links to directories are not followed (a loop, or a tree elsewhere).
+def _folders(path: str, checkpoints: set[str]) -> Iterator[tuple[str, list[str]]]:
+    """Each folder of the tree at directory `path` (itself first, then its subdirectories, sorted) with
+    the names of its entries that are not directories (links to directories are left out); the
+    distributed checkpoints found under it are added to `checkpoints` instead of entered."""
+    for folder, subfolders, names in os.walk(path):
+        subfolders.sort()
+        for name in list(subfolders):
+            full = os.path.join(folder, name)
+            if os.path.islink(full):
+                subfolders.remove(name)
+            elif is_dcp_directory(full):
+                checkpoints.add(full)
+                subfolders.remove(name)
+        yield folder, names
 
 
 def index_gaps(index: str, scans: dict[str, FileScan]) -> Optional[FileScan]:

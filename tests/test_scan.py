@@ -592,16 +592,18 @@ def test_npy_and_npz_files_are_read_without_pickles(capsys, tmp_path):
 def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp_path, clean_file, poisoned_file):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "sub").mkdir()
-    torch.save({"x": torch.tensor([NAN])}, tmp_path / "sub" / "deeper.pt")  # subdirectories are not entered
-    assert scan.checkpoint_files(str(tmp_path)) == [str(clean_file), str(poisoned_file)]
+    deeper = tmp_path / "sub" / "deeper.pt"
+    torch.save({"x": torch.tensor([NAN])}, deeper)  # subdirectories are entered (a Trainer's checkpoint-N/)
+    (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # links to folders are not
+    assert scan.checkpoint_files(str(tmp_path)) == [str(clean_file), str(poisoned_file), str(deeper)]
     code, out = run_scan(capsys, tmp_path)
-    assert code == 1 and out.startswith(f"{clean_file}: 2 tensors") and "deeper" not in out
+    assert code == 1 and out.startswith(f"{clean_file}: 2 tensors") and f"{deeper}: 1 tensor" in out
     code, out = run_scan(capsys, tmp_path / "sub" / "..")  # the same directory
     assert code == 1
     empty = tmp_path / "empty"
-    empty.mkdir()
+    (empty / "logs").mkdir(parents=True)
     code, out = run_scan(capsys, empty)
-    assert code == 2 and "refused: a directory with no checkpoint file directly in it" in out
+    assert code == 2 and "refused: a directory with no checkpoint file in it or its subdirectories" in out
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": "clean.pt", "b": "poisoned.pth", "c": "clean.pt"}}))
