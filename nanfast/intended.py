@@ -23,7 +23,8 @@ _MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
 # A score that tracks the best (or worst) value so far starts at an infinity, on purpose: `best_loss =
 # float("inf")` in countless training scripts, torch's ReduceLROnPlateau (`best` until its first step,
 # `mode_worse` always: both in its state_dict), Lightning's ModelCheckpoint `kth_value` and
-# EarlyStopping `best_score` (in every checkpoint a default Lightning Trainer saves); a running minimum
+# EarlyStopping `best_score` (in every checkpoint a default Lightning Trainer saves; not ModelCheckpoint's
+# `best_model_score`, which starts at None); a running minimum
 # and maximum the same way: torch.ao.quantization's observers keep `min_val` at +inf and `max_val` at
 # -inf until their first forward (in every model prepare_qat returns). A check that called them
 # non-finite failed every healthy checkpoint holding one. So a one-element entry that is +inf or -inf
@@ -38,6 +39,10 @@ def _last_part(pattern: str, flags: int = 0) -> re.Pattern:
 
 
 _SCORE_NAME = _last_part(r"best\w*|\w*_best|worst\w*|\w*_worst|kth_value|mode_worse", re.IGNORECASE)
+# Lightning's ModelCheckpoint starts best_model_score at None and turns a NaN monitored metric into +-inf:
+# an infinity there is a diverged metric, never a starting value (a NaN validation loss saved as +inf was
+# left out, the checkpoint called clean: a probe, session 45).
+_NOT_A_SCORE_SENTINEL = _last_part("best_model_score")
 _MIN_NAME = _last_part("min_val")
 _MAX_NAME = _last_part("max_val")
 
@@ -64,6 +69,6 @@ def is_sentinel(name: str, numel: int, nan: int, posinf: int, neginf: int) -> bo
     if numel != 1 or nan != 0 or posinf + neginf != 1:
         return False
     if _SCORE_NAME.fullmatch(name) is not None:
-        return True
+        return _NOT_A_SCORE_SENTINEL.fullmatch(name) is None
     return _MIN_NAME.fullmatch(name) is not None if posinf else _MAX_NAME.fullmatch(name) is not None
 

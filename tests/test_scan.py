@@ -486,10 +486,12 @@ def test_a_checkpoint_with_no_tensor_is_empty_not_clean(capsys, tmp_path):
 # files other tools made: Lightning's checkpoints (NOTE: [Sentinel infinities])
 # --------------------------------------------------------------------------------------------------
 
-def _lightning_checkpoint(tmp_path, monitor: bool):
+def _lightning_checkpoint(tmp_path, monitor: bool, nan_validation: bool = False):
     """A checkpoint saved by the real Lightning Trainer after two steps of a tiny model, with its default
     ModelCheckpoint (kth_value = +inf) and, with `monitor`, an EarlyStopping waiting for a metric logged at
-    validation (best_score = -inf in mode "max"; no validation runs, so it stays there)."""
+    validation (best_score = -inf in mode "max"; no validation runs, so it stays there). With
+    `nan_validation`, the one a ModelCheckpoint monitoring a validation loss saved, the validation data
+    holding a NaN."""
     import logging
     import warnings
 
@@ -503,19 +505,30 @@ def _lightning_checkpoint(tmp_path, monitor: bool):
         def training_step(self, batch, batch_idx):
             return self.layer(batch[0]).square().mean()
 
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.layer(batch[0]).square().mean())
+
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
     torch.manual_seed(0)
     callbacks = [L.pytorch.callbacks.EarlyStopping(monitor="val_acc", mode="max", check_on_train_epoch_end=False)] \
         if monitor else []
+    if nan_validation:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "saved"), monitor="val_loss"))
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    validation = torch.randn(8, 4)
+    validation[0, 0] = NAN
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Tiny(), data)
+        trainer.fit(Tiny(), data, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(validation), batch_size=4)
+                    if nan_validation else None)
+    if nan_validation:
+        (saved,) = (tmp_path / "saved").iterdir()
+        return saved
     path = tmp_path / "lightning.ckpt"
     trainer.save_checkpoint(path)
     return path
@@ -548,6 +561,17 @@ def test_a_lightning_checkpoint_with_a_nan_weight_or_a_nan_callback_score_is_sti
     other = tmp_path / "other.pt"
     torch.save({"callbacks": {"x": {"value": torch.tensor(INF), "best_scores": torch.tensor([INF, 1.0])}}}, other)
     assert [e.name for e in scan.scan_file(str(other)).report.bad] == ["callbacks.x.value", "callbacks.x.best_scores"]
+
+
+def test_a_lightning_checkpoint_of_a_diverged_validation_loss_is_non_finite(capsys, tmp_path):
+    """ModelCheckpoint(monitor="val_loss") turns a NaN validation loss into +inf, stored as best_model_score
+    (and current_score, one tensor): taken for a best score's starting value, it was left out and the
+    checkpoint called clean (exit 0). best_model_score starts at None: an infinity there is the metric's."""
+    path = _lightning_checkpoint(tmp_path, monitor=False, nan_validation=True)
+    result = scan.scan_file(str(path))
+    assert result.status == "nonfinite" and scan.exit_code([result]) == 1
+    # current_score and kth_value are that tensor too: read once, under its first name.
+    assert [e.name.rsplit(".", 1)[-1] for e in result.report.bad] == ["best_model_score"]
 
 
 # --------------------------------------------------------------------------------------------------
