@@ -56,6 +56,10 @@ void read_data_pointers(const char* op, at::TensorList tensors, std::vector<Inpu
         TORCH_CHECK(t.storage().nbytes() >= extent, op, ": tensors[", i, "] reaches ", extent,
                     " bytes into its storage, which holds ", t.storage().nbytes(),
                     " (freed or shrunk, as FSDP and offloading do between uses): it has no values to read");
+        // A wrapper subclass's own TensorImpl reached the kernel (its __torch_dispatch__ passed itself on):
+        // its storage claims bytes at no address (a probe, session 45: a crash, as in torch's own ops).
+        TORCH_CHECK(runs[i].data != nullptr, op, ": tensors[", i, "] holds ", t.numel(),
+                    " elements at no address (a tensor subclass's wrapper, not the tensor holding its values)");
       }
     }
   };

@@ -14,7 +14,7 @@ import torch
 
 from . import _nested, distributed
 from ._tree import group_by_device, is_container, named_leaves
-from .ops import dispatch_subclass, stats
+from .ops import stats, unreadable_subclass
 from .report import Entry, NonFiniteError, Report
 
 
@@ -130,7 +130,7 @@ def _validate(name: str, t: torch.Tensor) -> None:
     if fake is not None and isinstance(t, fake.FakeTensor):
         raise ValueError(f"nanfast.check_all: {name!r} is a FakeTensor (made under FakeTensorMode or while "
                          "torch.compile traces): it has no values to check")
-    if dispatch_subclass(t) and not hasattr(t, "__tensor_flatten__"):
+    if unreadable_subclass(t):
         raise TypeError(f"nanfast.check_all: {name!r} is a {type(t).__name__}, a tensor subclass whose values the "
                         "kernels cannot read and which names no plain tensors it holds (no __tensor_flatten__); "
                         "check the plain tensors it holds")

@@ -77,6 +77,13 @@ def dispatch_subclass(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ and not t.is_nested
 
 
+def unreadable_subclass(t: torch.Tensor) -> bool:
+    """Whether `t` is a tensor subclass the fused ops cannot read: one with a __torch_dispatch__ of its own
+    that names no plain tensors (no __tensor_flatten__: a MaskedTensor, a FakeTensor); a wrapper that
+    names them (a TwoTensor, a DTensor) is read through them."""
+    return dispatch_subclass(t) and not hasattr(t, "__tensor_flatten__")
+
+
 def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
     """Raises a clear error naming the first bad entry; called only once the op has refused the list
     (checking every entry up front would cost more than the kernel on thousands of small tensors)."""
@@ -89,7 +96,7 @@ def _diagnose(tensors: Sequence[torch.Tensor], api: str) -> None:
         _check_device(api, i, t, tensors[0])
         if t.is_quantized:
             raise TypeError(f"{api}: entry {i} is a quantized tensor ({t.dtype}); check its .dequantize()")
-        if dispatch_subclass(t):
+        if unreadable_subclass(t):
             raise TypeError(f"{api}: entry {i} is a {type(t).__name__}, a tensor subclass whose values the kernels "
                             "cannot read; check the plain tensors it holds")
 

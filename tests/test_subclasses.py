@@ -118,6 +118,48 @@ def test_a_fake_tensor_is_refused_by_name():
         nanfast.check_all({"ok": torch.ones(2), "x": fake})
 
 
+class _PassThrough(torch.Tensor):
+    """A wrapper whose values live in `.inner` and whose __torch_dispatch__ hands every op the wrapper
+    itself, below the Python key: the kernels get a tensor whose storage claims bytes at no address."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        wrapper.inner = inner
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+            return func(*args, **(kwargs or {}))
+
+
+def test_an_unreadable_entry_beside_a_wrapper_subclass_is_refused_by_name():
+    """A list holding a TwoTensor is read through every entry's plain parts: a MaskedTensor or a FakeTensor
+    beside it got a row of zeros, and any_nonfinite said False of its NaN; a TwoTensor of sparse tensors
+    was read as nothing. Alone, each is refused; beside a TwoTensor now too, naming the entry."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.masked import masked_tensor
+
+    clean = TwoTensor(torch.ones(2), torch.ones(2))
+    dirty = torch.tensor([NAN, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MaskedTensor's prototype warning
+        masked = masked_tensor(dirty, torch.tensor([True, True]))
+    fake = FakeTensorMode().from_tensor(dirty)
+    for entry, name in [(masked, "MaskedTensor"), (fake, "FakeTensor")]:
+        for op in (nanfast.stats, nanfast.any_nonfinite):
+            with pytest.raises(TypeError, match=rf"entry 1 is a {name}, a tensor subclass whose values the kernels"):
+                op([clean, entry])
+    sparse_pair = TwoTensor(dirty.to_sparse(), dirty.to_sparse())
+    for op in (nanfast.stats, nanfast.any_nonfinite):
+        with pytest.raises((ValueError, RuntimeError), match=r"entry 0 has layout|tensors\[0\] has layout"):
+            op([sparse_pair])
+    # A wrapper that reaches the kernels as itself: refused, not read at its null address (a crash).
+    with pytest.raises(RuntimeError, match=r"tensors\[0\] holds 2 elements at no address"):
+        torch.ops.nanfast.stats([_PassThrough(dirty)])
+
+
 def test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors():
     """Under locate, an op on a MaskedTensor raised from inside nanfast (the kernels were handed the
     subclass) though nothing was non-finite, and log of a TwoTensor holding -1 raised ".tolist() is not

@@ -278,7 +278,35 @@ bool holds_wrapper_subclass(at::TensorList tensors) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_through_parts(at::TensorList tensors) {
+// NOTE: [Entries read through their parts must all be readable]
+// A list holding a wrapper subclass goes to stats_on, which reads each entry through its plain parts. For
+// the watch, an entry that names no plain tensors is left out with a warning (a model's output of some
+// subclass); called by the user on stats or any_nonfinite, such an entry got a row of zeros and the
+// call said "finite": a MaskedTensor, a FakeTensor or a wrapper without __tensor_flatten__ beside a
+// TwoTensor, or a TwoTensor of sparse tensors (a probe, session 45). Alone, each is refused. So there,
+// every entry and every part must be one the kernels read, or the call is refused, naming the entry.
+void refuse_unreadable_parts(const char* api, size_t index, const at::Tensor& t) {
+  if (!python_subclass(t) || t.is_nested()) {
+    TORCH_CHECK(t.is_nested() || t.layout() == at::kStrided, api, ": tensors[", index, "] has layout ", t.layout(),
+                "; only strided tensors are supported (check a sparse tensor's .values(), or .to_dense() it)");
+    return;
+  }
+  const py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  TORCH_CHECK(py::hasattr(obj, "__tensor_flatten__"), api, ": tensors[", index, "] is a ", Py_TYPE(obj.ptr())->tp_name,
+              ", a tensor subclass whose values the kernels cannot read; check the plain tensors it holds");
+  const py::object names = obj.attr("__tensor_flatten__")()[py::int_(0)];  // held: the loop reads it
+  for (const py::handle name : names) {
+    const py::object inner = obj.attr(name);
+    if (THPVariable_Check(inner.ptr())) {
+      refuse_unreadable_parts(api, index, THPVariable_Unpack(inner.ptr()));
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_through_parts(const char* api, at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    refuse_unreadable_parts(api, i, tensors[i]);
+  }
   const c10::AutoGradMode no_grad(false);
   py::gil_scoped_release no_gil;  // stats_on takes it back for the subclasses
   return stats_on(tensors, tensors[0].device());
@@ -288,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_stats(py::handle tensors) {
   const BorrowedTensors inputs("nanfast.stats", tensors);
   inputs.refuse_uninitialized("nanfast.stats");
   if (holds_wrapper_subclass(inputs.list())) {
-    return stats_through_parts(inputs.list());
+    return stats_through_parts("nanfast.stats", inputs.list());
   }
   py::gil_scoped_release no_gil;
   return stats_op().call(inputs.list());
@@ -300,7 +328,7 @@ at::Tensor call_any_nonfinite(py::handle tensors) {
   const BorrowedTensors inputs("nanfast.any_nonfinite", tensors);
   inputs.refuse_uninitialized("nanfast.any_nonfinite");
   if (holds_wrapper_subclass(inputs.list())) {
-    return std::get<0>(stats_through_parts(inputs.list())).any();
+    return std::get<0>(stats_through_parts("nanfast.any_nonfinite", inputs.list())).any();
   }
   py::gil_scoped_release no_gil;
   return op.call(inputs.list());
