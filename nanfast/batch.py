@@ -168,16 +168,36 @@ def _bad_samples(t: torch.Tensor, samples: Optional[torch.Tensor] = None) -> tup
         return tuple(i for i, part in enumerate(t.detach().unbind()) if bool(any_nonfinite(part)))
     if t.dim() == 0 or t.shape[0] == 0:
         return ()
-    # One reduction over the non-batch dims of this (bad) field: linear in its size, and a fixed number
-    # of ops whatever the batch size (one view per sample made millions of tensors for a long 1-D field).
+    # NOTE: [A bad field's samples in bounded memory]
+    # The samples are found by reductions over the non-batch dims of this (bad) field: linear in its size,
+    # and few ops whatever the batch size (one view per sample made millions of tensors for a long 1-D
+    # field). Over the whole field at once, its mask took the memory of its logical size: a 2-byte
+    # [nan].expand(2**15, 2**15) took 5 GB, a 256 MB float8 field 3 GB, read in float32 (a probe, session
+    # 45). So dimensions a broadcast repeats (stride 0) are read once, and rows are read in chunks of at
+    # most _CHUNK_ELEMENTS elements.
+    for d in range(t.dim() - 1, 0, -1):
+        if t.stride(d) == 0:
+            t = t.narrow(d, 0, 1)
+    if t.stride(0) == 0:  # one row for every sample
+        rows = torch.arange(t.shape[0]) if _rows_holding_nonfinite(t[:1]).numel() else torch.empty(0, dtype=torch.long)
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(1, t[0].numel()))
+        rows = torch.cat([start + _rows_holding_nonfinite(t[start:start + step]) for start in range(0, t.shape[0], step)])
+    return tuple(rows.tolist() if samples is None else samples[rows].unique().tolist())
+
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _rows_holding_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """The indices (int64, on the CPU) along t's first dimension of the rows holding NaN or inf."""
     try:
         # torch.isfinite calls every float8_e8m0fnu value finite, its NaN (0xFF) too: one-byte floats are
         # read in float32, exactly.
         finite = torch.isfinite(t.float() if t.is_floating_point() and t.element_size() == 1 else t)
     except (RuntimeError, NotImplementedError):  # kinds isfinite lacks: exact in float32
         finite = torch.isfinite(t.float())
-    rows = (~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().cpu()
-    return tuple(rows.tolist() if samples is None else samples[rows].unique().tolist())
+    return (~finite.reshape(t.shape[0], -1).all(dim=1)).nonzero().flatten().cpu()
 
 
 def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:

@@ -292,3 +292,20 @@ def test_fields_in_lists_of_samples_are_named_by_their_sample():
     batch = next(iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)))
     assert isinstance(batch, list)
     assert [(f.path, f.samples) for f in nanfast.check_batch(batch, raise_on_nonfinite=False).bad] == [("[0]", (4,))]
+
+
+def test_a_bad_fields_samples_are_found_in_bounded_memory(monkeypatch):
+    """The samples of a bad field were found by one isfinite over its whole logical size: a 2-byte
+    [nan].expand(2**15, 2**15) took 5 GB, a 256 MB float8 field 3 GB (read in float32). A broadcast
+    dimension is read once, and rows in chunks (made small here); the samples are the same."""
+    monkeypatch.setattr(batch_module, "_CHUNK_ELEMENTS", 12)
+    read = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: read.append(t.numel()) or isfinite(t))
+    x = torch.zeros(10, 3, 4, dtype=torch.float8_e4m3fn)
+    x.view(torch.uint8)[[2, 7], 1, 3] = 0x7F  # NaN in samples 2 and 7
+    expanded = torch.tensor([[1.0], [NAN], [2.0]], dtype=torch.float16).expand(3, 1000)
+    everywhere = torch.tensor([NAN]).expand(5, 1000)
+    report = nanfast.check_batch({"x": x, "expanded": expanded, "everywhere": everywhere}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("x", (2, 7)), ("expanded", (1,)), ("everywhere", (0, 1, 2, 3, 4))]
+    assert report.bad[1].nan == 1000 and max(read) <= 12
