@@ -140,25 +140,39 @@ def _packed_samples(path: str, t: torch.Tensor, pairs: list[tuple[str, torch.Ten
 
 # NOTE: [Samples as list items]
 # A detection batch is a list of images and a list of target dicts, one of each per sample (torchvision's
-# detection models and collate_fn=lambda b: tuple(zip(*b)); the labels of a DETR batch), where each
-# tensor's first dimension is a channel or a box: named as samples, a NaN box of image 1 was "sample 0
-# of field 'targets[1].boxes'" (a probe, session 45). A batch collated by default is a list of batched
-# tensors instead ([x, y]), whose positions are fields. So a field inside a list or tuple of records
-# (dicts or dataclasses, one per sample: torch's default collate makes a dict of batched tensors of a
-# dataset's dicts, never a list of them), or inside a list or tuple as long as such a list beside it, is
-# in the sample of its position there.
+# detection models and collate_fn=lambda b: tuple(zip(*b)); the labels of a DETR batch beside its
+# batched pixel_values), where each tensor's first dimension is a channel or a box: named as samples, a
+# NaN box of image 1 was "sample 0 of field 'targets[1].boxes'" (a probe, session 45). A batch collated
+# by default is a list of batched tensors instead ([x, y]), whose positions are fields, and a loader of
+# several loaders (Lightning's CombinedLoader) yields a list of batches, each a dict of batched tensors.
+# So a field is in the sample of its position in a list or tuple only where the batch shows that list
+# to hold samples: a list of records (dicts or dataclasses) beside a list of the same length or beside a
+# tensor with one row per record, or a list beside such a list of records. Elsewhere, as before, a
+# sample is an index along the field's first dimension.
 def _list_sample(batch: Any, steps: list) -> Optional[int]:
     """The sample a field belongs to by its position in a list of samples (see the NOTE), or None."""
     for position, sequence, siblings in positions_on(batch, steps):
-        if _records(sequence) or any(_records(s) and len(s) == len(sequence) for s in siblings):
+        if _sequence(sequence) and any(_pair_of_samples(sequence, s) for s in siblings):
             return position
     return None
 
 
+def _pair_of_samples(sequence: Any, sibling: Any) -> bool:
+    """Whether `sequence` and `sibling`, side by side in a batch, show `sequence` to hold one entry per
+    sample (see NOTE: [Samples as list items])."""
+    if isinstance(sibling, torch.Tensor):
+        return _records(sequence) and sibling.dim() > 0 and sibling.shape[0] == len(sequence)
+    return _sequence(sibling) and len(sibling) == len(sequence) and (_records(sequence) or _records(sibling))
+
+
+def _sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and not hasattr(type(value), "_fields") and len(value) > 0
+
+
 def _records(value: Any) -> bool:
-    """Whether `value` is a list or tuple of dicts or dataclass instances (one per sample)."""
-    return (isinstance(value, (list, tuple)) and not hasattr(type(value), "_fields") and len(value) > 0
-            and all(isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)) for v in value))
+    """Whether `value` is a list or tuple of dicts or dataclass instances."""
+    return _sequence(value) and all(isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type))
+                                    for v in value)
 
 
 def _bad_samples(t: torch.Tensor, samples: Optional[torch.Tensor] = None) -> tuple[int, ...]:

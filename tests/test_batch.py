@@ -292,6 +292,14 @@ def test_fields_in_lists_of_samples_are_named_by_their_sample():
     batch = next(iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=6)))
     assert isinstance(batch, list)
     assert [(f.path, f.samples) for f in nanfast.check_batch(batch, raise_on_nonfinite=False).bad] == [("[0]", (4,))]
+    # Two loaders combined (Lightning's CombinedLoader): a list of batches, each a dict of batched tensors,
+    # whose positions are loaders, not samples.
+    CombinedLoader = pytest.importorskip("lightning.pytorch.utilities").CombinedLoader
+    loaders = [torch.utils.data.DataLoader([{"x": row} for row in rows], batch_size=len(rows))
+               for rows in (x, torch.randn(3, 3))]
+    combined = next(iter(CombinedLoader(loaders, "max_size_cycle")))  # ([batch 0, batch 1], index, loader)
+    report = nanfast.check_batch(combined, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("[0][0].x", (4,))]
 
 
 def test_a_bad_fields_samples_are_found_in_bounded_memory(monkeypatch):
