@@ -10,7 +10,9 @@ import warnings
 
 import torch
 
-REBUILD = "pip install --no-build-isolation -e .  (in the nanfast checkout; see the README's Quick start)"
+REBUILD = ("pip install --no-build-isolation -e .  (in the nanfast checkout; a nanfast installed from a wheel or "
+           "an sdist: install it again from its source with --no-build-isolation, this torch installed; see the "
+           "README's Quick start)")
 
 
 def build_record() -> dict | None:
