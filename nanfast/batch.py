@@ -147,8 +147,10 @@ def _packed_samples(path: str, t: torch.Tensor, pairs: list[tuple[str, torch.Ten
 # several loaders (Lightning's CombinedLoader) yields a list of batches, each a dict of batched tensors.
 # So a field is in the sample of its position in a list or tuple only where the batch shows that list
 # to hold samples: a list of records (dicts or dataclasses) beside a list of the same length or beside a
-# tensor with one row per record, or a list beside such a list of records. Elsewhere, as before, a
-# sample is an index along the field's first dimension.
+# tensor with one row per record, or a list beside such a list of records; records whose tensors all
+# have one number of rows look batched and are not taken for samples (a review, session 45: a detection
+# batch whose images all hold as many boxes falls back to rows too). Elsewhere, as before, a sample is
+# an index along the field's first dimension.
 def _list_sample(batch: Any, steps: list) -> Optional[int]:
     """The sample a field belongs to by its position in a list of samples (see the NOTE), or None."""
     for position, sequence, siblings in positions_on(batch, steps):
@@ -161,8 +163,22 @@ def _pair_of_samples(sequence: Any, sibling: Any) -> bool:
     """Whether `sequence` and `sibling`, side by side in a batch, show `sequence` to hold one entry per
     sample (see NOTE: [Samples as list items])."""
     if isinstance(sibling, torch.Tensor):
-        return _records(sequence) and sibling.dim() > 0 and sibling.shape[0] == len(sequence)
-    return _sequence(sibling) and len(sibling) == len(sequence) and (_records(sequence) or _records(sibling))
+        return _sample_records(sequence) and sibling.dim() > 0 and sibling.shape[0] == len(sequence)
+    return (_sequence(sibling) and len(sibling) == len(sequence)
+            and (_sample_records(sequence) or _sample_records(sibling)))
+
+
+def _sample_records(value: Any) -> bool:
+    """Whether `value` is a list or tuple of records that may each be one sample's: two or more records
+    whose tensors all have one number of rows look like batches (a default-collated ((inputs, extras),
+    labels) of batch size 2: two dicts of 2-row tensors beside 2 labels; lists of batches side by side),
+    where one sample's boxes or labels vary in number from sample to sample."""
+    if not _records(value):
+        return False
+    rows = {t.shape[0] if t.dim() else None for record in value
+            for t in (record.values() if isinstance(record, Mapping) else vars(record).values())
+            if isinstance(t, torch.Tensor)}
+    return len(value) < 2 or len(rows) != 1 or None in rows
 
 
 def _sequence(value: Any) -> bool:

@@ -263,12 +263,12 @@ class _DetectionDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         image = torch.rand(3, 20 + 4 * i, 24)
-        boxes = torch.tensor([[1.0, 2.0, 10.0, 12.0], [0.0, 0.0, 5.0, 5.0]])
+        boxes = torch.tensor([[1.0, 2.0, 10.0, 12.0]]).repeat(i + 1, 1)  # as many boxes as i + 1
         if i in self.bad_pixel:
             image[0, 5, 7] = NAN  # channel 0, of sample i
         if i in self.bad_box:
             boxes[0, 2] = NAN  # box 0, of sample i
-        return image, {"boxes": boxes, "labels": torch.tensor([1, 2])}
+        return image, {"boxes": boxes, "labels": torch.ones(i + 1, dtype=torch.long)}
 
 
 def test_fields_in_lists_of_samples_are_named_by_their_sample():
@@ -300,6 +300,13 @@ def test_fields_in_lists_of_samples_are_named_by_their_sample():
     combined = next(iter(CombinedLoader(loaders, "max_size_cycle")))  # ([batch 0, batch 1], index, loader)
     report = nanfast.check_batch(combined, raise_on_nonfinite=False)
     assert [(f.path, f.samples) for f in report.bad] == [("[0][0].x", (4,))]
+    # Records of batched tensors side by side with a list or a tensor as long by chance (batch size 2):
+    # they look batched (every tensor with one number of rows), and rows stay the samples.
+    x2 = torch.zeros(2, 3)
+    x2[1, 0] = NAN
+    default_collated = [[{"x": x2}, {"m": torch.zeros(2, 3)}], torch.tensor([0, 1])]  # ((inputs, extras), label)
+    assert [(f.path, f.samples) for f in nanfast.check_batch(default_collated, raise_on_nonfinite=False).bad] == [
+        ("[0][0].x", (1,))]
 
 
 def test_a_bad_fields_samples_are_found_in_bounded_memory(monkeypatch):

@@ -391,7 +391,16 @@ def test_accelerates_optimizer_says_which_step_a_skip_left_unapplied(with_scaler
             optimizer.step()
         said.append(optimizer.step_was_skipped)
     assert said == [False, True, False] and (w.skipped_steps, w.scaler_skipped_steps) == (1, 0)
+    # A skip on the last step a watch sees: removed, it clears the flag, which accelerate without a
+    # scaler never does (its scheduler would never step again).
+    optimizer.zero_grad()
+    model(torch.randn(3, 4), bad=True)[0].pow(2).mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        optimizer.step()
+    assert optimizer.step_was_skipped
     w.remove()
+    assert not optimizer.step_was_skipped
 
 
 def test_the_statistics_go_to_training_logs_only(tmp_path):

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 import torch.nn.functional as F
 
 import nanfast
@@ -299,6 +300,35 @@ def test_backward_producer(loss_fn, values, op, node, marker):
                                                      if finding.reason.endswith("finite inputs"))
 
 
+def test_a_backward_that_raised_leaves_no_finding_held_past_the_next_backward():
+    """A backward that raised (a transient failure in a later node, caught) never runs the callbacks queued
+    on it: a finding held there kept later backwards from queueing theirs, and a real inf gradient in a
+    later step reached the optimizer, reported only when the region ended."""
+
+    class FailsOnce(torch.autograd.Function):
+        failed = False
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("transient")
+            return grad
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 0.5]))
+    u = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():
+        with pytest.raises(RuntimeError, match="transient"):  # after acos's masked -inf was held
+            (FailsOnce.apply(w * 1).sum() + torch.acos((w * 1.0000001).clamp(-1, 1)).sum()).backward()
+        (w.sum() + u.sqrt().sum()).backward()  # sqrt's gradient at 0: inf, into u.grad
+        raise AssertionError("the second backward returned")
+    assert raised.value.report.node == "SqrtBackward0"
+
+
 def test_a_loss_of_a_fully_masked_logsumexp_row_is_reported_not_its_masked_gradient():
     """logsumexp of a fully masked row is -inf (allowed), so the loss is -inf; its gradient takes -inf - -inf
     (NaN), which masked_fill's backward zeroes: the leaf's gradient is finite. The backward NaN was the
@@ -332,6 +362,14 @@ def test_a_backward_inf_that_a_later_node_masks_is_no_finding(loss_fn, value):
     with nanfast.locate():
         loss_fn(cosine).backward()
     assert torch.isfinite(cosine.grad).all()
+    # The inner node under a reentrant checkpoint, the clamp outside it: the checkpoint's own backward ends
+    # while the -inf it returns is alive, before the outer node masks it (a review, session 45).
+    weight = torch.tensor([1.0, value], requires_grad=True)
+    inner = torch.acos if loss_fn is _clamped_acos else (lambda c: torch.sqrt(c))
+    outer = (lambda w: w.clamp(-1.0, 1.0)) if loss_fn is _clamped_acos else (lambda w: (1.0 - w.pow(2)).clamp(0, 1))
+    with nanfast.locate():
+        checkpoint(inner, outer(weight * 1.0), use_reentrant=True).sum().backward()
+    assert torch.isfinite(weight.grad).all()
     if loss_fn is _clamped_acos:  # without the clamp the inf reaches the leaf
         leaf = torch.tensor([0.5, 1.0], requires_grad=True)
         with pytest.raises(nanfast.NonFiniteError) as raised, nanfast.locate():

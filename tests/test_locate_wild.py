@@ -213,6 +213,11 @@ def test_an_infinite_loss_made_of_a_masks_infinities_is_reported_at_the_op_that_
     findings = run(step).findings
     if not smoothing:  # a finite loss: the mask's -inf stay allowed
         assert findings == []
+        # nor does a Jacobian of masked outputs call each -inf row a loss (autograd.grad of each element)
+        x = torch.randn(3, requires_grad=True)
+        jacobian = run(lambda: torch.autograd.functional.jacobian(
+            lambda v: v.masked_fill(torch.tensor([True, False, False]), float("-inf")), x))
+        assert jacobian.findings == []
         return
     (finding,) = findings
     assert (finding.kind, finding.phase, finding.source.lineno) == ("producer", "forward", line_of("<ls-loss>"))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._stack import frames_up
+from .._stack import ENGINE_RUN, frames_up
 from ..recompute import recomputation_in
 from .examine import examine, root_finding
 from .findings import LocateFinding, Producer
@@ -156,6 +156,8 @@ class _LocateMode(TorchDispatchMode):
     # gradients it returned are tainted with it, the ops that carry them on follow it, and when the
     # backward pass ends (a callback queued on the engine) it is reported if a value it tainted is still
     # alive (a parameter's .grad, autograd.grad's result, a retained grad) and noted as masked otherwise.
+    # A nested backward (a reentrant checkpoint's) leaves its findings to the outermost one's end (a review,
+    # session 45: its own end came before the outer clamp masked them), a backward that raised to the next.
     # A value it tainted read to the host, or by an op on a gradient path (create_graph), reports it at once;
     # so does a gradient of torch.func's transforms (vmap, grad), a wrapper with no storage to follow.
     def _node_returned_nonfinite(self, item: tuple, gradients: list[torch.Tensor]) -> None:
@@ -167,9 +169,12 @@ class _LocateMode(TorchDispatchMode):
         for g in gradients:
             self.provenance.retaint(g, held)
         with self._backward_lock:
-            first = not self._held_in_backward
             self._held_in_backward.append(held)
-        if first:
+        # On the outermost backward only: a nested one (a reentrant checkpoint's, a custom backward's
+        # autograd.grad) ends while what it returns is still alive, before the outer nodes mask it; its
+        # findings wait for the next outermost end, or the region's. One callback per finding: a backward
+        # that raised never runs its callbacks, and a later one must still queue its own.
+        if sum(frame.f_code is ENGINE_RUN for frame in frames_up(sys._getframe(1))) <= 1:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
@@ -183,8 +188,8 @@ class _LocateMode(TorchDispatchMode):
         that no finding explains is kept, reported when the region ends without a finding (NOTE: [a
         non-finite value backward is called on])."""
         values = _values(root)
-        if values is None or not _any_nonfinite([values]):
-            return
+        if values is None or root._base is not None or not _any_nonfinite([values]):
+            return  # a view's element is no loss (autograd.functional.jacobian takes each row's)
         taint = self.provenance.tainted(root)
         if isinstance(taint, OffPath):
             self._matters([taint])
