@@ -124,6 +124,10 @@ CASES = [
      "0 * inf at 1 of 2 elements: infinities it was given (a mask's, an input's) meet"),
     ("sub", lambda x=torch.tensor([-INF, 0.0]): x - x, "aten.sub.Tensor", "inf - inf at 1 of 2 elements"),
     ("add", lambda: torch.tensor([-INF, 1.0]) + torch.tensor([INF, 1.0]), "aten.add.Tensor", "inf - inf at 1 of 2"),
+    # An output with inf beside the NaN: the infinities were given, not an overflow (GPT-2's attention with an
+    # inf weight was said to overflow from its inputs' finite max, a probe, session 45).
+    ("add", lambda: torch.tensor([INF, -INF, 1.0]) + torch.tensor([-INF, 1.0, 1.0]), "aten.add.Tensor",
+     "inf - inf at 1 of 3 elements"),
     ("sub", lambda: torch.logsumexp(torch.full((2,), -INF, requires_grad=True), 0).backward(), "aten.sub.Tensor",
      "inf - inf at 2 of 2 elements"),
     # Found without a diagnosis by a probe (session 38): LayerNorm(eps=0), std of one sample, the fused

@@ -223,3 +223,10 @@ def test_an_infinite_loss_made_of_a_masks_infinities_is_reported_at_the_op_that_
     assert (finding.kind, finding.phase, finding.source.lineno) == ("producer", "forward", line_of("<ls-loss>"))
     assert finding.outputs[0].posinf == 1 and "backward() was called on" in finding.reason
     assert torch.isfinite(lin.weight.grad).all()  # why the backward ops saw nothing
+    # Raised when that backward ends, before an optimizer step (it came at the region's end, after it).
+    optimizer = torch.optim.SGD(lin.parameters(), lr=0.1)
+    before = lin.weight.detach().clone()
+    with pytest.raises(Exception) as raised, locate():
+        step()
+        optimizer.step()
+    assert "backward() was called on" in str(raised.value) and torch.equal(lin.weight, before)

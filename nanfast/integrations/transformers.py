@@ -30,7 +30,8 @@ class NanfastCallback(OwnsWatch, TrainerCallback):
     leave the model without hooks at once). `options` go to `nanfast.watch` unchanged (`action`, `sync`,
     `every`, `ignore`, `nan_only`, ...), so every action of the watch works as in a plain loop: a bad
     step raises `NonFiniteError` out of `trainer.train()`, or is skipped (parameters and optimizer state
-    unchanged; the LR scheduler still steps); with action="rollback", parameters an update made
+    unchanged; the Trainer does not step its LR scheduler after it, as after a GradScaler's overflow); with
+    action="rollback", parameters an update made
     non-finite are put back with the optimizer state to the last good snapshot (not the LR scheduler nor
     `state.global_step`).
 

@@ -135,6 +135,8 @@ def _overflow(name: str) -> Callable:
             value = args.get(key)
             t = _tensor(args, key)
             if t is not None and not t.is_complex() and t.numel():
+                if not bool(torch.isfinite(t).all()):
+                    return None  # an infinity it was given: no overflow (0 * inf, inf - inf: _inf_arithmetic)
                 largest = finite_absmax(t)
                 if largest is not None:
                     operands.append(f"`{key}` max |x| {largest:.6g}")

@@ -139,9 +139,10 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
 # gradients finite, and locate said nothing (the same in candle-org/MindAct#1633; a probe, session 45).
 # The value backward() is called on is where such infinities stop being allowed: a loss is never meant
 # to be infinite. So when autograd makes the implicit gradient of a non-finite scalar (its ones_like, in
-# torch.autograd._make_grads) and no finding explains the value, the op that made it is reported, when
-# the region ends without a finding of its own: an inf weight (from outside, allowed too) makes an inf
-# loss and then inf - inf in the weight's gradient, a finding nearer the cause.
+# torch.autograd._make_grads) and no finding explains the value, the op that made it is reported when
+# its backward pass ends without a finding (before an optimizer step), or the region does: an inf weight
+# (from outside, allowed too) makes an inf loss and then inf - inf in the weight's gradient, a finding
+# nearer the cause, reported instead.
 def root_finding(provenance: Provenance, root: torch.Tensor) -> LocateFinding:
     """The finding for `root`, a non-finite value backward() (or autograd.grad) was called on that no
     finding explains: the op under locate that last wrote it, or, when none did, the value as an input

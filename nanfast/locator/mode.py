@@ -80,6 +80,7 @@ class _LocateMode(TorchDispatchMode):
         self._held_in_backward: list[OffPath] = []
         self._backward_lock = threading.Lock()
         self.unexplained_root: Optional[LocateFinding] = None  # see NOTE: [a non-finite value backward is called on]
+        self._root_waits = False  # an unexplained root whose backward has not begun
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -112,6 +113,9 @@ class _LocateMode(TorchDispatchMode):
                 self._matters([self.provenance.tainted(t) for t in _tensors_in(args)])
             return out
         node = torch._C._current_autograd_node()
+        if self._root_waits and node is not None:  # the backward of an unexplained root has begun
+            self._root_waits = False
+            self._queue_backward_end()
         if node is None:
             producer = Producer(info.name, "forward", None, user_frame())
         elif recomputation_in(node) is not None:  # checkpointing re-runs a forward op: its line is the user's
@@ -170,23 +174,32 @@ class _LocateMode(TorchDispatchMode):
             self.provenance.retaint(g, held)
         with self._backward_lock:
             self._held_in_backward.append(held)
-        # On the outermost backward only: a nested one (a reentrant checkpoint's, a custom backward's
-        # autograd.grad) ends while what it returns is still alive, before the outer nodes mask it; its
-        # findings wait for the next outermost end, or the region's. One callback per finding: a backward
-        # that raised never runs its callbacks, and a later one must still queue its own.
+        self._queue_backward_end()
+
+    def _queue_backward_end(self) -> None:
+        """Queues _backward_ended on the running backward pass. On the outermost one only: a nested one (a
+        reentrant checkpoint's, a custom backward's autograd.grad) ends while what it returns is still
+        alive, before the outer nodes mask it; its findings wait for the next outermost end, or the
+        region's. Once per finding: a backward that raised never runs its callbacks, and a later one must
+        still queue its own."""
         if sum(frame.f_code is ENGINE_RUN for frame in frames_up(sys._getframe(1))) <= 1:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
+        """A backward pass ended: its held findings are reported or noted, and, with no finding in the
+        region, an unexplained root is reported now, before an optimizer step, not at the region's end."""
         with self._backward_lock:
             held, self._held_in_backward = self._held_in_backward, []
         for h in held:
             self.off_path.settle(h, report=h.alive())
+        root, self.unexplained_root = self.unexplained_root, None
+        if root is not None and not self.owner.findings:
+            self.owner._report(root, None)
 
     def _backward_root(self, root: torch.Tensor) -> None:
         """backward() was called on `root` (its implicit gradient is being made): the first non-finite root
-        that no finding explains is kept, reported when the region ends without a finding (NOTE: [a
-        non-finite value backward is called on])."""
+        that no finding explains is kept, reported when its backward pass ends (or the region does)
+        without a finding (NOTE: [a non-finite value backward is called on])."""
         values = _values(root)
         if values is None or root._base is not None or not _any_nonfinite([values]):
             return  # a view's element is no loss (autograd.functional.jacobian takes each row's)
@@ -195,6 +208,7 @@ class _LocateMode(TorchDispatchMode):
             self._matters([taint])
         elif not taint and self.unexplained_root is None:
             self.unexplained_root = root_finding(self.provenance, root)
+            self._root_waits = True  # settled when its backward ends (or the region, if it never runs)
 
     def _matters(self, taints: list) -> None:
         for taint in taints:
