@@ -144,9 +144,13 @@ def test_skip_leaves_the_step_unapplied_and_logs(tmp_path):
     assert bad["nanfast/posinf"] > 0 and bad["nanfast/nan"] > 0 and bad["nanfast/skipped_steps"] == 1
     assert steps[2]["nanfast/posinf"] == 0 and steps[2]["nanfast/skipped_steps"] == 0
     assert steps[4]["nanfast/param_norm"] == bad["nanfast/param_norm"] > 0  # the skipped step moved nothing
-    # Each log has the learning rate its step used. The skipped step did not step the LR scheduler:
-    # accelerate's optimizer says it was skipped, as after a GradScaler's overflow (it did step before).
-    assert steps[2]["learning_rate"] > steps[3]["learning_rate"] == steps[4]["learning_rate"] > steps[5]["learning_rate"]
+    # The skipped step did not step the LR scheduler: accelerate's optimizer says it was skipped, as after a
+    # GradScaler's overflow (it did step before). The linear schedule's logged rates decrease but for one
+    # repeat, at the bad step's log: transformers 5 logs the rate a step used (steps 3 and 4 equal), 4.46
+    # the rate after the step's scheduler step (steps 2 and 3).
+    rates = [steps[k]["learning_rate"] for k in sorted(steps)]
+    repeats = [k for k, (a, b) in enumerate(zip(rates, rates[1:]), 1) if a == b]
+    assert all(a >= b for a, b in zip(rates, rates[1:])) and repeats in ([2], [3]), rates
     # A callback before this one (where the Trainer puts report_to's reporters) saw the statistics.
     seen = [logs for logs in recorder.logs if "loss" in logs]
     assert len(seen) == 5 and all("nanfast/grad_norm" in logs for logs in seen)
