@@ -127,6 +127,19 @@ bool python_subclass(const at::Tensor& t) {
   return t.unsafeGetTensorImpl()->is_python_dispatch();
 }
 
+// The tensors a wrapper subclass `obj` names through its __tensor_flatten__ (which it has).
+std::vector<at::Tensor> flattened_tensors(const py::object& obj) {
+  std::vector<at::Tensor> found;
+  const py::object names = obj.attr("__tensor_flatten__")()[py::int_(0)];  // held: the loop reads it
+  for (const py::handle name : names) {
+    const py::object inner = obj.attr(name);
+    if (THPVariable_Check(inner.ptr())) {
+      found.push_back(THPVariable_Unpack(inner.ptr()));
+    }
+  }
+  return found;
+}
+
 void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& out, std::vector<int64_t>& owners) {
   if (t.is_nested() && !python_subclass(t)) {  // a strided nested tensor: its components
     for (const at::Tensor& component : t.unbind(0)) {
@@ -154,11 +167,9 @@ void append_plain(const at::Tensor& t, int64_t owner, std::vector<at::Tensor>& o
                     "names no plain tensors to read: its values are not checked");
     return;
   }
-  const py::object names = obj.attr("__tensor_flatten__")()[py::int_(0)];
-  for (const py::handle name : names) {
-    const py::object inner = obj.attr(name);
-    if (THPVariable_Check(inner.ptr()) && floating_strided(THPVariable_Unpack(inner.ptr()))) {
-      append_plain(THPVariable_Unpack(inner.ptr()), owner, out, owners);
+  for (const at::Tensor& inner : flattened_tensors(obj)) {
+    if (floating_strided(inner)) {
+      append_plain(inner, owner, out, owners);
     }
   }
 }
@@ -294,12 +305,8 @@ void refuse_unreadable_parts(const char* api, size_t index, const at::Tensor& t)
   const py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
   TORCH_CHECK(py::hasattr(obj, "__tensor_flatten__"), api, ": tensors[", index, "] is a ", Py_TYPE(obj.ptr())->tp_name,
               ", a tensor subclass whose values the kernels cannot read; check the plain tensors it holds");
-  const py::object names = obj.attr("__tensor_flatten__")()[py::int_(0)];  // held: the loop reads it
-  for (const py::handle name : names) {
-    const py::object inner = obj.attr(name);
-    if (THPVariable_Check(inner.ptr())) {
-      refuse_unreadable_parts(api, index, THPVariable_Unpack(inner.ptr()));
-    }
+  for (const at::Tensor& inner : flattened_tensors(obj)) {
+    refuse_unreadable_parts(api, index, inner);
   }
 }
 

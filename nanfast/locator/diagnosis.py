@@ -64,17 +64,27 @@ def _first_full_row(masked: torch.Tensor) -> Optional[tuple[int, str]]:
     return int(full.nonzero()[0, 0].item()), f" ({n} rows in all)" if n > 1 else ""
 
 
+def _divisor_zero(divisor: str) -> Callable:
+    """Division by exact zeros in an op whose divisor is `divisor` (addcdiv: Adam's update divides by
+    sqrt(v) + eps, and an eps of 1e-8 rounds to 0 in float16; afiaka87/glide-finetune#5)."""
+    def diagnose_divisor(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+        t = _tensor(args, divisor)
+        if t is None or t.is_complex():
+            return None
+        n = _count(t == 0)
+        return f"divides by exact zeros: {_of(n, t)} of the divisor `{divisor}` {_are(n)} 0" if n else None
+
+    return diagnose_divisor
+
+
 def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     divisor = args.get("other")
     if isinstance(divisor, (int, float)):
         return "divides by the number 0" if divisor == 0 else None
-    if _tensor(args, "other") is None or divisor.is_complex():
+    text = _divisor_zero("other")(args, outputs)
+    if text is None:
         return None
     zeros = divisor == 0
-    n = _count(zeros)
-    if n == 0:
-        return None
-    text = f"divides by exact zeros: {_of(n, divisor)} of the divisor `other` {_are(n)} 0"
     numerator = _tensor(args, "self")
     if numerator is not None and not numerator.is_complex():
         numerator_zero, divisor_zero = torch.broadcast_tensors(numerator == 0, zeros)
@@ -188,19 +198,6 @@ def _xlogy_at_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     x, y = torch.broadcast_tensors(torch.as_tensor(x, dtype=y.dtype), y)
     n = _count((y == 0) & (x != 0))
     return f"x * log(y) at y = 0 with x != 0: log(0) is -inf at {_of(n, y)}" if n else None
-
-
-def _divisor_zero(divisor: str) -> Callable:
-    """Division by exact zeros in an op whose divisor is `divisor` (addcdiv: Adam's update divides by
-    sqrt(v) + eps, and an eps of 1e-8 rounds to 0 in float16; afiaka87/glide-finetune#5)."""
-    def diagnose_divisor(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
-        t = _tensor(args, divisor)
-        if t is None or t.is_complex():
-            return None
-        n = _count(t == 0)
-        return f"divides by exact zeros: {_of(n, t)} of the divisor `{divisor}` {_are(n)} 0" if n else None
-
-    return diagnose_divisor
 
 
 def _exp_overflow(log_of_base: float) -> Callable:

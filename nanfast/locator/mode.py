@@ -79,7 +79,7 @@ class _LocateMode(TorchDispatchMode):
         # Backward findings held until their backward pass ends (NOTE: [a backward finding masked downstream]).
         self._held_in_backward: list[OffPath] = []
         self._backward_lock = threading.Lock()
-        self.unexplained_root: Optional[LocateFinding] = None  # see NOTE: [a non-finite value backward is called on]
+        self._unexplained_root: Optional[LocateFinding] = None  # see NOTE: [a non-finite value backward is called on]
         self._root_waits = False  # an unexplained root whose backward has not begun
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -192,7 +192,11 @@ class _LocateMode(TorchDispatchMode):
             held, self._held_in_backward = self._held_in_backward, []
         for h in held:
             self.off_path.settle(h, report=h.alive())
-        root, self.unexplained_root = self.unexplained_root, None
+        self.settle_root()
+
+    def settle_root(self) -> None:
+        """Reports the unexplained root, if one is kept and the region has no finding; lets go of it."""
+        root, self._unexplained_root = self._unexplained_root, None
         if root is not None and not self.owner.findings:
             self.owner._report(root, None)
 
@@ -206,8 +210,8 @@ class _LocateMode(TorchDispatchMode):
         taint = self.provenance.tainted(root)
         if isinstance(taint, OffPath):
             self._matters([taint])
-        elif not taint and self.unexplained_root is None:
-            self.unexplained_root = root_finding(self.provenance, root)
+        elif not taint and self._unexplained_root is None:
+            self._unexplained_root = root_finding(self.provenance, root)
             self._root_waits = True  # settled when its backward ends (or the region, if it never runs)
 
     def _matters(self, taints: list) -> None:

@@ -95,8 +95,7 @@ class OffPathFindings:
 
     def matters(self, held: OffPath) -> None:
         """A value `held` tainted matters: its finding is reported (once)."""
-        if not held.settled:
-            self._settle(held, self._report)
+        self.settle(held, report=True)
 
     def settle(self, held: OffPath, report: bool) -> None:
         """Reports (`report`) or notes `held`, unless a value it tainted has already mattered."""
@@ -114,5 +113,4 @@ class OffPathFindings:
         ended normally), the others are notes."""
         held, self._held = self._held, []
         for h in held:
-            if not h.settled:
-                self._settle(h, self._report if report_alive and h.alive() else self._note)
+            self.settle(h, report=report_alive and h.alive())

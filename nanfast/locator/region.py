@@ -85,8 +85,8 @@ class Locate(contextlib.ContextDecorator):
             self._mode = None
             self._hook = None
         mode.off_path.close(report_alive=exc[0] is None)  # after the mode: a finding reported here may raise
-        if exc[0] is None and not self.findings and mode.unexplained_root is not None:
-            self._report(mode.unexplained_root, None)
+        if exc[0] is None:
+            mode.settle_root()
 
 
 def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = None) -> Locate:

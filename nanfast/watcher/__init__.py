@@ -208,8 +208,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         if self._scaler_shared is not None:
             scaler_hook.detach(self.scaler, self._scaler_shared, self)
             self._scaler_shared = None
-        if self._told_skipped:  # accelerate never clears it without a scaler: its scheduler would stop
-            self._accelerated._is_overflow = self._told_skipped = False
+        self._untell_accelerate()
         self._reset_step()
         self._pending = None
         self._rollback = None  # its snapshots: up to two copies of the training state

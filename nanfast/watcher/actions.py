@@ -136,8 +136,7 @@ class Actions:
                              "runs the step's forward and backward after the point where the watch decides; call "
                              "backward before optimizer.step()")
         self._stepped = True
-        if self._told_skipped:
-            self._accelerated._is_overflow = self._told_skipped = False
+        self._untell_accelerate()
         gradless = self._step.gradless  # the step's, before _end_step starts the next one
         read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
         if self.action not in SKIPPING:
@@ -201,6 +200,12 @@ class Actions:
         self._accelerated._is_overflow = self._told_skipped = True
         if hasattr(self._accelerated, "_accelerate_step_called"):
             self._accelerated._accelerate_step_called = False
+
+    def _untell_accelerate(self) -> None:
+        """Clears what _tell_accelerate_skipped set, once the next step begins or the watch is removed:
+        without a scaler accelerate never clears it, and its scheduler would never step again."""
+        if self._told_skipped:
+            self._accelerated._is_overflow = self._told_skipped = False
 
     def _needs_host_verdict(self) -> bool:
         """A lagged skip on the device cannot undo this step: it creates optimizer state (fused SGD makes
