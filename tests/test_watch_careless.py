@@ -107,6 +107,70 @@ def test_a_skipping_watch_of_a_submodule_warns_that_the_optimizer_steps_more():
         nanfast.watch(model.backbone, optimizer, action="warn").remove()  # no skip: nothing is put back
 
 
+class SparseAndDense(nn.Module):
+    """A sparse embedding (trained by SparseAdam, which takes sparse gradients only) under a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 6, sparse=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, idx, scale):
+        return self.fc(self.emb(idx).mean(1) * scale)
+
+
+def test_a_skip_that_another_optimizer_made_useless_raises_naming_its_parameters():
+    """Two optimizers (SparseAdam for a sparse embedding, Adam for the rest), the docs' advice followed: the
+    one stepped last watched with action="skip". A dirty batch's NaN reached the embedding through
+    SparseAdam, stepped first, which no skip undoes: the watch then skipped every later step, healthy
+    batches too, silently, naming the embedding's output and never its weight (a probe, session 46).
+    watch() now says that the model has parameters its optimizer does not step, and the skip raises once
+    they are non-finite, naming them."""
+    model = SparseAndDense()
+    sparse = torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.01)
+    dense = torch.optim.Adam(model.fc.parameters(), lr=0.01)
+    with pytest.warns(UserWarning, match=r"1 trainable parameter\(s\) of the watched SparseAndDense are not in its "
+                                         r"optimizer \(emb\.weight\)"):
+        w = nanfast.watch(model, dense, action="skip")
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skips' own warnings
+        for i in range(6):
+            idx, y = torch.randint(0, 20, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)
+            scale = torch.ones(4, 1)
+            if i == 2:
+                scale[1] = NAN
+            sparse.zero_grad()
+            dense.zero_grad()
+            nn.functional.cross_entropy(model(idx, scale), y).backward()
+            sparse.step()  # NaN into the rows batch 2 looked up: no skip of `dense` undoes it
+            if i < 2:
+                dense.step()
+                continue
+            with pytest.raises(nanfast.NonFiniteError, match=r"the step cannot be skipped: the model's parameters "
+                                                             r"emb\.weight, which the optimizer does not step, are "
+                                                             r"non-finite"):
+                dense.step()
+            break
+    assert w.skipped_steps == 0
+    w.remove()
+    # The same model with every trainable parameter in the watched optimizer: nothing to say, and a skip.
+    model = SparseAndDense()
+    model.emb.weight.requires_grad_(False)
+    dense = torch.optim.Adam(model.fc.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = nanfast.watch(model, dense, action="skip")
+    dense.zero_grad()
+    nn.functional.cross_entropy(model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 1), NAN)),
+                                torch.zeros(2, dtype=torch.long)).backward()
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        dense.step()
+    assert w.skipped_steps == 1
+    w.remove()
+
+
 def test_a_torchscript_model_is_refused_saying_so():
     """watch(torch.jit.script(model), optimizer) failed in its setup with "contains(): incompatible function
     arguments" (the message depended on the action)."""

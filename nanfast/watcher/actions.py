@@ -19,7 +19,7 @@ from ..locator.source import warn_at_user_line
 from .events import Event
 from .inputs import entry_names
 from .options import SKIPPING
-from .restore import lacks_state
+from .restore import lacks_state, nonfinite_unstepped
 from .spikes import SpikeError
 
 
@@ -282,6 +282,12 @@ class Actions:
                           "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""
             if self.action == "raise":
                 raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
+            unstepped = nonfinite_unstepped(self.model, self.optimizer)  # see NOTE: [Parameters another optimizer steps]
+            if unstepped:
+                raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: the model's parameters "
+                                     f"{first_few(unstepped, MAX_NAMED_IN_MESSAGE)}, which the optimizer does not step, "
+                                     "are non-finite (another optimizer or the loop wrote them), and a skip cannot put "
+                                     "them back")
             if event.phase == "param":
                 if self._rollback is not None:
                     return self._roll_back(event)
