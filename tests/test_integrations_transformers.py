@@ -234,6 +234,10 @@ def test_the_models_loss_goes_to_watch_loss(tmp_path):
         t.train()
     places = caught.value.report.places
     assert any(p.phase == "loss_value" and p.name == "loss" and p.nan > 0 for p in places)
+    # First seen in the model's output, a ModelOutput: named by its field (NOTE: [Naming the output's fields]).
+    first = caught.value.report.first
+    assert (first.phase, first.name, [e.name for e in first.entries]) == ("forward", "", ["loss"])
+    assert "output of <model> (GPT2LMHeadModel): loss (nan=1" in caught.value.report.summary()
     callback.remove()
 
 

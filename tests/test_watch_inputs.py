@@ -1,6 +1,7 @@
 """A dirty input batch is named by its entries, as the forward's arguments call them (NOTE: [Naming the
 input's entries]): positional and keyword arguments, *args, nested lists and dicts, several dirty
-entries, a later microbatch, a lagged read; and a layout that cannot name its rows names nothing."""
+entries, a later microbatch, a lagged read; and a layout that cannot name its rows names nothing. The
+model's own output is named by its fields (NOTE: [Naming the output's fields])."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 import nanfast
 from nanfast.watcher.events import InputEntry
-from nanfast.watcher.inputs import Layout, entry_names, input_tensors
+from nanfast.watcher.inputs import Layout, entry_names, input_tensors, output_layout, output_names
 
 NAN = float("nan")
 
@@ -124,3 +125,42 @@ def test_a_layout_that_does_not_match_its_rows_names_nothing():
     assert entry_names(None, 1, forward) is None
     _, layout = input_tensors((torch.zeros(1),), {"extra": {"bias": torch.zeros(1)}})
     assert entry_names(layout, 2, forward) == ["x", "extra.bias"] and entry_names(layout, 1, forward) is None
+
+
+class WithLoss(torch.nn.Module):
+    """Computes its loss inside its forward, as a HF model does, and returns a dict (or a tuple)."""
+
+    def __init__(self, as_tuple=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.as_tuple = as_tuple
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels)  # NaN when every label is ignored
+        return (logits, loss) if self.as_tuple else {"logits": logits, "aux": {"loss": loss}}
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_the_models_output_is_named_by_its_fields(sync):
+    """A NaN loss computed in the model's forward (every label ignore_index: a mean over nothing) first
+    appears in the model's output; the event said "output of <model>", not which field."""
+    x, ignored = torch.randn(2, 4), torch.full((2,), -100)
+    for model, field in ((WithLoss(), "aux.loss"), (WithLoss(as_tuple=True), "[1]")):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.warns(RuntimeWarning, match="non-finite"), \
+                nanfast.watch(model, optimizer, action="warn", sync=sync) as w:
+            out = model(x, ignored)
+            (out["aux"]["loss"] if isinstance(out, dict) else out[1]).backward()
+            optimizer.step()
+        first = w.events[0].first
+        assert (first.phase, first.name, first.entries) == ("forward", "", (InputEntry(field, 1, 0, 0),))
+        assert f"first appeared in the output of <model> (WithLoss): {field} (nan=1, +inf=0, -inf=0)" \
+            in w.events[0].summary()
+
+
+def test_an_output_layout_names_only_rows_it_matches():
+    logits, loss = torch.zeros(2), torch.zeros(())
+    assert output_layout(logits) is None and output_names(None, 1) is None
+    layout = output_layout({"logits": logits, "ids": torch.zeros(2, dtype=torch.long), "past": [(loss, loss)]})
+    assert output_names(layout, 3) == ["logits", "past[0][0]", "past[0][1]"] and output_names(layout, 2) is None

@@ -20,9 +20,10 @@ MODEL = "<model>"
 
 @dataclasses.dataclass(frozen=True)
 class InputEntry(NonfiniteCounts):
-    """An entry of a dirty input batch (a tensor among the forward's arguments) and its counts."""
+    """An entry of a dirty input batch (a tensor among the forward's arguments), or a field of the model's
+    output, and its counts."""
 
-    name: str  # named by the forward's arguments: "x", "targets[1].boxes", "pixel_values"
+    name: str  # named by the forward's arguments: "x", "targets[1].boxes", "pixel_values"; an output's field: "loss"
     nan: int
     posinf: int
     neginf: int
@@ -37,7 +38,8 @@ class Place(NonfiniteCounts):
     input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
     several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
     within the step (gradient accumulation). ``entries``, in phase input: the entries of the batch that
-    held the non-finite values (InputEntry), when the watch could name them; empty elsewhere."""
+    held the non-finite values (InputEntry), when the watch could name them; in phase forward of the model
+    itself, the fields of its output that held them ("loss", "[1]"); empty elsewhere."""
 
     phase: str
     name: str

@@ -18,7 +18,7 @@ from ..recompute import recomputation
 from . import scaler_hook
 from .events import MODEL
 from .forwards import Forward
-from .inputs import checked_tensor, input_tensors, mask_rows
+from .inputs import checked_tensor, input_tensors, mask_rows, output_layout
 from .options import SKIPPING, ignored
 from .owned_hook import OwnedHook
 
@@ -375,8 +375,11 @@ class Hooks:
         self._hooks.in_forward = False
         if self._active:
             if self._check_loss:
+                first = len(self._step.slots)
                 if self._hooks.check_output("forward", self._root, output):
                     self._step.output_checked = True
+                    if len(self._step.slots) > first:  # its own record: its fields named (NOTE: [Naming the output's fields])
+                        self._step.outputs[self._hooks.microbatch] = output_layout(output)
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()

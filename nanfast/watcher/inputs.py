@@ -63,6 +63,31 @@ def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout
     return tensors, Layout(nodes=nodes, keywords=bool(kwargs))
 
 
+def output_layout(output: Any) -> Optional[Layout]:
+    """Where each floating tensor of the model's output came from, to name the fields of a dirty one
+    (NOTE: [Naming the output's fields]); None for a bare tensor, which has nothing to name.
+
+    Args:
+        output: what the model's forward returned."""
+    if isinstance(output, torch.Tensor):
+        return None
+    return Layout(nodes=[node for node, leaf in _tree.leaves_with_nodes(output) if checked_tensor(leaf)])
+
+
+def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
+    """The names of the `rows` tensors of the record of the model's output ("loss", "logits", "[1]"), or
+    None when the layout cannot name them."""
+    # NOTE: [Naming the output's fields]
+    # A HF model computes its loss inside its forward (a functional cross-entropy, no module): a NaN loss
+    # (every label ignore_index) first appears in the model's output, which is a dict of the loss, the
+    # logits and the cache. "output of <model>" did not say which (a probe, session 45). The output's
+    # layout is walked in the model's forward hook only when the output is not a bare tensor (it is walked
+    # there anyway, to find its tensors) and kept, without the tensors, until the step is read.
+    if layout is None or layout.nodes is None or len(layout.nodes) != rows:
+        return None
+    return [_tree.path_of(_tree.path_steps(node), brackets=True) for node in layout.nodes]
+
+
 def _argument_namer(forward: Callable) -> Callable[[int], str]:
     """The name of positional argument i of `forward`: its parameter's, "*name[k]" past them, else "args[i]"."""
     positional, rest, _ = _signature_of(forward)

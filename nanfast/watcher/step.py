@@ -14,7 +14,7 @@ from .. import _C
 from .events import InputEntry, Place
 from .fused_pass import Pass
 from .history import Tail
-from .inputs import Layout, entry_names
+from .inputs import Layout, entry_names, output_names
 from .host_copy import HostCopy
 from .options import ignored
 
@@ -51,6 +51,7 @@ class Read:
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
+    outputs: dict = dataclasses.field(default_factory=dict)  # Step.outputs: each forward's output layout
     eval_mode_with_grad: set = dataclasses.field(default_factory=set)  # Step.eval_mode_with_grad (a new Step makes a new one)
     # Skipped at once on this rank, before its lagged read (NOTE: [A lagged step one rank must read at
     # once]): the buffers its forward changed that could not be put back.
@@ -92,7 +93,7 @@ class Step:
     far. A new step is a new Step."""
 
     __slots__ = ("slots", "forwards", "clipped", "clipped_versions", "losses", "output_checked", "params_unread",
-                 "inputs", "eval_mode_with_grad", "gradless")
+                 "inputs", "outputs", "eval_mode_with_grad", "gradless")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -103,6 +104,7 @@ class Step:
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
         self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
+        self.outputs: dict[int, Layout] = {}  # microbatch -> its output's layout (NOTE: [Naming the output's fields])
         self.eval_mode_with_grad: set[int] = set()  # microbatches whose forward ran in eval mode with gradients
         # A skipping watch's: the optimizer's parameters with no .grad at the step's first forward (ids);
         # None where no forward began the step, or none had one (NOTE: [Gradients a skipped step gives back]).
@@ -134,7 +136,8 @@ class Step:
                     params=fused is not None and fused.n_params > 0)
         pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
         return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
-                    scaler_skipped, tail=tail, inputs=self.inputs, eval_mode_with_grad=self.eval_mode_with_grad)
+                    scaler_skipped, tail=tail, inputs=self.inputs, outputs=self.outputs,
+                    eval_mode_with_grad=self.eval_mode_with_grad)
 
 
 def _counted(fused: Pass, ignore: tuple[str, ...], params: bool, grads: bool) -> Optional[torch.Tensor]:
@@ -265,17 +268,20 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
         else:
             nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
             if _reported(nan, posinf, neginf, nan_only):
-                entries = _dirty_entries(read.inputs.get(microbatch), rows[i:i + n], nan_only, forward) \
-                    if phase == "input" else ()
+                entries = ()
+                if phase == "input":
+                    entries = _dirty_entries(entry_names(read.inputs.get(microbatch), n, forward), rows[i:i + n], nan_only)
+                elif phase == "forward" and label.name == "" and label.module_class:  # the model's own output
+                    entries = _dirty_entries(output_names(read.outputs.get(microbatch), n), rows[i:i + n], nan_only)
                 found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch,
                                    entries))
         i += n
     return found
 
 
-def _dirty_entries(layout: Optional[Layout], rows: list, nan_only: bool, forward: Callable) -> tuple:
-    """The entries of a dirty input that hold non-finite values; () when they cannot be named."""
-    names = entry_names(layout, len(rows), forward)
+def _dirty_entries(names: Optional[list[str]], rows: list, nan_only: bool) -> tuple:
+    """The named entries of a dirty input or model output that hold non-finite values; () when `names`
+    (one per row) is None."""
     if names is None:
         return ()
     return tuple(InputEntry(name, int(nan), int(posinf), int(neginf)) for name, (nan, posinf, neginf) in zip(names, rows)

@@ -192,7 +192,8 @@ class StepEnd:
             if recorded_slots:
                 own = Step()  # none of the step's losses; numbered as an evaluation between steps is: microbatch 0
                 own.slots = self._step.slots[:first_slot] + [(*label[:3], 0) for label in self._step.slots[first_slot:]]
-                own.inputs = {0: self._step.inputs[microbatch]} if microbatch in self._step.inputs else {}
+                own.inputs, own.outputs = ({0: layouts[microbatch]} if microbatch in layouts else {}
+                                           for layouts in (self._step.inputs, self._step.outputs))
                 read = own.pack(recorded, recorded_slots, None, params=False, grads=False, ignore=self.ignore,
                                 nan_only=self.nan_only, found_inf=None, grad_scale=None, device=self._device,
                                 step=self.step_count, scaler_skipped=False)
@@ -202,6 +203,7 @@ class StepEnd:
             del self._step.slots[first_slot:]
             if microbatch is not None:
                 self._step.inputs.pop(microbatch, None)
+                self._step.outputs.pop(microbatch, None)
                 self._step.forwards = microbatch
             self._steps.last = None
 
