@@ -385,10 +385,80 @@ def _tensor_parallel_training(rank, mesh, fuse):
     return record
 
 
+def _loss_spike_training(rank, spike_action, steps=24, spike_step=20):
+    """DDP; rank 1's loss value alone jumps by 1e4 at `spike_step` (its gradient unchanged): a spike that
+    rank alone sees (a probe, session 46). Each rank catches what the watch raises and goes on."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(100 + rank)
+    raised = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = nanfast.watch(model, optimizer, action="skip", spikes=dict(action=spike_action))
+        for step in range(steps):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            w.loss(loss + (1e4 if rank == 1 and step == spike_step else 0.0)).backward()
+            try:
+                optimizer.step()
+            except nanfast.SpikeError as e:
+                raised.append((step, str(e)))
+        w.remove()
+    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return {"raised": raised, "skipped_steps": w.skipped_steps,
+            "events": [(e.step, e.kind, e.rank, e.summary()) for e in w.events],
+            "params_equal_across_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
+
+
+def ddp_spike_skip(rank, mesh):
+    return _loss_spike_training(rank, "skip")
+
+
+def ddp_spike_raise(rank, mesh):
+    return _loss_spike_training(rank, "raise")
+
+
+def ddp_lagged_validation_on_one_rank(rank, mesh):
+    """A lagged watch; rank 1's loss is NaN at step 2; right after that step rank 0 alone validates (eval
+    mode, no_grad), as a trainer's rank-0 validation does: that read used to act on the pending bad
+    training step, gathering the ranks' places on rank 0 alone (a hang, a probe, session 46)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    gen = torch.Generator().manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        w = nanfast.watch(model, optimizer, action="warn", sync="lagged")
+        for step in range(5):
+            model.train()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)), torch.randn(8, 2, generator=gen))
+            w.loss(loss + (float("nan") if rank == 1 and step == 2 else 0.0)).backward()
+            optimizer.step()
+            if rank == 0 and step == 2:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(8, 4))
+        w.remove()
+    return {"events": [(e.step, e.rank, e.phase, e.evaluation) for e in w.events],
+            "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]}
+
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
-             fsdp2_dcp_save, tensor_parallel_watch]
+             fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
+             ddp_lagged_validation_on_one_rank]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
 _TMP = ""  # the spawn's directory, set in each rank's process
@@ -647,3 +717,28 @@ def test_a_tensor_parallel_models_dtensor_activations_are_watched(ranks):
             assert r["raised"] == [(2, 0, "forward", "up")]
             assert len(r["grad_norms"]) == 3 and all(math.isfinite(n) and n > 0 for n in r["grad_norms"])
         assert by_fuse[False]["grad_norms"] == pytest.approx(by_fuse[True]["grad_norms"], rel=1e-6)
+
+
+@pytest.mark.parametrize("scenario", [ddp_spike_skip, ddp_spike_raise], ids=["skip", "raise"])
+def test_a_spike_one_rank_sees_is_acted_on_by_every_rank(ranks, scenario):
+    """Spikes are judged by each rank on its own loss. A skip on rank 1 alone made the replicas diverge;
+    a raise there left rank 0 waiting in the next step's gradient reduction (NOTE: [A spike on one rank])."""
+    results = _results(ranks, scenario)
+    for r in results:
+        assert r["params_equal_across_ranks"]
+        [(step, kind, rank, summary)] = r["events"]
+        assert (step, kind, rank) == (20, "spike", 1) and "step 20: on rank 1: loss 'loss' spiked" in summary
+        if scenario is ddp_spike_skip:
+            assert r["skipped_steps"] == 1 and r["raised"] == []
+        else:
+            assert r["skipped_steps"] == 0 and [step for step, _ in r["raised"]] == [20]
+    assert results[0]["events"] == results[1]["events"]
+
+
+def test_a_validation_on_one_rank_leaves_a_lagged_bad_step_to_every_rank(ranks):
+    """Rank 0's validation forward after the bad step reads its own checks only; the pending training
+    step is read by both ranks at the next step's end (NOTE: [An evaluation on one rank])."""
+    results = _results(ranks, ddp_lagged_validation_on_one_rank)
+    for r in results:
+        assert r["events"] == [(2, 1, "loss_value", False)]
+        assert sum("step 2" in text for text in r["warned"]) == 1

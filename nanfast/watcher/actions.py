@@ -80,6 +80,9 @@ class Actions:
             event = agree.event(read.step, places, self.process_group) if acting else agree.local_event(read.step, places)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
+            if acting and (callable(self._spikes.options.action) or self._spikes.options.action in ("skip", "raise")):
+                # see NOTE: [A spike on one rank]
+                spike = agree.spike(read.step, spike, self.process_group)
         if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)
@@ -270,8 +273,8 @@ class Actions:
             missed = self._undo.restore() if before_step and self._undo is not None else list(unrestored)
             # A rank that cannot skip makes every rank raise (NOTE: [Decisions that only one rank can see]);
             # event.rank is set when the ranks agreed on the event: all of them are here.
-            elsewhere = (event.rank is not None and event.kind == "nonfinite" and not event.evaluation
-                         and self.action != "raise" and agree.any_rank(bool(missed), self.process_group) and not missed)
+            agreed = event.rank is not None and not event.evaluation and self.action != "raise"
+            elsewhere = agreed and agree.any_rank(bool(missed), self.process_group) and not missed
             if event.evaluation and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
                 warn_at_user_line(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
@@ -283,6 +286,8 @@ class Actions:
             if self.action == "raise":
                 raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
             unstepped = nonfinite_unstepped(self.model, self.optimizer)  # see NOTE: [Parameters another optimizer steps]
+            if unstepped is not None and agreed and agree.any_rank(bool(unstepped), self.process_group) and not unstepped:
+                unstepped = ["(on another rank)"]
             if unstepped:
                 raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: the model's parameters "
                                      f"{first_few(unstepped, MAX_NAMED_IN_MESSAGE)}, which the optimizer does not step, "

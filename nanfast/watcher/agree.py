@@ -3,6 +3,7 @@ step, and a bad step's event names the earliest place over all ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from .. import distributed
@@ -74,3 +75,26 @@ def event(step: int, places: list, process_group: Optional[Any]) -> Optional[Eve
         return None
     rank, first_places = min(by_rank, key=lambda item: (phase_order(item[1][0]), item[0]))
     return Event(step, first_places[0], first_places[1:], rank=rank, by_rank=by_rank)
+
+
+def spike(step: int, local: Optional[Event], process_group: Optional[Any]) -> Optional[Event]:
+    """A healthy step's spike event, the same on every rank: None where no rank saw a spike, else the
+    lowest such rank's event, with its rank. One host collective per call with other ranks (made only
+    for a watch whose spikes act beyond a warning), a second one on a step that spiked somewhere.
+
+    NOTE: [A spike on one rank]
+    Each rank judges its own loss and gradient norms, and in data parallel training the losses differ
+    from rank to rank: a spike is often seen by one rank alone. Acted on there alone, a spike skip
+    applied the step on the other ranks (the replicas diverged, silently) and a spike raise left the
+    other ranks waiting in the next step's gradient reduction (a hang, a probe, session 46). So a watch
+    whose spikes skip, raise or call the user asks every rank at each judged step, and all act on the
+    event of the lowest rank that saw one."""
+    group = distributed.default_group(process_group)
+    if group is None or not distributed.any_rank(local is not None, group):
+        return local
+    import torch.distributed as dist
+
+    seen = [(rank, event) for rank, event in distributed.gather_objects((dist.get_rank(), local), group)
+            if event is not None]
+    rank, event = min(seen, key=lambda item: item[0])
+    return dataclasses.replace(event, rank=rank, detail=f"on rank {rank}: {event.detail}")

@@ -128,9 +128,10 @@ def unstepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
 
 
-def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[list[str]]:
     """The names of the model's parameters outside the optimizer (unstepped_parameters) holding a NaN or
-    inf: one fused call and one host read, made only when a skip is about to be taken."""
+    inf: one fused call and one host read, made only when a skip is about to be taken; None when the
+    model has no such parameters (the same on every rank: nothing to agree on)."""
     # NOTE: [Parameters another optimizer steps]
     # A model trained by two optimizers (a sparse embedding under SparseAdam, the rest under Adam) is
     # watched with one. In a bad step the other one, stepped first, wrote the bad gradients into its
@@ -140,7 +141,7 @@ def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     # a non-finite one makes the skip raise instead, naming it.
     unstepped = unstepped_parameters(model, optimizer)
     if not unstepped:
-        return []
+        return None
     counts = _C.stats_on([p for _, p in unstepped], unstepped[0][1].device)[0]
     bad = counts.sum(dim=1).gt(0).tolist()
     return [name for (name, _), b in zip(unstepped, bad) if b]

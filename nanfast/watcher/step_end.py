@@ -164,7 +164,14 @@ class StepEnd:
             if at_once and bool(read.summary[0] > 0):  # see NOTE: [A lagged step one rank must read at once]
                 self._skip_at_once(read)
         elif read is not None:
-            self.flush()  # lagged: the previous step's read comes first
+            # NOTE: [An evaluation on one rank]
+            # A validation pass may run on one rank only. Read at once, an evaluation also read the lagged
+            # watch's pending training step first, and acting on that step makes collectives (a bad step
+            # gathers the ranks' places, a spike is agreed on): on one rank, they waited for the others,
+            # which were in the next step's backward (a hang, a probe, session 46). With other ranks, the
+            # pending step is left for the next training step's end, where every rank reads it.
+            if not evaluation or not agree.with_other_ranks(self.process_group):
+                self.flush()  # lagged: the previous step's read comes first
             self._evaluate(read)
         if read is not None and self._rollback is not None and not evaluation:
             self._rollback.step_ended(read.step, proven=self._pending is not read)
