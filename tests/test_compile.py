@@ -150,6 +150,34 @@ def test_watch_on_a_compiled_model_keeps_the_graph_whole():
     assert nanfast.check_all(model, raise_on_nonfinite=False).ok
 
 
+def test_on_event_locate_re_runs_a_bad_step_of_a_compiled_model():
+    """The re-run's RNG states were taken by the model's forward pre-hook only, idle in a compiled forward:
+    on_event="locate" with a rerun calling the uncompiled model (what docs/watch.md advises) never ran
+    it, and `located` stayed None (a probe, session 46; NOTE: [A compiled step's RNG states])."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    current, reruns = {}, []
+
+    def rerun():
+        reruns.append(1)
+        model(current["x"]).sum().backward()
+
+    torch._dynamo.utils.counters.clear()
+    w = nanfast.watch(compiled, optimizer, action="skip", on_event="locate", rerun=rerun)
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        for batch in (CLEAN, BAD, CLEAN):
+            current["x"] = batch
+            optimizer.zero_grad()
+            compiled(batch).sum().backward()
+            optimizer.step()
+    w.remove()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    [event] = w.events
+    assert (event.step, event.phase, len(reruns)) == (1, "grad", 1)
+    assert event.located is not None and event.located.op == "aten.log.default"
+
+
 class _NormNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -185,6 +185,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._keeps_losses = self._timeline.wanted or (spiking is not None and spiking.loss)
         if self._undo is not None:
             self._undo.begin()  # see NOTE: [Buffers of compiled forwards]
+        if on_event == "locate":
+            self._capture_step_state()  # see NOTE: [A compiled step's RNG states]
         try:
             self._install()
         except BaseException:

@@ -87,7 +87,7 @@ class Actions:
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)
         if event is not None and self.on_event == "locate" and acting:
-            located = self._locate()
+            located = self._locate(read.step_state)
             differs = None if located is None else disagreement(
                 self.model, event.first.phase, event.first.name, event.first.where(), located)
             event = dataclasses.replace(event, located=located, located_differs=differs)
@@ -234,16 +234,16 @@ class Actions:
         read.unrestored = tuple(self._undo.restore()) if self._undo is not None else ()
         self._skip_now = True
 
-    def _locate(self) -> Optional[Any]:
-        """Re-runs the step (self.rerun) under nanfast.locate from the RNG states its first forward began
-        with; the watch's hooks stay idle meanwhile (the re-run is not a step). Every rank re-runs (all
-        see the same verdict), so the collectives of a DDP backward match."""
-        if self._step_state is None:
+    def _locate(self, state: Optional[Any]) -> Optional[Any]:
+        """Re-runs the step (self.rerun) under nanfast.locate from `state`, the RNG states the step began
+        with (Read.step_state); the watch's hooks stay idle meanwhile (the re-run is not a step). Every
+        rank re-runs (all see the same verdict), so the collectives of a DDP backward match."""
+        if state is None:
             return None
         from ..locator import locate_step
 
         with self._idle():
-            return locate_step(self.rerun, self._step_state)
+            return locate_step(self.rerun, state)
 
     @contextlib.contextmanager
     def _idle(self) -> Iterator[None]:

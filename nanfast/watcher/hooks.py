@@ -358,9 +358,7 @@ class Hooks:
             gradless = frozenset(id(p) for p in params if p.grad is None)
             step.gradless = gradless if len(gradless) < len(params) else None  # see NOTE: [Gradients a skipped step gives back]
         if self.on_event == "locate" and hooks.microbatch == 0:
-            from ..locator import StepState
-
-            self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
+            self._capture_step_state()
         if self._check_inputs and not self._input.ignored:
             tensors, layout = input_tensors(args, kwargs)  # see NOTE: [Naming the input's entries]
             if tensors:  # an additive mask's -inf are not counted (see NOTE: [Additive masks])

@@ -56,6 +56,7 @@ class Read:
     # Skipped at once on this rank, before its lagged read (NOTE: [A lagged step one rank must read at
     # once]): the buffers its forward changed that could not be put back.
     unrestored: tuple = ()
+    step_state: Optional[Any] = None  # on_event="locate": the locate.StepState the step began with
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:

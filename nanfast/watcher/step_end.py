@@ -29,6 +29,18 @@ class StepEnd:
         self._hooks.new_step(self._step.slots, self._installed and self.step_count % self.every == 0)
         self._steps.reset()
 
+    def _capture_step_state(self) -> None:
+        """on_event="locate": takes the RNG states the step about to begin starts from, for its re-run."""
+        # NOTE: [A compiled step's RNG states]
+        # The states were taken only by the model's forward pre-hook at a step's first forward, which does
+        # nothing inside a compiled forward (NOTE: [The watch and torch.compile]): with a compiled model,
+        # on_event="locate" never re-ran a bad step, and its event said nothing of why (a probe, session
+        # 46). So they are also taken when the watch begins and when each step ends; an eager first
+        # forward takes them again, closer to the step (the loop may draw random numbers in between).
+        from ..locator import StepState
+
+        self._step_state = StepState.capture(self.model)  # the RNG states: a few KB
+
     def step(self) -> None:
         """Ends the step: checks parameters and gradients and reads the step's results. In a loop without
         an optimizer, at every step; with one (whose step() does this), where the loop abandons a batch
@@ -143,6 +155,7 @@ class StepEnd:
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
             read.evaluation = evaluation
+            read.step_state = self._step_state
             if self._headroom is not None and not evaluation:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
@@ -153,6 +166,8 @@ class StepEnd:
         if not evaluation:  # an evaluation keeps the number of the step it comes before
             self.step_count += 1
         self._reset_step()
+        if self.on_event == "locate" and not evaluation:
+            self._capture_step_state()
         at_once = self.sync == "lagged" and not evaluation and read is not None and self._needs_host_verdict()
         if self.sync == "lagged" and not evaluation and not (at_once and not agree.with_other_ranks(self.process_group)):
             if read is not None:
