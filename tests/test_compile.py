@@ -149,6 +149,9 @@ def test_watch_on_a_compiled_model_keeps_the_graph_whole(profile):
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
     assert changed == [True, False, True]
     assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "grad", "inner.weight")]
+    # The input was dirty (log(0)) but never checked: the event says so rather than read as a clean batch.
+    assert w.events[0].forward_unchecked and not w.events[0].dirty_input
+    assert "its input, activations and output were not checked" in w.events[0].summary()
     assert nanfast.check_all(model, raise_on_nonfinite=False).ok
 
 

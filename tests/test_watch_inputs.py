@@ -53,7 +53,7 @@ def test_the_one_argument_is_named():
     x = torch.randn(3, 4)
     x[1, 2] = NAN
     event = _dirty_step(Scaled(), x)
-    assert event.first.entries == (InputEntry("x", 1, 0, 0),)
+    assert event.first.entries == (InputEntry("x", 1, 0, 0),) and not event.forward_unchecked
     assert "step 0: the input batch is dirty: x (nan=1, +inf=0, -inf=0); the model did not produce" in event.summary()
 
 

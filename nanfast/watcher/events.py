@@ -119,6 +119,10 @@ class Event:
     # The first place's forward ran in eval mode with gradients enabled: a training forward for the watch
     # (fine-tuning with frozen BatchNorm statistics trains so), or a validation pass without no_grad.
     eval_mode_with_grad: bool = False
+    # No forward of the model ran where the watch's hooks saw it in this step (a compiled forward): its
+    # input, activations and output were not checked, and `first` is where the values first reached what
+    # the step's pass reads (see NOTE: [The watch and torch.compile]).
+    forward_unchecked: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -184,7 +188,10 @@ class Event:
             head += f"; {dirty.where()} was dirty too: {dirty.dirty_text()}"
         hint = (" (its forward ran in eval mode with gradients enabled: if it was a validation pass, run it "
                 "under torch.no_grad() so that it is read as an evaluation, not as part of the training step)"
-                if self.eval_mode_with_grad else "")
+                if self.eval_mode_with_grad else
+                " (no forward of the model ran where the watch's hooks see it in this step, a compiled one: its input, "
+                "activations and output were not checked, so this is where the values first reached what the step's "
+                "pass reads)" if self.forward_unchecked else "")
         if not later:
             return f"nanfast.watch: {head}{hint}"
         named = first_few([p.where() for p in later], _MAX_NAMED_IN_SUMMARY, "; ")

@@ -57,6 +57,7 @@ class Read:
     # once]): the buffers its forward changed that could not be put back.
     unrestored: tuple = ()
     step_state: Optional[Any] = None  # on_event="locate": the locate.StepState the step began with
+    forward_unchecked: bool = False  # no forward of the model ran where the hooks saw it (Event.forward_unchecked)
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:

@@ -16,6 +16,10 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .step import Read, Step
 
 
+# The phases the forward's hooks record (a step with none ran no forward the hooks saw: a compiled one).
+_HOOKED_PHASES = frozenset(("input", "forward", "backward", "loss"))
+
+
 class StepEnd:
     """The step boundary of `Watch` (a part of it: the state it uses is the Watch's)."""
 
@@ -156,6 +160,8 @@ class StepEnd:
             read.params_unread = self._step.params_unread
             read.evaluation = evaluation
             read.step_state = self._step_state
+            read.forward_unchecked = self._step.forwards == 0 and not any(label[0] in _HOOKED_PHASES
+                                                                          for label in self._step.slots)
             if self._headroom is not None and not evaluation:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
