@@ -183,6 +183,32 @@ def test_on_event_locate_re_runs_a_bad_step_of_a_compiled_model():
     assert event.located is not None and event.located.op == "aten.log.default"
 
 
+class _GatedNorm(torch.nn.Module):
+    """sqrt(h * h) where a gate zeroes a column: sqrt's backward at 0 is inf, times 0 NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.register_buffer("gate", torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+    def forward(self, x):
+        h = self.fc(x) * self.gate
+        return torch.sqrt(h * h).sum()
+
+
+def test_locate_says_a_nan_may_come_from_a_compiled_backwards_kernels():
+    """Only backward() under locate, the forward compiled by inductor: the NaN is made inside the fused
+    backward kernels, which locate cannot see. It blamed the first op it saw for NaN "not made under
+    locate (data, parameter or buffer)" (a probe, session 46); now it says the region was compiled."""
+    torch.manual_seed(0)
+    out = torch.compile(_GatedNorm(), backend="inductor")(torch.randn(16, 8))
+    with pytest.raises(nanfast.NonFiniteError) as caught:
+        with nanfast.locate():
+            out.backward()
+    text = str(caught.value)
+    assert "CompiledFunctionBackward" in text and "torch.compile'd region, whose fused kernels locate does not see" in text
+
+
 class _NormNet(torch.nn.Module):
     def __init__(self):
         super().__init__()

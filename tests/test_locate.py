@@ -406,7 +406,7 @@ def test_dirty_data_is_reported_at_its_first_consumer():
     assert "input mat1" in finding.reason
     data = {i.name: i for i in finding.inputs}["mat1"]
     assert counts(data) == (1, 0, 0) and data.producer is None and (data.min, data.max) == (1.0, 6.0)
-    assert "not made under locate" in str(finding)
+    assert "not made by an op locate saw" in str(finding)
 
 
 def test_dirty_data_is_reported_once_and_its_propagation_not_at_all():

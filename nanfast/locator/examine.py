@@ -99,6 +99,13 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         kind = "input"
         names = ", ".join(inputs[i][0] for i in dirty)
         reason = f"first op to consume NaN that no op under locate produced (input {names})"
+        if producer.node is not None and "CompiledFunction" in producer.node:
+            # NOTE: [A compiled region's kernels]
+            # The backward of a torch.compile'd forward runs inductor's fused kernels, which no dispatch
+            # mode sees: a NaN made there (sqrt's backward at 0) reached the first op locate saw as if it
+            # came from data or a parameter (a probe, session 46). Said so, not blamed on the input.
+            reason += (": it runs in the backward of a torch.compile'd region, whose fused kernels locate does "
+                       "not see, so the NaN may have been made there; run the step uncompiled to name its op")
 
     def info_of(name: str, t: torch.Tensor, counts: tuple[int, int, int], record: Optional[tuple]) -> TensorInfo:
         lo, hi = finite_min_max(t)

@@ -68,7 +68,7 @@ class TensorInfo:
         if self.min is not None:
             text += f" min={self.min:.6g} max={self.max:.6g}"
         if with_producer:
-            outside = "not made under locate (data, parameter or buffer)"
+            outside = "not made by an op locate saw (data, a parameter or buffer, or a compiled region's kernels)"
             if self.producer is None:
                 text += f" <- {outside}"
             elif self.partial:
