@@ -183,6 +183,27 @@ def test_on_event_locate_re_runs_a_bad_step_of_a_compiled_model():
     assert event.located is not None and event.located.op == "aten.log.default"
 
 
+def test_a_compiled_model_watched_without_an_optimizer_says_what_is_not_checked():
+    """Inference on a compiled model: its forwards run no hook, so a NaN output left no event and no
+    warning (a probe, session 46). Said at watch(); with an optimizer its steps' pass still reads the
+    gradients, and an uncompiled model is watched as ever: nothing to say."""
+    model = _model()
+    for compiled in (torch.compile(model, backend="aot_eager"), _compiled_in_place()):
+        with pytest.warns(UserWarning, match="Net is compiled: its forwards run none of the watch's hooks"):
+            nanfast.watch(compiled).remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nanfast.watch(model).remove()
+        compiled = torch.compile(model, backend="aot_eager")
+        nanfast.watch(compiled, torch.optim.SGD(model.parameters(), lr=0.1)).remove()
+
+
+def _compiled_in_place() -> Net:
+    model = _model()
+    model.compile(backend="aot_eager")
+    return model
+
+
 class _GatedNorm(torch.nn.Module):
     """sqrt(h * h) where a gate zeroes a column: sqrt's backward at 0 is inf, times 0 NaN."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
@@ -14,6 +15,7 @@ import torch
 
 from .. import _C, distributed
 from ..check import uncompiled
+from ..locator.source import user_stacklevel
 from ..recompute import recomputation
 from . import agree, scaler_hook
 from .actions import Actions
@@ -89,6 +91,17 @@ class Watch(Hooks, StepEnd, Actions, Readings):
                                           process_group=process_group, pass_through=pass_through)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
         spiking = spike_options(spikes, action, sync)
+        if optimizer is None and (uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None):
+            # NOTE: [A compiled model watched for inference]
+            # A compiled forward runs no hook (NOTE: [The watch and torch.compile]); without an optimizer
+            # nothing else is read unless the loop calls w.step() (its pass over the parameters and their
+            # gradients): a compiled model's NaN outputs under no_grad left no event and no warning (a
+            # probe, session 46).
+            warnings.warn(f"nanfast.watch: {type(uncompiled(model)).__name__} is compiled: its forwards run none of "
+                          "the watch's hooks, so its inputs, activations and outputs are not checked, and without an "
+                          "optimizer only what w.step() reads is (its parameters and their gradients). Check a "
+                          "compiled model's outputs with nanfast.check_all, or watch the uncompiled model.",
+                          UserWarning, stacklevel=user_stacklevel())
         model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
         self.model = model
         self.optimizer = optimizer
