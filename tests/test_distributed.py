@@ -385,16 +385,20 @@ def _tensor_parallel_training(rank, mesh, fuse):
     return record
 
 
-def _loss_spike_training(rank, spike_action, steps=24, spike_step=20):
-    """DDP; rank 1's loss value alone jumps by 1e4 at `spike_step` (its gradient unchanged): a spike that
-    rank alone sees (a probe, session 46). Each rank catches what the watch raises and goes on."""
+def _ddp_tanh_net(rank, fused):
+    """A small net under DDP, its Adam (fused or not) and this rank's batch generator."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     model = DistributedDataParallel(net)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(100 + rank)
+    return net, model, torch.optim.Adam(model.parameters(), lr=0.01, fused=fused), torch.Generator().manual_seed(100 + rank)
+
+
+def _loss_spike_training(rank, spike_action, steps=24, spike_step=20):
+    """DDP; rank 1's loss value alone jumps by 1e4 at `spike_step` (its gradient unchanged): a spike that
+    rank alone sees (a probe, session 46). Each rank catches what the watch raises and goes on."""
+    net, model, optimizer, gen = _ddp_tanh_net(rank, fused=False)
     raised = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -429,13 +433,7 @@ def ddp_lagged_validation_on_one_rank(rank, mesh):
     """A lagged watch; rank 1's loss is NaN at step 2; right after that step rank 0 alone validates (eval
     mode, no_grad), as a trainer's rank-0 validation does: that read used to act on the pending bad
     training step, gathering the ranks' places on rank 0 alone (a hang, a probe, session 46)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    model = DistributedDataParallel(net)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-    gen = torch.Generator().manual_seed(100 + rank)
+    _, model, optimizer, gen = _ddp_tanh_net(rank, fused=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         w = nanfast.watch(model, optimizer, action="warn", sync="lagged")
