@@ -452,11 +452,39 @@ def ddp_lagged_validation_on_one_rank(rank, mesh):
             "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]}
 
 
+def ddp_watch_locate(rank, mesh):
+    """on_event="locate" under DDP; a forward hook on rank 1 writes NaN into a column of the first layer's
+    output at step 2 (in the step and in its re-run). Every rank re-runs the step (the re-run's DDP
+    backward is a collective); only rank 1's re-run finds the op."""
+    net, model, optimizer, gen = _ddp_tanh_net(rank, fused=False)
+    current = {}
+
+    def plant(module, args, out):
+        return out.index_fill(1, torch.tensor([0]), float("nan")) if current["bad"] else None
+
+    net[0].register_forward_hook(plant)
+
+    def rerun():
+        torch.nn.functional.mse_loss(model(current["x"]), current["y"]).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        w = nanfast.watch(model, optimizer, action="skip", on_event="locate", rerun=rerun)
+        for step in range(4):
+            current.update(x=torch.randn(8, 4, generator=gen), y=torch.randn(8, 2, generator=gen),
+                           bad=rank == 1 and step == 2)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(current["x"]), current["y"]).backward()
+            optimizer.step()
+        w.remove()
+    return {"events": [(e.step, e.rank, e.located is not None, e.summary()) for e in w.events]}
+
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
-             ddp_lagged_validation_on_one_rank]
+             ddp_lagged_validation_on_one_rank, ddp_watch_locate]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
 _TMP = ""  # the spawn's directory, set in each rank's process
@@ -740,3 +768,13 @@ def test_a_validation_on_one_rank_leaves_a_lagged_bad_step_to_every_rank(ranks):
     for r in results:
         assert r["events"] == [(2, 1, "loss_value", False)]
         assert sum("step 2" in text for text in r["warned"]) == 1
+
+
+def test_every_rank_gets_the_located_op_of_the_rank_that_saw_the_fault(ranks):
+    """Rank 0's re-run stays finite; its event's `located` was None, read as "did not reproduce" (a probe,
+    session 46; NOTE: [One located finding for every rank])."""
+    results = _results(ranks, ddp_watch_locate)
+    for r in results:
+        [(step, rank, located, summary)] = r["events"]
+        assert (step, rank, located) == (2, 1, True) and "located: nanfast.locate: aten.index_fill" in summary
+    assert results[0]["events"] == results[1]["events"]

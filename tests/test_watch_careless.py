@@ -126,7 +126,7 @@ def test_a_skip_that_another_optimizer_made_useless_raises_naming_its_parameters
     SparseAdam, stepped first, which no skip undoes: the watch then skipped every later step, healthy
     batches too, silently, naming the embedding's output and never its weight (a probe, session 46).
     watch() now says that the model has parameters its optimizer does not step, and the skip raises once
-    they are non-finite, naming them."""
+    they (or frozen ones: a probe, session 46) are non-finite, naming them."""
     model = SparseAndDense()
     sparse = torch.optim.SparseAdam(list(model.emb.parameters()), lr=0.01)
     dense = torch.optim.Adam(model.fc.parameters(), lr=0.01)
@@ -166,6 +166,16 @@ def test_a_skip_that_another_optimizer_made_useless_raises_naming_its_parameters
     nn.functional.cross_entropy(model(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 1), NAN)),
                                 torch.zeros(2, dtype=torch.long)).backward()
     with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        dense.step()
+    assert w.skipped_steps == 1
+    # A frozen weight gone NaN (written in place; an adapter merged into it) made every later step skip:
+    # no skip puts it back, so the skip raises, naming it.
+    with torch.no_grad():
+        model.emb.weight[3, 0] = NAN
+    dense.zero_grad()
+    nn.functional.cross_entropy(model(torch.full((2, 3), 3), torch.ones(2, 1)), torch.zeros(2, dtype=torch.long)).backward()
+    with pytest.raises(nanfast.NonFiniteError, match=r"parameters emb\.weight, which the optimizer does not step, are "
+                                                     r"non-finite .*or they were frozen so"):
         dense.step()
     assert w.skipped_steps == 1
     w.remove()

@@ -89,7 +89,7 @@ class Actions:
         if event is not None and event.kind == "nonfinite" and read.forward_unchecked:
             event = dataclasses.replace(event, forward_unchecked=True)
         if event is not None and self.on_event == "locate" and acting:
-            located = self._locate(read.step_state)
+            located = agree.located(self._locate(read.step_state), event.rank, self.process_group)
             differs = None if located is None else disagreement(
                 self.model, event.first.phase, event.first.name, event.first.where(), located)
             event = dataclasses.replace(event, located=located, located_differs=differs)
@@ -293,8 +293,8 @@ class Actions:
             if unstepped:
                 raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: the model's parameters "
                                      f"{first_few(unstepped, MAX_NAMED_IN_MESSAGE)}, which the optimizer does not step, "
-                                     "are non-finite (another optimizer or the loop wrote them), and a skip cannot put "
-                                     "them back")
+                                     "are non-finite (another optimizer or the loop wrote them, or they were frozen "
+                                     "so), and a skip cannot put them back")
             if event.phase == "param":
                 if self._rollback is not None:
                     return self._roll_back(event)

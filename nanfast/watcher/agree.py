@@ -98,3 +98,22 @@ def spike(step: int, local: Optional[Event], process_group: Optional[Any]) -> Op
             if event is not None]
     rank, event = min(seen, key=lambda item: item[0])
     return dataclasses.replace(event, rank=rank, detail=f"on rank {rank}: {event.detail}")
+
+
+def located(finding: Optional[Any], rank: Optional[int], process_group: Optional[Any]) -> Optional[Any]:
+    """An agreed event's `located`: what the re-run on `rank` (the event's first place's) found, on every
+    rank; `finding` itself in a single process or for an event the ranks did not agree on (rank None).
+    One host collective, on a bad step of an on_event="locate" watch.
+
+    NOTE: [One located finding for every rank]
+    Every rank re-runs a bad step, but the fault is often one rank's alone: its re-run finds the op, the
+    others' stay finite and found nothing. The event is the same on every rank but for `located`, None
+    on those (read as "the fault did not reproduce"; a probe, session 46). The finding of the rank the
+    event's first place is from is gathered for all."""
+    group = distributed.default_group(process_group)
+    if group is None or rank is None:
+        return finding
+    import torch.distributed as dist
+
+    gathered = dict(distributed.gather_objects((dist.get_rank(), finding), group))
+    return gathered.get(rank, finding)

@@ -113,7 +113,7 @@ def warn_of_parameters_outside(model: torch.nn.Module, optimizer: torch.optim.Op
                       "model's buffers only, so a module outside it that a bad batch reached (its BatchNorm "
                       "statistics) keeps what that batch wrote. Watch the module that holds every parameter the "
                       "optimizer steps.", UserWarning, stacklevel=user_stacklevel())
-    unstepped = [name for name, _ in unstepped_parameters(model, optimizer)]
+    unstepped = [name for name, p in unstepped_parameters(model, optimizer) if p.requires_grad]
     if unstepped:
         warnings.warn(f"nanfast.watch: {len(unstepped)} trainable parameter(s) of the watched {type(model).__name__} "
                       f"are not in its optimizer ({first_few(unstepped, 3)}): a skip undoes this optimizer's step "
@@ -123,9 +123,9 @@ def warn_of_parameters_outside(model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def unstepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """The model's parameters that require grad but are in none of the optimizer's groups, with their names."""
+    """The model's parameters in none of the optimizer's groups (frozen ones too), with their names."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+    return [(name, p) for name, p in model.named_parameters() if id(p) not in stepped]
 
 
 def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[list[str]]:
@@ -138,7 +138,8 @@ def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     # parameters, which a skip of the watched step does not undo: every later step then found NaN in
     # the forward and skipped it too, silently, naming the embedding's output and never its weight (a
     # probe, session 46). So before skipping, the model's parameters outside the optimizer are read, and
-    # a non-finite one makes the skip raise instead, naming it.
+    # a non-finite one makes the skip raise instead, naming it. Frozen ones too: a frozen base weight that
+    # went NaN (written in place, an adapter merged into it) made every later step skip the same way.
     unstepped = unstepped_parameters(model, optimizer)
     if not unstepped:
         return None
