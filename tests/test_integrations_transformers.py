@@ -241,6 +241,33 @@ def test_the_models_loss_goes_to_watch_loss(tmp_path):
     callback.remove()
 
 
+class _Wrapped(torch.nn.Module):
+    """GPT-2 held by a module of one's own (as a PEFT model or a LightningModule holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_gpt2()
+
+    def forward(self, **batch):
+        return self.model(**batch)
+
+
+def test_a_wrapped_models_loss_is_named_in_its_output():
+    """Every label ignored: the NaN loss first appears in the GPT-2 submodule's output, a ModelOutput:
+    named by its field there too (NOTE: [Naming the output's fields])."""
+    wrapped = _Wrapped()
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 8))
+    with nanfast.watch(wrapped, optimizer) as w:
+        wrapped(input_ids=ids, labels=torch.full_like(ids, -100)).loss.backward()
+        with pytest.raises(nanfast.NonFiniteError) as caught:
+            optimizer.step()
+    first = caught.value.report.first
+    assert (first.phase, first.name, [e.name for e in first.entries]) == ("forward", "model", ["loss"])
+    assert "output of model (GPT2LMHeadModel): loss (nan=1" in caught.value.report.summary()
+    assert w.events[0] is caught.value.report
+
+
 def test_options_pass_through(tmp_path):
     model = tiny_gpt2()
     plant_inf(model, BLOCK, at_forward=2)

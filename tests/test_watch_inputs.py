@@ -159,6 +159,50 @@ def test_the_models_output_is_named_by_its_fields(sync):
             in w.events[0].summary()
 
 
+class Wrapper(torch.nn.Module):
+    """Holds the model that computes the loss (a PEFT model, a LightningModule) and returns its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = WithLoss()
+        self.fail = False
+
+    def forward(self, x, labels):
+        out = self.inner(x, labels)
+        if self.fail:
+            raise RuntimeError("the forward raised")
+        return out
+
+
+def _first_of_wrapped(dropped_first: bool):
+    model = Wrapper()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, ignored = torch.randn(2, 4), torch.full((2,), -100)
+    with pytest.warns(RuntimeWarning, match="non-finite"), nanfast.watch(model, optimizer, action="warn") as w:
+        if dropped_first:  # a forward dropped after its submodule's dict output was recorded
+            model.fail = True
+            with pytest.raises(RuntimeError, match="the forward raised"):
+                model(x, ignored)
+            model.fail, model.inner.as_tuple = False, True  # the next forward's slots reuse its ids
+        out = model(x, ignored)
+        (out[1] if dropped_first else out["aux"]["loss"]).backward()
+        optimizer.step()
+    return w.events[0]
+
+
+def test_a_submodules_output_is_named_by_its_fields():
+    """A wrapped model's NaN loss first appears in the submodule's output: "output of inner (WithLoss)", no
+    field named (a probe, session 46). The C++ hooks walk such an output anyway; its layout is kept by
+    slot id. A dropped forward's layouts go with its slots: a tuple (not walked for a submodule, so not
+    named) recorded under a reused slot id is not named by them."""
+    event = _first_of_wrapped(dropped_first=False)
+    assert (event.first.phase, event.first.name, event.first.entries) == ("forward", "inner",
+                                                                            (InputEntry("aux.loss", 1, 0, 0),))
+    assert "output of inner (WithLoss): aux.loss (nan=1, +inf=0, -inf=0)" in event.summary()
+    event = _first_of_wrapped(dropped_first=True)
+    assert (event.first.phase, event.first.name, event.first.entries) == ("forward", "inner", ())
+
+
 def test_an_output_layout_names_only_rows_it_matches():
     logits, loss = torch.zeros(2), torch.zeros(())
     assert output_layout(logits) is None and output_names(None, 1) is None

@@ -87,7 +87,8 @@ struct Site {
 class ModuleHooks {
  public:
   // recorder: the watch's WatchRecorder, called directly; walk(obj): the floating tensors of an object
-  // plain_floating_tensors declines (the container walker); recomputation(): None, "reentrant" or
+  // plain_floating_tensors declines, with their layout (the container walker, inputs.walked_tensors);
+  // recomputation(): None, "reentrant" or
   // "unpack" (nanfast/recompute.py); outside(grad_enabled): see NOTE: [Submodules called outside the
   // model's forward].
   ModuleHooks(py::object recorder, py::object walk, py::object recomputation, py::object outside, bool check_grads)
@@ -150,7 +151,7 @@ class ModuleHooks {
   // Places the checks of the gradients w.r.t. the floating tensors in `obj` as a new slot (phase,
   // site, call).
   void hook_grads(py::handle obj, const char* phase, py::handle site, int64_t call) {
-    const py::list tensors = floating(obj);
+    const py::list tensors = floating(obj).first;
     if (!tensors.empty()) {
       recorder_.hook_grads(tensors, slot(phase, site, call));
     }
@@ -159,7 +160,7 @@ class ModuleHooks {
   // Records the check of an output of `site`; returns whether its floating values are checked (an
   // ignored site's are not; a tensor checked last and unchanged since is in the slot that checked it).
   bool check_output(const char* phase, py::handle site, py::handle output) {
-    const py::list tensors = floating(output);
+    const auto [tensors, layout] = floating(output);
     if (tensors.empty()) {
       return false;
     }
@@ -170,7 +171,11 @@ class ModuleHooks {
     const Site& s = site.cast<const Site&>();
     const bool recorded = !s.ignored;
     if (recorded) {
-      recorder_.record(tensors, slot(phase, site, s.calls));
+      const int64_t id = slot(phase, site, s.calls);
+      recorder_.record(tensors, id);
+      if (!layout.is_none()) {  // a walked output's layout, to name its fields (NOTE: [Naming the output's fields])
+        outputs[py::int_(id)] = layout;
+      }
     }
     if (single) {
       last_recorded_ = recorded;
@@ -194,10 +199,11 @@ class ModuleHooks {
   // A new step: the recorder's records dropped, the forward forgotten, the step's slot list and whether
   // it is checked. One call where there were five: each call into C++ at a step's boundary pays cold
   // caches (NOTE: [Module hooks in C++]).
-  void new_step(py::list step_slots, bool checked) {
+  void new_step(py::list step_slots, py::dict step_outputs, bool checked) {
     recorder_.clear();
     forget();
     slots = std::move(step_slots);
+    outputs = std::move(step_outputs);
     active = checked;
     outside_open = false;
   }
@@ -214,6 +220,7 @@ class ModuleHooks {
   int64_t forward_id = 0;  // numbers the model's forwards (a site's calls count within one)
   int64_t microbatch = 0;  // of the forward running
   py::list slots;          // the Step's: (phase, site, call, microbatch) by slot id
+  py::dict outputs;        // the Step's: slot id -> a walked output's layout (NOTE: [Naming the output's fields])
 
  private:
   enum class Recomputed { kNo, kReentrant, kUnpack };
@@ -237,9 +244,14 @@ class ModuleHooks {
     return found.cast<std::string>() == "unpack" ? Recomputed::kUnpack : Recomputed::kReentrant;
   }
 
-  py::list floating(py::handle obj) const {
+  // The floating tensors of `obj`, with the layout of a walked one (None for a tensor or a tuple of them).
+  std::pair<py::list, py::object> floating(py::handle obj) const {
     py::object found = plain_floating_tensors(obj);
-    return found.is_none() ? py::list(walk_(obj)) : py::reinterpret_steal<py::list>(found.release());
+    if (!found.is_none()) {
+      return {py::reinterpret_steal<py::list>(found.release()), py::none()};
+    }
+    const py::tuple walked = walk_(obj);
+    return {py::list(walked[0]), walked[1]};
   }
 
   // Whether `t` is the last output checked, unchanged since (its version counter); else it becomes the
@@ -297,7 +309,7 @@ void bind_module_hooks(py::module_& m) {
       .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"))
       .def("slot", &ModuleHooks::slot, py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("forget", &ModuleHooks::forget)
-      .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("checked"))
+      .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("outputs"), py::arg("checked"))
       .def_readwrite("active", &ModuleHooks::active)
       .def_readwrite("in_forward", &ModuleHooks::in_forward)
       .def("enter_forward", &ModuleHooks::enter_forward)

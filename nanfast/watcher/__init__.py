@@ -24,7 +24,8 @@ from .forwards import StepState
 from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
-from .hooks import Hooks, weakly_bound, walked_floating_tensors
+from .hooks import Hooks, weakly_bound
+from .inputs import walked_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
                       typed_options, unknown_options, validate)
@@ -152,7 +153,7 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._recorder = _C.WatchRecorder(self._device, profile, FUSE_BYTES if self.fuse else 0)
         self._pass_op = self._recorder.stats_with_deferred if self.fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
-        self._hooks = _C.ModuleHooks(self._recorder, walked_floating_tensors, recomputation,
+        self._hooks = _C.ModuleHooks(self._recorder, walked_tensors, recomputation,
                                      weakly_bound(self, "_outside_forward"), self._check_grads)
         self._outside_evaluation: Optional[int] = None  # see NOTE: [Submodules called outside the model's forward]
         self._profile: Optional[Profile] = Profile() if profile else None

@@ -38,8 +38,8 @@ class Place(NonfiniteCounts):
     input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
     several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
     within the step (gradient accumulation). ``entries``, in phase input: the entries of the batch that
-    held the non-finite values (InputEntry), when the watch could name them; in phase forward of the model
-    itself, the fields of its output that held them ("loss", "[1]"); empty elsewhere."""
+    held the non-finite values (InputEntry), when the watch could name them; in phase forward, the fields
+    of the output that held them ("loss", "[1]": NOTE: [Naming the output's fields]); empty elsewhere."""
 
     phase: str
     name: str

@@ -18,7 +18,7 @@ from ..recompute import recomputation
 from . import scaler_hook
 from .events import MODEL
 from .forwards import Forward
-from .inputs import checked_tensor, input_tensors, mask_rows, output_layout
+from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
 from .options import SKIPPING, ignored
 from .owned_hook import OwnedHook
 
@@ -42,12 +42,7 @@ def floating_tensors(obj: Any) -> list[torch.Tensor]:
     tensor, a tuple of tensors and None) by a C++ fast path (two calls per hooked module call), anything
     else by the one container walker; the same ones either way."""
     found = _C.plain_floating_tensors(obj)
-    return found if found is not None else walked_floating_tensors(obj)
-
-
-def walked_floating_tensors(obj: Any) -> list[torch.Tensor]:
-    """The floating and complex strided tensors in obj, found by the one container walker (_tree)."""
-    return [t for t in _tree.leaves(obj) if checked_tensor(t)]
+    return found if found is not None else walked_tensors(obj)[0]
 
 
 def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -373,11 +368,11 @@ class Hooks:
         self._hooks.in_forward = False
         if self._active:
             if self._check_loss:
-                first = len(self._step.slots)
+                first = len(self._step.slots)  # the id of its record's slot, if it makes one
                 if self._hooks.check_output("forward", self._root, output):
                     self._step.output_checked = True
-                    if len(self._step.slots) > first:  # its own record: its fields named (NOTE: [Naming the output's fields])
-                        self._step.outputs[self._hooks.microbatch] = output_layout(output)
+                    if len(self._step.slots) > first and first not in self._step.outputs:  # a tuple: no walk yet
+                        self._step.outputs[first] = output_layout(output)  # see NOTE: [Naming the output's fields]
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
             self._forget_last()
@@ -421,7 +416,7 @@ class Hooks:
         # with its references to activations, and the next forward takes its microbatch number. Earlier
         # forwards of the step are kept.
         self._recorder.discard(forward.first_slot)
-        del self._step.slots[forward.first_slot:]
+        self._step.truncate(forward.first_slot)
         self._step.forwards = forward.microbatch
         self._steps.training = forward.training
         self._steps.last = None

@@ -55,23 +55,28 @@ def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout
         if found is not None:
             positions = None if len(found) == len(args) else tuple(i for i, a in enumerate(args) if checked_tensor(a))
             return found, Layout(positions=positions)
+    tensors, layout = walked_tensors((args, kwargs) if kwargs else args)
+    return tensors, layout._replace(keywords=bool(kwargs))
+
+
+def walked_tensors(obj: Any) -> tuple[list[torch.Tensor], Layout]:
+    """The floating strided tensors in obj found by the one container walker, and their layout: what
+    the C++ module hooks ask for an input or output that is not a tensor or a tuple of them."""
     tensors, nodes = [], []
-    for node, leaf in _tree.leaves_with_nodes((args, kwargs) if kwargs else args):
+    for node, leaf in _tree.leaves_with_nodes(obj):
         if checked_tensor(leaf):
             tensors.append(leaf)
             nodes.append(node)
-    return tensors, Layout(nodes=nodes, keywords=bool(kwargs))
+    return tensors, Layout(nodes=nodes)
 
 
 def output_layout(output: Any) -> Optional[Layout]:
-    """Where each floating tensor of the model's output came from, to name the fields of a dirty one
+    """Where each floating tensor of a module's output came from, to name the fields of a dirty one
     (NOTE: [Naming the output's fields]); None for a bare tensor, which has nothing to name.
 
     Args:
-        output: what the model's forward returned."""
-    if isinstance(output, torch.Tensor):
-        return None
-    return Layout(nodes=[node for node, leaf in _tree.leaves_with_nodes(output) if checked_tensor(leaf)])
+        output: what the module's forward returned."""
+    return None if isinstance(output, torch.Tensor) else walked_tensors(output)[1]
 
 
 def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
@@ -80,9 +85,12 @@ def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
     # NOTE: [Naming the output's fields]
     # A HF model computes its loss inside its forward (a functional cross-entropy, no module): a NaN loss
     # (every label ignore_index) first appears in the model's output, which is a dict of the loss, the
-    # logits and the cache. "output of <model>" did not say which (a probe, session 45). The output's
-    # layout is walked in the model's forward hook only when the output is not a bare tensor (it is walked
-    # there anyway, to find its tensors) and kept, without the tensors, until the step is read.
+    # logits and the cache. "output of <model>" did not say which (a probe, session 45); nor, the model
+    # wrapped (a PEFT model, a LightningModule), did the output of the submodule that made it, nor a
+    # torchvision detector's RoIHeads' dict of losses. The layout of an output is kept, without its
+    # tensors, by the record's slot id until the step is read: for a submodule where the C++ hooks walk
+    # it anyway (a dict, a dataclass: not a tensor or a tuple of them, which cost no Python call), for
+    # the model itself whenever it is not a bare tensor (once per forward).
     if layout is None or layout.nodes is None or len(layout.nodes) != rows:
         return None
     return [_tree.path_of(_tree.path_steps(node), brackets=True) for node in layout.nodes]

@@ -51,7 +51,7 @@ class Read:
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False
     inputs: dict = dataclasses.field(default_factory=dict)  # Step.inputs: each forward's input layout
-    outputs: dict = dataclasses.field(default_factory=dict)  # Step.outputs: each forward's output layout
+    outputs: dict = dataclasses.field(default_factory=dict)  # Step.outputs: output layouts by slot id
     eval_mode_with_grad: set = dataclasses.field(default_factory=set)  # Step.eval_mode_with_grad (a new Step makes a new one)
     # Skipped at once on this rank, before its lagged read (NOTE: [A lagged step one rank must read at
     # once]): the buffers its forward changed that could not be put back.
@@ -78,10 +78,11 @@ class Read:
         return self._layout
 
     def slots(self) -> list:
-        """(phase, label, call, microbatch, rows) in row order: made when read (a bad step), since a good
-        eager step never reads them."""
+        """(phase, label, call, microbatch, rows, slot id or None for the pass's) in row order: made when
+        read (a bad step), since a good eager step never reads them."""
         _, front, back = self.layout()
-        return [*front, *((*self.labels[slot], rows) for slot, rows in self.recorded), *back]
+        return [*((*kept, None) for kept in front), *((*self.labels[slot], rows, slot) for slot, rows in self.recorded),
+                *((*kept, None) for kept in back)]
 
     def all_counts(self) -> torch.Tensor:
         """Every row's counts, int64 [rows, 3] on the device, in slot order: put together when they are
@@ -106,11 +107,18 @@ class Step:
         self.output_checked = False  # a forward's output was checked (see NOTE: [Parameters read when they add information])
         self.params_unread = False  # the step's pass left the parameters out (same NOTE)
         self.inputs: dict[int, Layout] = {}  # microbatch -> its input's layout (NOTE: [Naming the input's entries])
-        self.outputs: dict[int, Layout] = {}  # microbatch -> its output's layout (NOTE: [Naming the output's fields])
+        self.outputs: dict[int, Layout] = {}  # slot id -> its output's layout (NOTE: [Naming the output's fields])
         self.eval_mode_with_grad: set[int] = set()  # microbatches whose forward ran in eval mode with gradients
         # A skipping watch's: the optimizer's parameters with no .grad at the step's first forward (ids);
         # None where no forward began the step, or none had one (NOTE: [Gradients a skipped step gives back]).
         self.gradless: Optional[frozenset[int]] = None
+
+    def truncate(self, first_slot: int) -> None:
+        """Forgets the slots from `first_slot` on (a forward dropped, an evaluation taken out), with their
+        outputs' layouts: a later record reusing a slot id must not take another's names."""
+        del self.slots[first_slot:]
+        for slot in [slot for slot in self.outputs if slot >= first_slot]:
+            del self.outputs[slot]
 
     def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
@@ -260,7 +268,7 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
     (see NOTE: [Naming the input's entries])."""
     found = []
     i = 0
-    for phase, label, call, microbatch, n in read.slots():
+    for phase, label, call, microbatch, n, slot in read.slots():
         if scaler_skipped and phase in _SCALED_PHASES:
             pass
         elif isinstance(label, tuple):  # one row per named parameter or gradient
@@ -273,8 +281,8 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
                 entries = ()
                 if phase == "input":
                     entries = _dirty_entries(entry_names(read.inputs.get(microbatch), n, forward), rows[i:i + n], nan_only)
-                elif phase == "forward" and label.name == "" and label.module_class:  # the model's own output
-                    entries = _dirty_entries(output_names(read.outputs.get(microbatch), n), rows[i:i + n], nan_only)
+                elif phase == "forward":
+                    entries = _dirty_entries(output_names(read.outputs.get(slot), n), rows[i:i + n], nan_only)
                 found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch,
                                    entries))
         i += n

@@ -30,7 +30,7 @@ class StepEnd:
         self._step = Step()
         # The records dropped, the forward forgotten (see NOTE: [Checking each tensor once]), the new
         # slot list and whether this step is checked, in one call.
-        self._hooks.new_step(self._step.slots, self._installed and self.step_count % self.every == 0)
+        self._hooks.new_step(self._step.slots, self._step.outputs, self._installed and self.step_count % self.every == 0)
         self._steps.reset()
 
     def _capture_step_state(self) -> None:
@@ -220,18 +220,17 @@ class StepEnd:
             if recorded_slots:
                 own = Step()  # none of the step's losses; numbered as an evaluation between steps is: microbatch 0
                 own.slots = self._step.slots[:first_slot] + [(*label[:3], 0) for label in self._step.slots[first_slot:]]
-                own.inputs, own.outputs = ({0: layouts[microbatch]} if microbatch in layouts else {}
-                                           for layouts in (self._step.inputs, self._step.outputs))
+                own.inputs = {0: self._step.inputs[microbatch]} if microbatch in self._step.inputs else {}
+                own.outputs = self._step.outputs  # by slot id: the same ids
                 read = own.pack(recorded, recorded_slots, None, params=False, grads=False, ignore=self.ignore,
                                 nan_only=self.nan_only, found_inf=None, grad_scale=None, device=self._device,
                                 step=self.step_count, scaler_skipped=False)
                 read.evaluation = read.within_step = True
                 self._evaluate(read)
         finally:
-            del self._step.slots[first_slot:]
+            self._step.truncate(first_slot)
             if microbatch is not None:
                 self._step.inputs.pop(microbatch, None)
-                self._step.outputs.pop(microbatch, None)
                 self._step.forwards = microbatch
             self._steps.last = None
 
