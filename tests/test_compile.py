@@ -5,8 +5,10 @@ the ops (skipped without a GPU). The ops themselves are compiled alone in tests/
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -181,6 +183,25 @@ def test_on_event_locate_re_runs_a_bad_step_of_a_compiled_model():
     [event] = w.events
     assert (event.step, event.phase, len(reruns)) == (1, "grad", 1)
     assert event.located is not None and event.located.op == "aten.log.default"
+
+
+def test_the_state_taken_for_a_re_run_keeps_no_gradients_alive():
+    """The RNG states taken at a step's end for the next step's re-run (NOTE: [A compiled step's RNG
+    states]) held the parameters' gradients: zero_grad could not free them, and with the forward compiled
+    they lived through the next step (a review, session 46)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    w = nanfast.watch(compiled, optimizer, on_event="locate", rerun=lambda: None)
+    grads = []
+    for _ in range(2):
+        optimizer.zero_grad()  # set_to_none: the last step's gradients go here
+        gc.collect()
+        assert [g() for g in grads] == [None] * len(grads)
+        compiled(CLEAN).sum().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        optimizer.step()
+    w.remove()
 
 
 def test_a_compiled_model_watched_without_an_optimizer_says_what_is_not_checked():

@@ -181,6 +181,36 @@ def test_a_skip_that_another_optimizer_made_useless_raises_naming_its_parameters
     w.remove()
 
 
+class Masked(nn.Module):
+    """A frozen parameter that holds -inf on purpose (an additive mask kept as a parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.mask = nn.Parameter(torch.tensor([0.0, -float("inf"), 0.0]), requires_grad=False)
+
+    def forward(self, x):
+        return (self.lin(x) + self.mask).softmax(-1)
+
+
+@pytest.mark.parametrize("options", [dict(ignore=["mask"]), dict(nan_only=True)])
+def test_a_frozen_parameter_the_watch_allows_to_be_infinite_does_not_stop_a_skip(options):
+    """The check of the parameters outside the optimizer before a skip read them whatever `ignore` and
+    `nan_only` said: a model with an intended -inf in a frozen parameter had every skip turned into a
+    raise (a review, session 46)."""
+    model = Masked()
+    optimizer = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    w = nanfast.watch(model, optimizer, action="skip", **options)
+    x = torch.randn(2, 4)
+    x[0, 0] = NAN
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    with pytest.warns(RuntimeWarning, match="skipped the optimizer step"):
+        optimizer.step()
+    assert w.skipped_steps == 1
+    w.remove()
+
+
 def test_a_torchscript_model_is_refused_saying_so():
     """watch(torch.jit.script(model), optimizer) failed in its setup with "contains(): incompatible function
     arguments" (the message depended on the action)."""

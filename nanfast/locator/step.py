@@ -68,8 +68,10 @@ class StepState:
         with torch.no_grad():
             copies = [t.detach().clone() for t in params + buffers] if values else None
             grad_copies = [None if p.grad is None else p.grad.detach().clone() for p in params] if grads else None
+        # The gradient tensors are kept only where their values are: held otherwise, a watch's state taken
+        # at a step's end kept that step's gradients alive through the next one (a review, session 46).
         return cls(params, buffers, torch.get_rng_state(), cuda_rng, copies, grad_copies, slots,
-                   [p.grad for p in params])
+                   [p.grad for p in params] if grads else [None] * len(params))
 
     def restore(self) -> None:
         """Puts back the RNG states, the buffers in their modules and, where captured, the values; sets

@@ -92,7 +92,8 @@ class Watch(Hooks, StepEnd, Actions, Readings):
                                           process_group=process_group, pass_through=pass_through)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
         spiking = spike_options(spikes, action, sync)
-        if optimizer is None and (uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None):
+        compiled = uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None
+        if optimizer is None and compiled:
             # NOTE: [A compiled model watched for inference]
             # A compiled forward runs no hook (NOTE: [The watch and torch.compile]); without an optimizer
             # nothing else is read unless the loop calls w.step() (its pass over the parameters and their

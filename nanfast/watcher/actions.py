@@ -287,7 +287,8 @@ class Actions:
                           "was taken: not seen changing in an earlier step, or not a plain dense tensor)") if missed else ""
             if self.action == "raise":
                 raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
-            unstepped = nonfinite_unstepped(self.model, self.optimizer)  # see NOTE: [Parameters another optimizer steps]
+            # See NOTE: [Parameters another optimizer steps].
+            unstepped = nonfinite_unstepped(self.model, self.optimizer, self.ignore, self.nan_only)
             if unstepped is not None and agreed and agree.any_rank(bool(unstepped), self.process_group) and not unstepped:
                 unstepped = ["(on another rank)"]
             if unstepped:

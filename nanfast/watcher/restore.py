@@ -14,6 +14,7 @@ import torch
 from .. import _C
 from ..locator.source import user_stacklevel
 from ..report import first_few
+from .options import ignored
 
 
 class Twins:
@@ -128,10 +129,12 @@ def unstepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return [(name, p) for name, p in model.named_parameters() if id(p) not in stepped]
 
 
-def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[list[str]]:
+def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ignore: tuple[str, ...],
+                        nan_only: bool) -> Optional[list[str]]:
     """The names of the model's parameters outside the optimizer (unstepped_parameters) holding a NaN or
-    inf: one fused call and one host read, made only when a skip is about to be taken; None when the
-    model has no such parameters (the same on every rank: nothing to agree on)."""
+    inf (a NaN alone with `nan_only`; none that `ignore` names): one fused call and one host read, made
+    only when a skip is about to be taken; None when the model has no such parameters to read (the same
+    on every rank: nothing to agree on)."""
     # NOTE: [Parameters another optimizer steps]
     # A model trained by two optimizers (a sparse embedding under SparseAdam, the rest under Adam) is
     # watched with one. In a bad step the other one, stepped first, wrote the bad gradients into its
@@ -140,11 +143,11 @@ def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     # probe, session 46). So before skipping, the model's parameters outside the optimizer are read, and
     # a non-finite one makes the skip raise instead, naming it. Frozen ones too: a frozen base weight that
     # went NaN (written in place, an adapter merged into it) made every later step skip the same way.
-    unstepped = unstepped_parameters(model, optimizer)
+    unstepped = [(name, p) for name, p in unstepped_parameters(model, optimizer) if not ignored(ignore, name)]
     if not unstepped:
         return None
     counts = _C.stats_on([p for _, p in unstepped], unstepped[0][1].device)[0]
-    bad = counts.sum(dim=1).gt(0).tolist()
+    bad = (counts[:, 0] if nan_only else counts.sum(dim=1)).gt(0).tolist()
     return [name for (name, _), b in zip(unstepped, bad) if b]
 
 
