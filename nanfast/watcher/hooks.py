@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import _C, _tree
+from .. import _C
 from ..recompute import recomputation
 from . import scaler_hook
 from .events import MODEL
