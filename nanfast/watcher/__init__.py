@@ -92,19 +92,19 @@ class Watch(Hooks, StepEnd, Actions, Readings):
                                           process_group=process_group, pass_through=pass_through)
         rollback = rollback_options(action, params, rollback_every, rollback_device)
         spiking = spike_options(spikes, action, sync)
-        compiled = uncompiled(model) is not model or getattr(model, "_compiled_call_impl", None) is not None
-        if optimizer is None and compiled:
+        inner = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
+        if optimizer is None and (inner is not model or getattr(model, "_compiled_call_impl", None) is not None):
             # NOTE: [A compiled model watched for inference]
             # A compiled forward runs no hook (NOTE: [The watch and torch.compile]); without an optimizer
             # nothing else is read unless the loop calls w.step() (its pass over the parameters and their
             # gradients): a compiled model's NaN outputs under no_grad left no event and no warning (a
             # probe, session 46).
-            warnings.warn(f"nanfast.watch: {type(uncompiled(model)).__name__} is compiled: its forwards run none of "
+            warnings.warn(f"nanfast.watch: {type(inner).__name__} is compiled: its forwards run none of "
                           "the watch's hooks, so its inputs, activations and outputs are not checked, and without an "
                           "optimizer only what w.step() reads is (its parameters and their gradients). Check a "
                           "compiled model's outputs with nanfast.check_all, or watch the uncompiled model.",
                           UserWarning, stacklevel=user_stacklevel())
-        model = uncompiled(model)  # hooks and names on the model a torch.compile wrapper runs
+        model = inner
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler

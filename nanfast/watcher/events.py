@@ -20,8 +20,8 @@ MODEL = "<model>"
 
 @dataclasses.dataclass(frozen=True)
 class InputEntry(NonfiniteCounts):
-    """An entry of a dirty input batch (a tensor among the forward's arguments), or a field of the model's
-    output, and its counts."""
+    """An entry of a dirty input batch (a tensor among the forward's arguments), or a field of a dirty
+    module output, and its counts."""
 
     name: str  # named by the forward's arguments: "x", "targets[1].boxes", "pixel_values"; an output's field: "loss"
     nan: int

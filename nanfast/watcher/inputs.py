@@ -80,8 +80,8 @@ def output_layout(output: Any) -> Optional[Layout]:
 
 
 def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
-    """The names of the `rows` tensors of the record of the model's output ("loss", "logits", "[1]"), or
-    None when the layout cannot name them."""
+    """The names of the `rows` tensors of the record of a module's output ("loss", "logits", "[1]"), from
+    its `layout` (output_layout, or the C++ hooks' walk), or None when the layout cannot name them."""
     # NOTE: [Naming the output's fields]
     # A HF model computes its loss inside its forward (a functional cross-entropy, no module): a NaN loss
     # (every label ignore_index) first appears in the model's output, which is a dict of the loss, the

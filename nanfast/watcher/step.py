@@ -290,7 +290,7 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
 
 
 def _dirty_entries(names: Optional[list[str]], rows: list, nan_only: bool) -> tuple:
-    """The named entries of a dirty input or model output that hold non-finite values; () when `names`
+    """The named entries of a dirty input or module output that hold non-finite values; () when `names`
     (one per row) is None."""
     if names is None:
         return ()
