@@ -227,6 +227,7 @@ void WatchRecorder::clear() {
   records_->entries.clear();
   dropped.swap(records_->deferred);  // released after the lock (declared before it)
   records_->deferred_bytes = 0;
+  records_->backward_finished = false;
   ++records_->epoch;
 }
 
@@ -256,6 +257,11 @@ bool WatchRecorder::backward_failed() {
   return failed;
 }
 
+bool WatchRecorder::backward_finished() {
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  return records_->backward_finished;
+}
+
 std::tuple<double, double, int64_t, int64_t> WatchRecorder::costs() {
   const std::lock_guard<std::mutex> lock(records_->mutex);
   return {std::chrono::duration<double>(records_->kernel_time).count(),
@@ -283,6 +289,7 @@ void bind_watch_recorder(py::module_& m) {
       .def("clear", &WatchRecorder::clear)
       .def("discard", &WatchRecorder::discard, py::arg("first_slot"))
       .def("backward_failed", &WatchRecorder::backward_failed)
+      .def("backward_finished", &WatchRecorder::backward_finished)
       .def("costs", &WatchRecorder::costs)
       .def("disable", &WatchRecorder::disable);
   m.def(

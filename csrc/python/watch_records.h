@@ -353,19 +353,27 @@ struct Records {
   // which runs when the task finishes without error and forgets it. A task still noted once no backward
   // is running raised (an out-of-memory error the loop caught): backward_failed() tells the watch, which
   // drops that microbatch's records. A backward that raises before any check fired goes unnoticed.
+  // The callback also notes a backward of the whole graph (`loss.backward()`, no `inputs=`: one that
+  // accumulates into every leaf's .grad; autograd.grad is not one) that finished in this step (see NOTE:
+  // [A batch the loop abandons] in nanfast/watcher/forwards.py).
   static void note_backward(const std::shared_ptr<Records>& self) {
     const int task = torch::autograd::get_current_graph_task_id();
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    const bool whole_graph = exec_info != nullptr && exec_info->empty();
+    int64_t epoch_now = 0;
     {
       const std::lock_guard<std::mutex> lock(self->mutex);
       if (!self->backwards.insert(task).second) {
         return;
       }
+      epoch_now = self->epoch;
     }
     std::weak_ptr<Records> weak = self;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, task, whole_graph, epoch_now] {
       if (const auto records = weak.lock()) {
         const std::lock_guard<std::mutex> lock(records->mutex);
         records->backwards.erase(task);
+        records->backward_finished = records->backward_finished || (whole_graph && records->epoch == epoch_now);
       }
     });
   }
@@ -385,6 +393,7 @@ struct Records {
   std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
   int64_t deferred_bytes = 0;
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
+  bool backward_finished = false;  // a backward of the whole graph finished in this step (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read, and the number of
   // fused-op calls (each one kernel launch on a GPU).

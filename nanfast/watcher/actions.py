@@ -54,9 +54,12 @@ class Actions:
         before_step = read.host is None and not read.within_step
         bad, summary, rows = steps.verdict(read)
         if read.evaluation:  # see NOTE: [Evaluation forwards between optimizer steps]
+            if bad and read.abandoned:  # a non-finite parameter is named (no optimizer step ran since)
+                rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
             places = steps.places(rows, read, False, self.nan_only, self.model.forward) if bad else []
             if places:
-                self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=True)
+                self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=not read.abandoned,
+                                          abandoned=read.abandoned)
                 self.events.append(event)
                 if acting:
                     self._act(event, False, before_step)
@@ -264,8 +267,8 @@ class Actions:
         """Acts on a bad step's event; `before_step`: read before the optimizer applied the step (eager),
         so a skip or a raise can still leave the model as the step found it; `unrestored`: the buffers a
         skip at once could not put back (NOTE: [A lagged step one rank must read at once]). An evaluation
-        forward's event has no optimizer step to skip: a skip or rollback watch puts back the buffers it
-        changed and warns."""
+        forward's event, or an abandoned batch's (but for non-finite parameters), has no optimizer step to
+        skip: a skip or rollback watch puts back the buffers it changed and warns."""
         if callable(self.action):
             with self._idle():
                 self.action(event)
@@ -277,10 +280,10 @@ class Actions:
             # event.rank is set when the ranks agreed on the event: all of them are here.
             agreed = event.rank is not None and not event.evaluation and self.action != "raise"
             elsewhere = agreed and agree.any_rank(bool(missed), self.process_group) and not missed
-            if event.evaluation and self.action in SKIPPING:
+            if (event.evaluation or event.abandoned and event.phase != "param") and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
-                warn_at_user_line(f"{event.summary()}: an evaluation forward, so no optimizer step to skip{unrestored}",
-                                  RuntimeWarning)
+                what = "an evaluation forward" if event.evaluation else "the loop dropped the batch itself"
+                warn_at_user_line(f"{event.summary()}: {what}, so no optimizer step to skip{unrestored}", RuntimeWarning)
                 return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).
             unrestored = (f": its forward changed the buffers {missed} in place, which could not be restored (no copy "
@@ -332,6 +335,7 @@ class Actions:
         self.rolled_back_steps += 1
         self.last_rollback = (event.step, restored)
         undone = f"step {restored}" if restored == event.step - 1 else f"steps {restored} to {event.step - 1}"
+        skipped = " (the loop dropped this batch itself)" if event.abandoned else " and skipped the optimizer step"
         warn_at_user_line(f"{event.summary()}: rolled back to the state step {restored} began with (parameters, "
-                          f"optimizer state and module buffers; the updates of {undone} are undone) and skipped the "
-                          "optimizer step", RuntimeWarning)
+                          f"optimizer state and module buffers; the updates of {undone} are undone){skipped}",
+                          RuntimeWarning)

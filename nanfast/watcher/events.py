@@ -116,6 +116,9 @@ class Event:
     # Seen in an evaluation forward (eval mode, no gradients: a validation pass), read when it returned;
     # `step` is the training step it came before or in.
     evaluation: bool = False
+    # Seen in a batch the loop dropped after its backward (its gradients cleared with no optimizer step:
+    # its own NaN guard), read at the next forward; `step` is the optimizer step it came before.
+    abandoned: bool = False
     # The first place's forward ran in eval mode with gradients enabled: a training forward for the watch
     # (fine-tuning with frozen BatchNorm statistics trains so), or a validation pass without no_grad.
     eval_mode_with_grad: bool = False
@@ -153,8 +156,9 @@ class Event:
         if self.kind != "nonfinite":
             return f"nanfast.watch: step {self.step}: {self.detail}"
         on = f" on rank {self.rank}" if self.rank is not None else ""
-        at = f"step {self.step}" + (" (an evaluation: a forward in eval mode without gradients)"
-                                    if self.evaluation else "")
+        at = f"step {self.step}" + (" (an evaluation: a forward in eval mode without gradients)" if self.evaluation
+                                    else " (a batch the loop dropped: its gradients were cleared without an optimizer "
+                                    "step)" if self.abandoned else "")
         # The parameters' rows, and the gradients', are read together: the ones after `first` are not
         # where its values went, and their order is the optimizer's (see the class docstring).
         together = 0

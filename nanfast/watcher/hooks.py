@@ -321,6 +321,9 @@ class Hooks:
         if self._idling or torch.compiler.is_compiling() or recomputation() is not None or transformed():
             return
         self._drop_failed_backward()
+        if (self.optimizer is not None and not self._sharded and torch.is_grad_enabled()
+                and self._steps.abandoned(self.optimizer, self._recorder.backward_finished)):
+            self._end_step(fused_pass=False, evaluation=True, abandoned=True)  # see NOTE: [A batch the loop abandons]
         interrupted = self._steps.enter(self.model)
         if interrupted is not None:
             self._hooks.in_forward = False

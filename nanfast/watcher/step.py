@@ -47,6 +47,9 @@ class Read:
     # An evaluation forward's own read (see NOTE: [Evaluation forwards between optimizer steps]): not a
     # training step, so no timeline record, spike or headroom sample, and nothing to skip.
     evaluation: bool = False
+    # A batch the loop abandoned after its backward (see NOTE: [A batch the loop abandons]): read as an
+    # evaluation is, but its event is no evaluation's and a bad one reads the parameters.
+    abandoned: bool = False
     # An evaluation inside a training step (see NOTE: [An evaluation inside a training step]): the buffers
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False

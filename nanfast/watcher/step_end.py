@@ -131,12 +131,14 @@ class StepEnd:
         return None
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
-                  scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False) -> Optional[Read]:
+                  scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False,
+                  abandoned: bool = False) -> Optional[Read]:
         """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
         checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
-        forwards between optimizer steps])."""
+        forwards between optimizer steps]); with `abandoned`, those of a batch the loop dropped, read so
+        (see NOTE: [A batch the loop abandons])."""
         self._skip_now = False
         self._drop_failed_backward()
         if self._outside_evaluation is not None and not evaluation:
@@ -158,7 +160,7 @@ class StepEnd:
                                    grad_scale=grad_scale, device=self._device, step=self.step_count,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
-            read.evaluation = evaluation
+            read.evaluation, read.abandoned = evaluation, abandoned
             read.step_state = self._step_state
             read.forward_unchecked = self._step.forwards == 0 and not any(label[0] in _HOOKED_PHASES
                                                                           for label in self._step.slots)
