@@ -480,11 +480,35 @@ def ddp_watch_locate(rank, mesh):
     return {"events": [(e.step, e.rank, e.located is not None, e.summary()) for e in w.events]}
 
 
+def pipeline_stages_one_frozen(rank, mesh):
+    """Pipeline stages watch different models (docs/scaling.md): rank 1's has a frozen layer outside its
+    optimizer, rank 0's none; rank 1's batch is dirty at step 2. Only rank 1 asked the ranks whether a
+    parameter outside the optimizer was non-finite, and the ranks' next collectives went out of step
+    (gloo: "Received data size doesn't match expected size"; a probe, session 47)."""
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 + rank)])
+    if rank == 1:
+        model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = nanfast.watch(model, optimizer, action="skip")
+        for step in range(4):
+            x = torch.randn(6, 4)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+        w.remove()
+    return {"events": [(e.step, e.rank, e.phase) for e in w.events], "skipped": w.skipped_steps}
+
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
-             ddp_lagged_validation_on_one_rank, ddp_watch_locate]
+             ddp_lagged_validation_on_one_rank, ddp_watch_locate, pipeline_stages_one_frozen]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
 _TMP = ""  # the spawn's directory, set in each rank's process
@@ -778,3 +802,7 @@ def test_every_rank_gets_the_located_op_of_the_rank_that_saw_the_fault(ranks):
         [(step, rank, located, summary)] = r["events"]
         assert (step, rank, located) == (2, 1, True) and "located: nanfast.locate: aten.index_fill" in summary
     assert results[0]["events"] == results[1]["events"]
+
+
+def test_pipeline_stages_with_different_modules_skip_together(ranks):
+    assert _results(ranks, pipeline_stages_one_frozen) == [{"events": [(2, 1, "input")], "skipped": 1}] * 2

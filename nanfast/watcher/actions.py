@@ -292,7 +292,9 @@ class Actions:
                 raise NonFiniteError(event, f"{event.summary()}{unrestored}" if missed else None)
             # See NOTE: [Parameters another optimizer steps].
             unstepped = nonfinite_unstepped(self.model, self.optimizer, self.ignore, self.nan_only)
-            if unstepped is not None and agreed and agree.any_rank(bool(unstepped), self.process_group) and not unstepped:
+            # Asked on every rank: pipeline stages watch different modules, some with no such parameters
+            # (asked only where there were, the ranks' collectives went out of step: a probe, session 47).
+            if agreed and agree.any_rank(bool(unstepped), self.process_group) and not unstepped:
                 unstepped = ["(on another rank)"]
             if unstepped:
                 raise NonFiniteError(event, f"{event.summary()}: the step cannot be skipped: the model's parameters "

@@ -133,8 +133,8 @@ def nonfinite_unstepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                         nan_only: bool) -> Optional[list[str]]:
     """The names of the model's parameters outside the optimizer (unstepped_parameters) holding a NaN or
     inf (a NaN alone with `nan_only`; none that `ignore` names): one fused call and one host read, made
-    only when a skip is about to be taken; None when the model has no such parameters to read (the same
-    on every rank: nothing to agree on)."""
+    only when a skip is about to be taken; None when the model has no such parameters to read (on several
+    ranks the skip still asks every rank: pipeline stages hold different modules)."""
     # NOTE: [Parameters another optimizer steps]
     # A model trained by two optimizers (a sparse embedding under SparseAdam, the rest under Adam) is
     # watched with one. In a bad step the other one, stepped first, wrote the bad gradients into its
