@@ -187,6 +187,10 @@ class Watch(Hooks, StepEnd, Actions, Readings):
         self._undo_by_forward = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
+        if rollback is not None and self._undo.scripted:
+            raise ValueError(f"nanfast.watch: action='rollback' does not snapshot the buffers of TorchScript submodules "
+                             f"({self._undo.scripted[0][0]!r}, from torch.jit.script): watch the eager module you "
+                             "scripted, or use action='skip'")
         self._rollback = Rollback(optimizer, self._undo, *rollback, any_rank=functools.partial(
             agree.any_rank, process_group=process_group)) if rollback is not None else None
         self._reset_step()

@@ -48,9 +48,12 @@ def floating_tensors(obj: Any) -> list[torch.Tensor]:
 def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> Iterator[tuple[str, torch.nn.Module]]:
     """The submodules of `model` that get module hooks, with their names: all but the model itself, the
     types in `pass_through` (NOTE: [Modules that cannot make non-finite values]) and plain nn.Sequential
-    containers (NOTE: [Containers that compute nothing])."""
+    containers (NOTE: [Containers that compute nothing]), and TorchScript submodules (torch.jit.script),
+    which run no Python hooks: their outputs are checked where they reach a hooked module or the model's
+    output (register_forward_pre_hook raised on them inside watch(): a probe, session 47)."""
     for name, module in model.named_modules():
-        if module is not model and not isinstance(module, pass_through) and type(module) is not torch.nn.Sequential:
+        if (module is not model and not isinstance(module, pass_through) and type(module) is not torch.nn.Sequential
+                and not isinstance(module, torch.jit.ScriptModule)):
             yield name, module
 
 

@@ -191,9 +191,18 @@ class BufferUndo:
     def relist(self) -> None:
         """Lists the model's buffers as its modules hold them now, none of them known to change yet (so
         the next step copies them all). Between steps only."""
+        # A TorchScript submodule's buffers are no dict's entries (watch() raised on such a model from
+        # inside this walk: a probe, session 47): each step copies them all (its batch norm updates the
+        # running statistics without a version bump) and a restore copies them back in place; one the
+        # forward re-assigned, or not a plain dense tensor, is `missed`.
+        self.scripted = [(f"{prefix}.{name}" if prefix else name, module, name)
+                         for prefix, module in self._model.named_modules() if isinstance(module, torch.jit.ScriptModule)
+                         for name in module._buffers.keys()]
+        self._scripted_found: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []  # (buffer, its copy)
         self._slots: list[tuple[torch.nn.Module, str, str]] = [
             (module, name, f"{prefix}.{name}" if prefix else name)
-            for prefix, module in self._model.named_modules() for name in module._buffers]
+            for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
+            for name in module._buffers]
         # The walks over them at each step's start and end, in C++ (see NOTE: [Buffers read in one loop]).
         self._buffers = _C.BufferSlots([module for module, _, _ in self._slots], [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
@@ -226,6 +235,12 @@ class BufferUndo:
                 self._weight_twins = Twins(self._weights)
             self._weight_twins.save(self._weights)
             self._open = self._restorable = True
+        if self.scripted:
+            with torch.no_grad():
+                self._scripted_found = [(b, b.clone() if _copyable(b) else None)
+                                        for b in (getattr(m, name) for _, m, name in self.scripted)]
+            self._open = self._restorable = True
+            self.missed = []
         if not self._slots:
             return
         tensors, versions = self._buffers.state()
@@ -236,7 +251,9 @@ class BufferUndo:
         if self._twins is not None:
             self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
-        self.missed, self.host_only = [], False
+        self.host_only = False
+        if not self.scripted:
+            self.missed = []
 
     def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
         """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
@@ -260,9 +277,14 @@ class BufferUndo:
         if not self._open:
             return
         self._open = False
+        scripted = [full for (full, module, name), (was, copy) in zip(self.scripted, self._scripted_found)
+                    if getattr(module, name) is not was or (copy is None and was is not None)]
+        if not self._slots:
+            self.missed = scripted
+            return
         reassigned, in_place = self._buffers.changed(self._tensors, self._versions)
         shapes = self._saved_shapes
-        self.missed = [self._slots[i][2] for i in in_place if i not in shapes]
+        self.missed = [self._slots[i][2] for i in in_place if i not in shapes] + scripted
         # Every copied slot, not those whose version changed: the fused QAT kernel resizes min_val and
         # scale without a bump.
         resized = [i for i, shape in shapes.items() if self._tensors[i].shape != shape]
@@ -301,6 +323,10 @@ class BufferUndo:
                 self._tensors[i].resize_(self._saved_shapes[i])
         if self._twins is not None:
             self._twins.restore([self._tensors[i] for i in self._saved], where)
+        with torch.no_grad():
+            for buffer, copy in self._scripted_found:
+                if copy is not None:
+                    buffer.copy_(copy if where is None else torch.where(where, copy, buffer))
         now = [module._buffers.get(name) for module, name, _ in self._slots]
         for i in self._stepped([i for i, (a, b) in enumerate(zip(now, self._tensors)) if a is not b]):
             module, name, _ = self._slots[i]
