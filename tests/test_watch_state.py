@@ -426,16 +426,19 @@ class SideOutput(torch.nn.Module):
         return self.main(x), side * NAN if bad_side else side
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("fault", ["off_the_loss", "in_the_loss"])
-def test_a_caught_error_inside_gradscaler_step_leaves_the_scaler_ready(fault):
+def test_a_caught_error_inside_gradscaler_step_leaves_the_scaler_ready(fault, fused):
     """The watch raised inside GradScaler.step and scaler.update() never ran. When the scaler had called
     optimizer.step() (the NaN off the loss, gradients finite), its next step() took the gradients for
     unscaled already and applied them multiplied by the scale; when it had skipped the step (the NaN in
-    the loss), its next step() raised "step() has already been called since the last update()"."""
+    the loss), its next step() raised "step() has already been called since the last update()". A fused
+    optimizer kept the scale GradScaler handed it as an attribute, and the next step multiplied its own by
+    it: an update 1024x too small (a probe, session 47)."""
     def run(watched):
         torch.manual_seed(0)
         model = SideOutput()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
         w = nanfast.watch(model, opt, scaler=scaler) if watched else None
         for seed in range(3):
@@ -456,6 +459,7 @@ def test_a_caught_error_inside_gradscaler_step_leaves_the_scaler_ready(fault):
         if w is not None:
             assert w.step_count == 3 and len(w.events) == 1
             w.remove()
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
         return model, scaler.get_scale()
 
     (model, scale), (reference, reference_scale) = run(watched=True), run(watched=False)

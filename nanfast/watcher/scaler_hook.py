@@ -49,12 +49,13 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
             watchers = list(shared.watchers)
             for w in watchers:
                 w._scaler_step_begins()
+            handed = [name for name in _HANDED_TO_FUSED if name not in vars(optimizer)]
             try:
                 result = shared.original(optimizer, *args, **kwargs)
                 for w in watchers:
                     w._scaler_step_ended(optimizer)
             except NonFiniteError:
-                _ready_for_next_step(scaler)
+                _ready_for_next_step(scaler, optimizer, handed)
                 raise
             return result
 
@@ -73,8 +74,16 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
 # probe, session 45), where a caught error should leave training as the step found it. So before the
 # error leaves scaler.step, the scaler's state for the iteration is cleared as update() clears it,
 # at the scale it had: update(new_scale=) sets the scale without growing or backing it off. One host
-# read, on a path that raises.
-def _ready_for_next_step(scaler: Any) -> None:
+# read, on a path that raises. A fused optimizer is handed the scale and the overflow flag as attributes
+# (optimizer.grad_scale, optimizer.found_inf), which GradScaler.step deletes after optimizer.step()
+# returns: left there, the next step() multiplied its scale by the stale one, and the next healthy update
+# came out divided by the scale squared (1024x too small; a probe, session 47). They go too.
+_HANDED_TO_FUSED = ("grad_scale", "found_inf")
+
+
+def _ready_for_next_step(scaler: Any, optimizer: Any, handed: list[str]) -> None:
+    for name in handed:
+        vars(optimizer).pop(name, None)
     if scaler.is_enabled():
         scaler.update(new_scale=scaler.get_scale())
 
