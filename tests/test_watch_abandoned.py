@@ -149,3 +149,25 @@ def test_a_healthy_abandoned_batch_is_silent():
                 continue
             opt.step()
         assert w.events == [] and w.step_count == 3
+
+
+def test_a_forward_with_the_optimizers_parameters_frozen_drops_no_gradients():
+    """A GAN's discriminator run in its generator's step with its parameters frozen (Lightning's
+    toggle_optimizer): that backward made none of its gradients, so nothing was abandoned; the
+    discriminator's own step holds that forward's checks, as before."""
+    model = _model()
+    generator = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, action="skip") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, (x, _) in enumerate(_batches(bad=None, n=3)):
+            z = torch.randn(6, 4)
+            if step == 1:
+                z[0, 0] = float("nan")
+            model.requires_grad_(False)  # the generator's step
+            model(generator(z)).mean().backward()
+            model.requires_grad_(True)
+            opt.zero_grad()  # the discriminator's step
+            model(x).mean().backward()
+            opt.step()
+        assert [(e.step, e.abandoned) for e in w.events] == [(1, False)] and w.skipped_steps == 1

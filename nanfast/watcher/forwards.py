@@ -111,6 +111,9 @@ class StepState:
         self.training = False  # a forward with gradients ran in this step (without an optimizer)
         self.grad_forwards = 0  # forwards with gradients in this step
         self.ended_by_user = False  # w.step() was called at least once
+        # The last forward with gradients ran with some of the optimizer's parameters requiring them (see
+        # NOTE: [A batch the loop abandons]).
+        self.grads_wanted = False
         self._versions = 0
         self._updates = 0  # forwards of this step that found the parameters updated since the previous one
         self._longest = 0  # the most forwards with gradients of a step that ended
@@ -219,13 +222,15 @@ class StepState:
         # set to None (zero_grad's default) while no parameter changed. In gradient accumulation the
         # gradients are still there; SAM's second forward follows its perturbation of the parameters;
         # a gradient penalty's autograd.grad is no backward of the whole graph; and two forwards before
-        # one backward have no backward between them. Sharded parameters are left out: FSDP2 keeps a
-        # step's gradients off the parameters until it reduces them. The abandoned batch is read then, as
+        # one backward have no backward between them; nor had a forward that ran with every parameter of
+        # the optimizer's frozen (Lightning's toggle_optimizer freezes a GAN's discriminator while its
+        # generator's step runs it), whose backward made no gradient to drop. Sharded parameters are left
+        # out: FSDP2 keeps a step's gradients off the parameters until it reduces them. The abandoned batch is read then, as
         # an evaluation is (its own read, the step's number kept, no timeline record, nothing to skip:
         # a skip watch puts back the buffers its forward changed); gradients zeroed in place
         # (`set_to_none=False`) or a guard before backward still need `w.step()` in the guard.
-        if not self.grad_forwards or any(p.grad is not None for group in optimizer.param_groups
-                                         for p in group["params"]):
+        if not self.grad_forwards or not self.grads_wanted or any(p.grad is not None for group in optimizer.param_groups
+                                                                  for p in group["params"]):
             return False
         return self._version_sum() == self._versions and bool(backward_finished())
 
