@@ -6,6 +6,7 @@ a real logger (CSVLogger's metrics file); parameters made non-finite between ste
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import sys
@@ -397,4 +398,49 @@ def test_a_manual_step_with_a_closure_still_returns_its_loss(tmp_path, action):
     plain, watched = runs
     assert all(isinstance(loss, torch.Tensor) for loss in watched.returned) and len(watched.returned) == 3
     assert [float(loss) for loss in watched.returned] == [float(loss) for loss in plain.returned]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), watched.parameters()))
+
+
+class ManualSkipWatch(Regression):
+    """Manual optimization with a skip watch made in the module (as with several optimizers, which the
+    callback refuses): `opt.step()` hands the torch optimizer a closure that runs no forward."""
+
+    def __init__(self, watched: bool):
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.watched = watched
+        self.events = None
+
+    def on_train_start(self):
+        self.w = nanfast.watch(self.net, self.trainer.optimizers[0], action="skip") if self.watched else None
+
+    def on_train_end(self):
+        if self.w is not None:
+            self.events = [(e.step, e.phase) for e in self.w.events]
+            self.w.remove()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if batch_idx == 2:
+            if not self.watched:
+                return  # the reference never sees the dirty batch
+            x = x.clone()
+            x[0, 0] = float("nan")
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(torch.nn.functional.mse_loss(self(x), y))
+        optimizer.step()
+
+
+def test_a_skip_watch_made_in_a_manually_optimized_module(tmp_path):
+    """It refused every step with a ValueError about optimizer.step(closure) (a probe, session 47): the
+    watch now runs a torch optimizer's closure ahead of its check, as the callback does."""
+    modules = []
+    for watched in (True, False):
+        module = ManualSkipWatch(watched)
+        with pytest.warns(RuntimeWarning, match="skipped the optimizer step") if watched else contextlib.nullcontext():
+            trainer(tmp_path, [], steps=-1, max_epochs=1).fit(module)
+        modules.append(module)
+    watched, plain = modules
+    assert watched.events == [(2, "input")]
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), watched.parameters()))

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include <ATen/ops/cat.h>
@@ -259,7 +260,7 @@ bool WatchRecorder::backward_failed() {
 
 bool WatchRecorder::backward_finished() {
   const std::lock_guard<std::mutex> lock(records_->mutex);
-  return records_->backward_finished;
+  return std::exchange(records_->backward_finished, false);
 }
 
 std::tuple<double, double, int64_t, int64_t> WatchRecorder::costs() {

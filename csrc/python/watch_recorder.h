@@ -62,8 +62,8 @@ class NANFAST_HIDDEN WatchRecorder {
   // while a backward is running (a checkpointed model's forward runs again inside one).
   bool backward_failed();
 
-  // Whether a backward of the whole graph that checks fired in finished since the records were last
-  // dropped (see NOTE: [A backward that raised] in watch_records.h).
+  // Whether a backward of the whole graph that checks fired in finished since the last call and in this
+  // step (see NOTE: [A backward that raised] in watch_records.h).
   bool backward_finished();
 
   // Seconds in kernel calls, the part of them in gradient checks, bytes read, fused-op calls made: totals

@@ -393,7 +393,7 @@ struct Records {
   std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
   int64_t deferred_bytes = 0;
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
-  bool backward_finished = false;  // a backward of the whole graph finished in this step (under `mutex`)
+  bool backward_finished = false;  // one of the whole graph finished, not yet told (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it
   // spent by gradient checks (the time the Python hooks do not see), bytes read, and the number of
   // fused-op calls (each one kernel launch on a GPU).

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
-from ..watcher.actions import RanClosure
+from ..watcher.closure import run_closure_first
 from .common import OwnsWatch, metrics, missing_extra
 
 try:
@@ -99,36 +99,3 @@ class NanfastCallback(OwnsWatch, Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.remove()
-
-
-def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-    """A step pre-hook: runs the step's closure now and passes the step on with one that returns its result.
-
-    NOTE: [Lightning's closure]
-    Lightning steps `optimizer.step(closure=...)`, the closure running training_step, backward,
-    on_before_optimizer_step and gradient clipping. A torch optimizer calls it inside step(), after the
-    step pre-hooks, so the watch would read the step before its forward ran (and refuses to skip such a
-    step). Every torch optimizer but LBFGS calls the closure once, first thing in step(), under
-    enable_grad: running it here, before the watch's pre-hook, and handing step() a closure that only
-    returns what it returned (a `RanClosure`, which the watch does not take for a forward yet to
-    run), changes nothing else. The watch sees a complete step, as in a plain loop, and step() still
-    returns the closure's loss (manual optimization reads it: `loss = opt.step(closure=closure)`).
-
-    Args:
-        optimizer: the optimizer being stepped.
-        args: step()'s positional arguments, the optimizer first.
-        kwargs: step()'s keyword arguments.
-
-    Returns:
-        None when there is no closure; else step()'s arguments with the closure that already ran."""
-    if kwargs.get("closure") is not None:
-        closure = kwargs["closure"]
-    elif len(args) > 1 and args[1] is not None:
-        closure, args = args[1], args[:1] + args[2:]
-    else:
-        return None
-    if isinstance(closure, RanClosure):
-        return None
-    with torch.enable_grad():
-        result = closure()
-    return args, {**kwargs, "closure": RanClosure(result)}

@@ -19,25 +19,9 @@ from ..locator.source import warn_at_user_line
 from .events import Event
 from .inputs import entry_names
 from .options import SKIPPING
+from .closure import RanClosure
 from .restore import lacks_state, nonfinite_unstepped
 from .spikes import SpikeError
-
-
-class RanClosure:
-    """A closure that already ran (integrations.lightning.run_closure_first ran it before the watch's
-    step pre-hook): returns its result, so that step() still returns it; the watch does not take it for
-    a forward and backward yet to run.
-
-    Args:
-        result: what the closure returned."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-
-    def __call__(self) -> Any:
-        return self.result
 
 
 class Actions:
@@ -140,9 +124,10 @@ class Actions:
         # args: the step's own arguments, the optimizer first
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if self.action in SKIPPING and closure is not None and not isinstance(closure, RanClosure):
-            raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure): the closure "
-                             "runs the step's forward and backward after the point where the watch decides; call "
-                             "backward before optimizer.step()")
+            raise ValueError(f"nanfast.watch: action={self.action!r} cannot skip optimizer.step(closure) of "
+                             f"{type(optimizer).__name__}, an optimizer outside torch.optim: the closure runs the step's "
+                             "forward and backward after the point where the watch decides, and the watch runs it "
+                             "first only for torch's own optimizers; call backward before optimizer.step()")
         self._stepped = True
         self._untell_accelerate()
         gradless = self._step.gradless  # the step's, before _end_step starts the next one

@@ -9,7 +9,7 @@ import sys
 import threading
 import warnings
 from types import FrameType
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -209,17 +209,18 @@ class StepState:
         warnings.warn(OUTSIDE_FORWARD.format(step=step, model=type(model).__name__), UserWarning,
                       stacklevel=user_stacklevel())
 
-    def abandoned(self, optimizer: torch.optim.Optimizer, backward_finished: Callable[[], bool]) -> bool:
+    def abandoned(self, optimizer: torch.optim.Optimizer, backward_finished: bool) -> bool:
         """At the start of a forward with gradients, with an optimizer: whether the step's forwards so far
-        are a batch the loop abandoned. `backward_finished`: the recorder's, called only if needed."""
+        are a batch the loop abandoned. `backward_finished`: a backward of the whole graph finished in the
+        step since the previous forward."""
         # NOTE: [A batch the loop abandons]
         # A loop's own guard drops a bad batch after its backward: `if not torch.isfinite(norm):
         # optimizer.zero_grad(); continue`. No optimizer step ends the watch's step, so the dropped
         # batch's checks stayed in it, and the next batch's optimizer.step() read them: a skip watch
         # skipped that healthy batch's update too (a probe, session 47), a raise stopped it, and the
-        # event blamed its step. The next forward with gradients tells: a backward of the whole graph
-        # finished in the step, and since the previous forward every gradient of the optimizer's was
-        # set to None (zero_grad's default) while no parameter changed. In gradient accumulation the
+        # event blamed its step. The next forward with gradients tells: since the previous forward, a
+        # backward of the whole graph finished and every gradient of the optimizer's was set to None
+        # (zero_grad's default) while no parameter changed. In gradient accumulation the
         # gradients are still there; SAM's second forward follows its perturbation of the parameters;
         # a gradient penalty's autograd.grad is no backward of the whole graph; and two forwards before
         # one backward have no backward between them; nor had a forward that ran with every parameter of
@@ -229,10 +230,10 @@ class StepState:
         # an evaluation is (its own read, the step's number kept, no timeline record, nothing to skip:
         # a skip watch puts back the buffers its forward changed); gradients zeroed in place
         # (`set_to_none=False`) or a guard before backward still need `w.step()` in the guard.
-        if not self.grad_forwards or not self.grads_wanted or any(p.grad is not None for group in optimizer.param_groups
-                                                                  for p in group["params"]):
+        if not (backward_finished and self.grad_forwards and self.grads_wanted) or any(
+                p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             return False
-        return self._version_sum() == self._versions and bool(backward_finished())
+        return self._version_sum() == self._versions
 
     def _note_updates(self) -> None:
         """A forward with gradients after the step's first, with an optimizer: counts an in-place update of

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _C
 from ..recompute import recomputation
 from . import scaler_hook
+from .closure import run_closure_first, runs_closure_first
 from .events import MODEL
 from .forwards import Forward
 from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
@@ -153,6 +154,8 @@ class Hooks:
         self._handles += global_hooks
         self._retire = weakref.finalize(self, _RETIRED.extend, global_hooks)
         if self.optimizer is not None:
+            if runs_closure_first(self.optimizer):  # see NOTE: [Lightning's closure]
+                self._handles.append(self.optimizer.register_step_pre_hook(run_closure_first))
             self._handles.append(self.optimizer.register_step_pre_hook(hook(self._before_optimizer_step)))
             if self.action in SKIPPING:
                 self._handles.append(self.optimizer.register_step_post_hook(hook(self._after_optimizer_step)))
@@ -325,7 +328,7 @@ class Hooks:
             return
         self._drop_failed_backward()
         if self.optimizer is not None and not self._sharded and torch.is_grad_enabled():
-            if self._steps.abandoned(self.optimizer, self._recorder.backward_finished):
+            if self._steps.abandoned(self.optimizer, self._recorder.backward_finished()):
                 self._end_step(fused_pass=False, evaluation=True, abandoned=True)  # see NOTE: [A batch the loop abandons]
             self._steps.grads_wanted = any(p.requires_grad for group in self.optimizer.param_groups
                                            for p in group["params"])
