@@ -895,3 +895,42 @@ def test_a_last_evaluation_through_a_submodule_is_read_when_the_watch_ends():
         assert w.events == []  # not yet: read when the watch ends
     assert [(e.step, e.evaluation, e.first.name) for e in w.events] == [(2, True, "0")]
     assert any("an evaluation" in str(c.message) for c in caught)
+
+
+class NanInBackward(torch.nn.Module):
+    """Adds sqrt((h - h)^2): zero in forward, in backward sqrt's infinite gradient at 0 times 0, a NaN at
+    every step that no scale makes or cures."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h + torch.sqrt((h - h.detach()) ** 2))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_nan_the_scaler_keeps_skipping_is_reported_once_its_scale_reaches_1(fused):
+    """The scaler skipped every step and backed its scale off to 6e-8 without a word from the watch (a
+    probe, session 47): the skips it makes at a scale above 1 are its overflows, at 1 or below they are
+    reported."""
+    torch.manual_seed(0)
+    model = NanInBackward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 3)
+    with nanfast.watch(model, opt, action="warn", scaler=scaler) as w:
+        for step in range(6):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                scaler.step(opt)
+            scaler.update()
+            warned = [c for c in caught if "nanfast.watch" in str(c.message)]
+            assert len(warned) == (step >= 3), (step, scaler.get_scale())  # scales 8, 4, 2, then 1
+        assert w.scaler_skipped_steps == 6 and [e.step for e in w.events] == [3, 4, 5]
+        assert w.events[0].first.phase in ("backward", "grad")

@@ -60,10 +60,17 @@ class Actions:
         if scaler_skipped:
             self.scaler_skipped_steps += 1
         losses, scale, modules = read.tail.unpack(summary[len(steps.SUMMARY):])
+        # NOTE: [A scaler skipping at a scale of 1]
+        # A step the GradScaler skipped does not report its scaled phases: their infs are the scale's
+        # overflow, which it backs off. A NaN that backward makes at every step (inf * 0 in a gradient) is
+        # no overflow: the scaler skipped every step, its scale fell from 65536 to 6e-8, and the watch
+        # said nothing (a probe, session 47). At a scale of 1 or less the scaled values are no larger
+        # than the unscaled ones, so whatever is non-finite there is no artifact of scaling: reported.
+        reported_as_overflow = scaler_skipped and not (scale is not None and scale <= 1.0)
         event = spike = None
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
-            places = steps.places(rows, read, scaler_skipped, self.nan_only, self.model.forward)
+            places = steps.places(rows, read, reported_as_overflow, self.nan_only, self.model.forward)
             event = agree.event(read.step, places, self.process_group) if acting else agree.local_event(read.step, places)
         elif self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
