@@ -220,15 +220,15 @@ class StepState:
         # skipped that healthy batch's update too (a probe, session 47), a raise stopped it, and the
         # event blamed its step. The next forward with gradients tells: since the previous forward, a
         # backward of the whole graph finished and every gradient of the optimizer's was set to None
-        # (zero_grad's default) while no parameter changed. In gradient accumulation the
-        # gradients are still there; SAM's second forward follows its perturbation of the parameters;
-        # a gradient penalty's autograd.grad is no backward of the whole graph; and two forwards before
-        # one backward have no backward between them; nor had a forward that ran with every parameter of
-        # the optimizer's frozen (Lightning's toggle_optimizer freezes a GAN's discriminator while its
-        # generator's step runs it), whose backward made no gradient to drop. Sharded parameters are left
-        # out: FSDP2 keeps a step's gradients off the parameters until it reduces them. The abandoned batch is read then, as
-        # an evaluation is (its own read, the step's number kept, no timeline record, nothing to skip:
-        # a skip watch puts back the buffers its forward changed); gradients zeroed in place
+        # (zero_grad's default) while no parameter changed. In gradient accumulation the gradients are
+        # still there; SAM's second forward follows its perturbation of the parameters; a gradient
+        # penalty's autograd.grad is no backward of the whole graph; two forwards before one backward
+        # have no backward between them; and a forward that ran with every parameter of the optimizer's
+        # frozen (Lightning's toggle_optimizer freezes a GAN's discriminator while its generator's step
+        # runs it) made no gradient to drop. Sharded parameters are left out: FSDP2 keeps a step's
+        # gradients off the parameters until it reduces them. The abandoned batch is read then, as an
+        # evaluation is (its own read, the step's number kept, no timeline record, nothing to skip: a
+        # skip watch puts back the buffers its forward changed); gradients zeroed in place
         # (`set_to_none=False`) or a guard before backward still need `w.step()` in the guard.
         if not (backward_finished and self.grad_forwards and self.grads_wanted) or any(
                 p.grad is not None for group in optimizer.param_groups for p in group["params"]):
