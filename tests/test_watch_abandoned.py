@@ -171,3 +171,26 @@ def test_a_forward_with_the_optimizers_parameters_frozen_drops_no_gradients():
             model(x).mean().backward()
             opt.step()
         assert [(e.step, e.abandoned) for e in w.events] == [(1, False)] and w.skipped_steps == 1
+
+
+def test_a_parameter_the_loops_perturbation_made_non_finite_is_not_blamed_on_the_previous_step():
+    """SAM perturbs the weights by the first pass's gradients: a dirty batch's NaN gradients made them NaN
+    within the step, and the event said the step "began with" them, "made by the previous optimizer step"
+    (a probe, session 47)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x, y), = _batches(bad=0, n=1)
+    with nanfast.watch(model, opt, action="warn") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * p.grad)  # NaN where the gradient is
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        [event] = w.events
+    assert event.first.phase == "param" and event.params_rewritten
+    assert "the loop wrote the parameters between this step's forwards" in event.summary()
+    assert "began with" not in event.summary()

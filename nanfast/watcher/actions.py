@@ -80,6 +80,8 @@ class Actions:
         if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)
+        if event is not None and event.kind == "nonfinite" and event.first.phase == "param" and read.params_rewritten:
+            event = dataclasses.replace(event, params_rewritten=True)
         if event is not None and event.kind == "nonfinite" and read.forward_unchecked:
             event = dataclasses.replace(event, forward_unchecked=True)
         if event is not None and self.on_event == "locate" and acting:

@@ -126,6 +126,9 @@ class Event:
     # input, activations and output were not checked, and `first` is where the values first reached what
     # the step's pass reads (see NOTE: [The watch and torch.compile]).
     forward_unchecked: bool = False
+    # The loop wrote the parameters between this step's forwards (SAM's or an adversarial perturbation):
+    # a non-finite parameter found at its end may be that write's, not the previous optimizer step's.
+    params_rewritten: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -174,7 +177,12 @@ class Event:
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
                     "wrote them before)" if self.step == 0 else
                     "made by the previous optimizer step (or whatever last wrote the parameters)")
-            head = f"{at} began with non-finite values{on} in {_listed(self.first, read_with)}: {made}"
+            if self.params_rewritten:  # read at the step's end: the loop's own write may have made them
+                head = (f"{at}: non-finite values{on} in {_listed(self.first, read_with)} at the step's end; the loop "
+                        "wrote the parameters between this step's forwards (a perturbation, as SAM's), which may "
+                        f"have made them, or they were {made}")
+            else:
+                head = f"{at} began with non-finite values{on} in {_listed(self.first, read_with)}: {made}"
         elif read_with:
             head = (f"{at}: non-finite values first appeared{on} in the gradients of {1 + together} "
                     f"parameters, read together after backward (which one backward made first is not known): "

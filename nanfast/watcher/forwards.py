@@ -235,6 +235,11 @@ class StepState:
             return False
         return self._version_sum() == self._versions
 
+    @property
+    def params_rewritten(self) -> bool:
+        """A forward of this step found the parameters written in place since the one before it."""
+        return self._updates > 0
+
     def _note_updates(self) -> None:
         """A forward with gradients after the step's first, with an optimizer: counts an in-place update of
         the parameters since the previous one, and warns once the step is long (NOTE: [An optimizer the

@@ -162,6 +162,7 @@ class StepEnd:
             read.params_unread = self._step.params_unread
             read.evaluation, read.abandoned = evaluation, abandoned
             read.step_state = self._step_state
+            read.params_rewritten = self._steps.params_rewritten
             read.forward_unchecked = self._step.forwards == 0 and not any(label[0] in _HOOKED_PHASES
                                                                           for label in self._step.slots)
             if self._headroom is not None and not evaluation:
