@@ -226,10 +226,17 @@ class StepState:
         # have no backward between them; and a forward that ran with every parameter of the optimizer's
         # frozen (Lightning's toggle_optimizer freezes a GAN's discriminator while its generator's step
         # runs it) made no gradient to drop. Sharded parameters are left out: FSDP2 keeps a step's
-        # gradients off the parameters until it reduces them. The abandoned batch is read then, as an
-        # evaluation is (its own read, the step's number kept, no timeline record, nothing to skip: a
-        # skip watch puts back the buffers its forward changed); gradients zeroed in place
-        # (`set_to_none=False`) or a guard before backward still need `w.step()` in the guard.
+        # gradients off the parameters until it reduces them. The same pattern is healthy elsewhere: a
+        # GAN's discriminator run unfrozen in its generator's step, then zeroed; PGD adversarial
+        # training's attack passes (zero_grad, backward, the input's gradient); an accumulation
+        # microbatch that reaches none of the optimizer's parameters. Read there, each added a host read
+        # to healthy steps (a review, session 47). So the batch is taken for abandoned only where its
+        # checks already counted a non-finite value, known on the host without a read (a CPU watch that
+        # checks at once: NOTE: [CPU counts kept as numbers]), and then read as an evaluation is (its
+        # own read, the step's number kept, no timeline record, nothing to skip: a skip watch puts back
+        # the buffers its forward changed). Elsewhere (an accelerator, fuse=True), and where gradients
+        # are zeroed in place (`set_to_none=False`) or the guard comes before backward, the loop calls
+        # `w.step()` in its guard.
         if not (backward_finished and self.grad_forwards and self.grads_wanted) or any(
                 p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             return False

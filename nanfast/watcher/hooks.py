@@ -328,8 +328,9 @@ class Hooks:
             return
         self._drop_failed_backward()
         if self.optimizer is not None and not self._sharded and torch.is_grad_enabled():
-            if self._steps.abandoned(self.optimizer, self._recorder.backward_finished()):
-                self._end_step(fused_pass=False, evaluation=True, abandoned=True)  # see NOTE: [A batch the loop abandons]
+            if (self._steps.abandoned(self.optimizer, self._recorder.backward_finished())
+                    and self._recorder.finite() is False):  # see NOTE: [A batch the loop abandons]
+                self._end_step(fused_pass=False, evaluation=True, abandoned=True)
             self._steps.grads_wanted = any(p.requires_grad for group in self.optimizer.param_groups
                                            for p in group["params"])
         interrupted = self._steps.enter(self.model)
