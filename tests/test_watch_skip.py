@@ -444,7 +444,7 @@ def test_skip_runs_a_torch_optimizers_closure_first_and_refuses_others():
         nanfast.watch(model, torch.optim.LBFGS(model.parameters()), action="skip")
     x, y = batch(0)
     x[0, 0] = float("nan")
-    for kind in (torch.optim.SGD, ClosureLater):
+    for kind in (torch.optim.SGD, torch.optim.Adafactor, ClosureLater):  # Adafactor's __module__ is "torch.optim"
         opt = kind(model.parameters(), lr=0.1)
 
         def closure():

@@ -934,3 +934,23 @@ def test_a_nan_the_scaler_keeps_skipping_is_reported_once_its_scale_reaches_1(fu
             assert len(warned) == (step >= 3), (step, scaler.get_scale())  # scales 8, 4, 2, then 1
         assert w.scaler_skipped_steps == 6 and [e.step for e in w.events] == [3, 4, 5]
         assert w.events[0].first.phase in ("backward", "grad")
+
+
+def test_a_spike_raised_inside_gradscaler_step_leaves_a_fused_optimizer_ready():
+    """A spike's raise (SpikeError) inside GradScaler.step left the scale it had handed a fused optimizer:
+    the next healthy update came out 1024x too small (a review, session 47)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with nanfast.watch(model, opt, scaler=scaler,
+                       spikes=nanfast.SpikeOptions(action="raise", warmup=5, window=10, modules=False)) as w:
+        with pytest.raises(nanfast.SpikeError):
+            for step in range(10):
+                opt.zero_grad()
+                loss = w.loss(F.mse_loss(model(x), y * (1000.0 if step == 8 else 1.0)))
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert step == 8 and not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")

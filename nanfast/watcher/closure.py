@@ -29,7 +29,8 @@ def runs_closure_first(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the watch runs `optimizer`'s step closures ahead of its step pre-hook: torch's own
     optimizers, which call a closure once, first thing in step(), but LBFGS, which calls it many times.
     Others may not (SAM's step perturbs the weights before it calls the closure)."""
-    return type(optimizer).__module__.startswith("torch.optim.") and not isinstance(optimizer, torch.optim.LBFGS)
+    module = type(optimizer).__module__  # "torch.optim" itself for Adafactor and Muon
+    return (module == "torch.optim" or module.startswith("torch.optim.")) and not isinstance(optimizer, torch.optim.LBFGS)
 
 
 def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:

@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Protocol
 
 from ..report import NonFiniteError
+from .spikes import SpikeError
 
 
 class ScalerWatcher(Protocol):
@@ -54,8 +55,8 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
                 result = shared.original(optimizer, *args, **kwargs)
                 for w in watchers:
                     w._scaler_step_ended(optimizer)
-            except NonFiniteError:
-                _ready_for_next_step(scaler, optimizer, handed)
+            except BaseException as error:
+                _ready_for_next_step(scaler, optimizer, handed, watch_raised=isinstance(error, (NonFiniteError, SpikeError)))
                 raise
             return result
 
@@ -74,17 +75,18 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
 # probe, session 45), where a caught error should leave training as the step found it. So before the
 # error leaves scaler.step, the scaler's state for the iteration is cleared as update() clears it,
 # at the scale it had: update(new_scale=) sets the scale without growing or backing it off. One host
-# read, on a path that raises. A fused optimizer is handed the scale and the overflow flag as attributes
-# (optimizer.grad_scale, optimizer.found_inf), which GradScaler.step deletes after optimizer.step()
-# returns: left there, the next step() multiplied its scale by the stale one, and the next healthy update
-# came out divided by the scale squared (1024x too small; a probe, session 47). They go too.
+# read, on a path that raises. The same for a spike's raise (SpikeError). A fused optimizer is handed the
+# scale and the overflow flag as attributes (optimizer.grad_scale, optimizer.found_inf), which
+# GradScaler.step deletes after optimizer.step() returns: left there, the next step() multiplied its
+# scale by the stale one, and the next healthy update came out divided by the scale squared (1024x too
+# small; a probe, session 47). They go whatever the exception (a callable action's own, too).
 _HANDED_TO_FUSED = ("grad_scale", "found_inf")
 
 
-def _ready_for_next_step(scaler: Any, optimizer: Any, handed: list[str]) -> None:
+def _ready_for_next_step(scaler: Any, optimizer: Any, handed: list[str], watch_raised: bool) -> None:
     for name in handed:
         vars(optimizer).pop(name, None)
-    if scaler.is_enabled():
+    if watch_raised and scaler.is_enabled():
         scaler.update(new_scale=scaler.get_scale())
 
 
