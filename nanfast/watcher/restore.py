@@ -192,13 +192,15 @@ class BufferUndo:
         """Lists the model's buffers as its modules hold them now, none of them known to change yet (so
         the next step copies them all). Between steps only."""
         # A TorchScript submodule's buffers are no dict's entries (watch() raised on such a model from
-        # inside this walk: a probe, session 47): each step copies them all (its batch norm updates the
-        # running statistics without a version bump) and a restore copies them back in place; one the
-        # forward re-assigned, or not a plain dense tensor, is `missed`.
+        # inside this walk: a probe, session 47): each step copies them all into twins (its batch norm
+        # updates the running statistics without a version bump), as the renormalised weights are, and a
+        # restore copies them back in place; one the forward re-assigned, or not a plain dense tensor, is
+        # `missed`.
         self.scripted = [(f"{prefix}.{name}" if prefix else name, module, name)
                          for prefix, module in self._model.named_modules() if isinstance(module, torch.jit.ScriptModule)
                          for name in module._buffers.keys()]
-        self._scripted_found: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []  # (buffer, its copy)
+        self._scripted_found: list[Optional[torch.Tensor]] = []  # each as the step found it
+        self._scripted_twins: Optional[Twins] = None
         self._slots: list[tuple[torch.nn.Module, str, str]] = [
             (module, name, f"{prefix}.{name}" if prefix else name)
             for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
@@ -229,6 +231,7 @@ class BufferUndo:
         """Step start (the step's first forward): notes every buffer with its version counter (free, no
         sync) and copies the floating-point ones and those seen changing, and the weights of the
         modules that rewrite them in their forward."""
+        self.missed = []
         if self._renorming:
             self._weights = [m.weight for m in self._renorming]
             if self._weight_twins is None or not self._weight_twins.fits(self._weights):
@@ -236,11 +239,12 @@ class BufferUndo:
             self._weight_twins.save(self._weights)
             self._open = self._restorable = True
         if self.scripted:
-            with torch.no_grad():
-                self._scripted_found = [(b, b.clone() if _copyable(b) else None)
-                                        for b in (getattr(m, name) for _, m, name in self.scripted)]
+            self._scripted_found = [getattr(module, name) for _, module, name in self.scripted]
+            kept = [b for b in self._scripted_found if _copyable(b)]
+            if self._scripted_twins is None or not self._scripted_twins.fits(kept):
+                self._scripted_twins = Twins(kept)
+            self._scripted_twins.save(kept)
             self._open = self._restorable = True
-            self.missed = []
         if not self._slots:
             return
         tensors, versions = self._buffers.state()
@@ -252,8 +256,6 @@ class BufferUndo:
             self._twins.save([tensors[i] for i in self._saved])
         self._open = self._restorable = True
         self.host_only = False
-        if not self.scripted:
-            self.missed = []
 
     def _plan(self, tensors: list[Optional[torch.Tensor]]) -> None:
         """Which slots to copy, and the twins to copy them into (when the buffers or that choice change)."""
@@ -277,11 +279,8 @@ class BufferUndo:
         if not self._open:
             return
         self._open = False
-        scripted = [full for (full, module, name), (was, copy) in zip(self.scripted, self._scripted_found)
-                    if getattr(module, name) is not was or (copy is None and was is not None)]
-        if not self._slots:
-            self.missed = scripted
-            return
+        scripted = [full for (full, module, name), was in zip(self.scripted, self._scripted_found)
+                    if getattr(module, name) is not was or (was is not None and not _copyable(was))]
         reassigned, in_place = self._buffers.changed(self._tensors, self._versions)
         shapes = self._saved_shapes
         self.missed = [self._slots[i][2] for i in in_place if i not in shapes] + scripted
@@ -313,6 +312,8 @@ class BufferUndo:
         self._restorable = False
         if self._weight_twins is not None:
             self._weight_twins.restore(self._weights, where)
+        if self._scripted_twins is not None:
+            self._scripted_twins.restore([b for b in self._scripted_found if _copyable(b)], where)
         resized = [i for i, shape in self._saved_shapes.items() if self._tensors[i].shape != shape]
         if resized and where is not None:
             if not bool(where):  # a read on the host, as for a step `host_only` (a rare first step)
@@ -323,10 +324,6 @@ class BufferUndo:
                 self._tensors[i].resize_(self._saved_shapes[i])
         if self._twins is not None:
             self._twins.restore([self._tensors[i] for i in self._saved], where)
-        with torch.no_grad():
-            for buffer, copy in self._scripted_found:
-                if copy is not None:
-                    buffer.copy_(copy if where is None else torch.where(where, copy, buffer))
         now = [module._buffers.get(name) for module, name, _ in self._slots]
         for i in self._stepped([i for i, (a, b) in enumerate(zip(now, self._tensors)) if a is not b]):
             module, name, _ = self._slots[i]
