@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import nanfast
+from test_watch_state import count_syncs
 
 
 def _model():
@@ -140,21 +141,6 @@ def test_a_fused_watch_leaves_the_dropped_batch_in_the_next_step():
     forward, so its checks stay in the next step, as documented (w.step() in the guard ends it)."""
     _, _, (events, step_count, skipped), _ = _guarded_run(_batches(), dict(action="skip", fuse=True))
     assert [(e.step, e.abandoned) for e in events] == [(2, False)] and (step_count, skipped) == (4, 1)
-
-
-def count_syncs(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 @pytest.mark.parametrize("loop", ["pgd", "gan discriminator"])

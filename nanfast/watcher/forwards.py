@@ -111,9 +111,9 @@ class StepState:
         self.training = False  # a forward with gradients ran in this step (without an optimizer)
         self.grad_forwards = 0  # forwards with gradients in this step
         self.ended_by_user = False  # w.step() was called at least once
-        # The last forward with gradients ran with some of the optimizer's parameters requiring them (see
-        # NOTE: [A batch the loop abandons]).
-        self.grads_wanted = False
+        # The last forward with gradients, with an optimizer, ran with some of its parameters requiring
+        # them (see NOTE: [A batch the loop abandons]).
+        self._grads_wanted = False
         self._versions = 0
         self._updates = 0  # forwards of this step that found the parameters updated since the previous one
         self._longest = 0  # the most forwards with gradients of a step that ended
@@ -210,9 +210,10 @@ class StepState:
                       stacklevel=user_stacklevel())
 
     def abandoned(self, optimizer: torch.optim.Optimizer, backward_finished: bool) -> bool:
-        """At the start of a forward with gradients, with an optimizer: whether the step's forwards so far
-        are a batch the loop abandoned. `backward_finished`: a backward of the whole graph finished in the
-        step since the previous forward."""
+        """At the start of every forward with gradients, with an optimizer: whether the step's forwards so
+        far may be a batch the loop abandoned (the caller also asks whether they counted a non-finite
+        value). `backward_finished`: a backward of the whole graph finished in the step since the previous
+        forward."""
         # NOTE: [A batch the loop abandons]
         # A loop's own guard drops a bad batch after its backward: `if not torch.isfinite(norm):
         # optimizer.zero_grad(); continue`. No optimizer step ends the watch's step, so the dropped
@@ -237,8 +238,10 @@ class StepState:
         # the buffers its forward changed). Elsewhere (an accelerator, fuse=True), and where gradients
         # are zeroed in place (`set_to_none=False`) or the guard comes before backward, the loop calls
         # `w.step()` in its guard.
-        if not (backward_finished and self.grad_forwards and self.grads_wanted) or any(
-                p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        groups = optimizer.param_groups  # each walk below stops at its first hit: O(1) in a healthy step
+        wanted, self._grads_wanted = self._grads_wanted, any(p.requires_grad for g in groups for p in g["params"])
+        if not (backward_finished and self.grad_forwards and wanted) or any(
+                p.grad is not None for g in groups for p in g["params"]):
             return False
         return self._version_sum() == self._versions
 

@@ -331,8 +331,6 @@ class Hooks:
             if (self._steps.abandoned(self.optimizer, self._recorder.backward_finished())
                     and self._recorder.finite() is False):  # see NOTE: [A batch the loop abandons]
                 self._end_step(fused_pass=False, evaluation=True, abandoned=True)
-            self._steps.grads_wanted = any(p.requires_grad for group in self.optimizer.param_groups
-                                           for p in group["params"])
         interrupted = self._steps.enter(self.model)
         if interrupted is not None:
             self._hooks.in_forward = False
