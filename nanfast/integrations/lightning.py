@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from .. import watcher
-from ..watcher.closure import run_closure_first
+from ..watcher.closure import run_closure_first, runs_closure_first
 from .common import OwnsWatch, metrics, missing_extra
 
 try:
@@ -75,7 +75,9 @@ class NanfastCallback(OwnsWatch, Callback):
             options.setdefault("scaler", scaler)
         self._scaled_loss = options.get("scaler") is not None
         model = pl_module if self.module is None else pl_module.get_submodule(self.module)
-        if not isinstance(optimizer, torch.optim.LBFGS):  # LBFGS calls its closure many times
+        # The watch runs the closure first itself for torch's own optimizers (runs_closure_first); the
+        # callback does it for the others, as it always has, but LBFGS, which calls it many times.
+        if not isinstance(optimizer, torch.optim.LBFGS) and not runs_closure_first(optimizer):
             self._hook = optimizer.register_step_pre_hook(run_closure_first)
         self._logged_step = -1.0
         options.setdefault("first_step", trainer.global_step)  # a resumed or continued fit keeps its numbers

@@ -45,10 +45,11 @@ def run_closure_first(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     returns what it returned (a `RanClosure`, which the watch does not take for a forward yet to
     run), changes nothing else. The watch sees a complete step, as in a plain loop, and step() still
     returns the closure's loss (manual optimization reads it: `loss = opt.step(closure=closure)`).
-    The Lightning callback registers it for any optimizer but LBFGS; every watch registers it for torch's
-    own (`runs_closure_first`): a plain loop's `optimizer.step(closure)`, and Lightning's manual
-    optimization, whose `opt.step()` hands the torch optimizer a closure that runs no forward (a watch made
-    in a LightningModule with action="skip" refused every step: a probe, session 47).
+    Every watch registers it for torch's own optimizers (`runs_closure_first`): a plain loop's
+    `optimizer.step(closure)`, and Lightning's manual optimization, whose `opt.step()` hands the torch
+    optimizer a closure that runs no forward (a watch made in a LightningModule with action="skip"
+    refused every step: a probe, session 47). The Lightning callback registers it for any other
+    optimizer but LBFGS.
 
     Args:
         optimizer: the optimizer being stepped.
