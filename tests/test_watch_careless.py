@@ -241,6 +241,8 @@ def test_watches_dropped_without_remove_leave_no_global_hooks_behind():
     600 of them made building a model 6x slower (a probe, session 43). The next watch removes them."""
     import gc
 
+    gc.collect()
+    nanfast.watch(nn.Linear(4, 2)).remove()  # removes what earlier tests' dropped watches retired
     before = _global_hooks()
     for _ in range(50):
         _train_and_drop()
