@@ -56,7 +56,7 @@ VARIANTS = {
 
 @contextlib.contextmanager
 def bare_hooks(model: torch.nn.Module):
-    """Do-nothing hooks where the watch puts its module hooks (see Hooks._install)."""
+    """Do-nothing hooks where the watch puts its module hooks (see Installation._install)."""
     def before(module, args):
         return None
 

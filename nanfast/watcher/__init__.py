@@ -24,7 +24,8 @@ from .forwards import StepState
 from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
 from .history import DEFAULT_HISTORY, StepRecord, Timeline
-from .hooks import Hooks, weakly_bound
+from .hooks import Hooks
+from .install import Installation, weakly_bound
 from .inputs import walked_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
@@ -42,10 +43,10 @@ __all__ = ["ACTIONS", "KINDS", "ON_EVENT", "PASS_THROUGH", "PHASES", "SYNC_MODES
            "SpikeError", "SpikeOptions", "StepRecord", "Watch", "watch"]
 
 
-class Watch(Hooks, StepEnd, Actions, Readings):
+class Watch(Installation, Hooks, StepEnd, Actions, Readings):
     """Hooks on a model (and optimizer) that check for NaN/inf at every step; see `watch`. The facade:
-    the hooks (hooks.py), the step boundary (step_end.py) with the step's read (step.py), the actions
-    (actions.py), what it tells a logger (readings.py) are its parts.
+    the hooks' placing (install.py) and calls (hooks.py), the step boundary (step_end.py) with the
+    step's read (step.py), the actions (actions.py), what it tells a logger (readings.py) are its parts.
 
     Args:
         model, optimizer, and the options by keyword: as `nanfast.watch`, which documents them.

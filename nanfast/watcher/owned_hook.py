@@ -17,7 +17,7 @@ import torch
 # is the one it was installed on (a shallow copy, which shares the hook dicts, does nothing either), and
 # it is copied and pickled as an inert hook that holds nothing. The copy is not watched: watch it with a
 # watch of its own. A copy assigned into the watched model is hooked at the next step's start, as any
-# module set after watch() (NOTE: [A model changed after watch()] in hooks.py); remove() takes the inert
+# module set after watch() (NOTE: [A model changed after watch()] in install.py); remove() takes the inert
 # hooks of such copies out of the model with its own.
 
 

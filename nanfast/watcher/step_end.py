@@ -1,6 +1,7 @@
-"""The step boundary of `Watch` (a part of it, as hooks.py and actions.py are): the step's end (the pass
-over parameters and gradients, the summary packed and read, eager or lagged, then the actions), a new
-Step, and what the loop calls there: `step()` without an optimizer, `flush()`, `clip_grad_norm_()`."""
+"""The step boundary of `Watch` (a part of it, as install.py, hooks.py and actions.py are): the step's
+end (the pass over parameters and gradients, the summary packed and read, eager or lagged, then the
+actions), a new Step, and what the loop calls there: `step()` without an optimizer, `flush()`,
+`clip_grad_norm_()`."""
 
 from __future__ import annotations
 
