@@ -230,3 +230,28 @@ def test_an_infinite_loss_made_of_a_masks_infinities_is_reported_at_the_op_that_
         step()
         optimizer.step()
     assert "backward() was called on" in str(raised.value) and torch.equal(lin.weight, before)
+
+
+@pytest.mark.parametrize("stale", [1.0, float("nan")])
+def test_eighs_backward_at_equal_eigenvalues_is_found_beside_a_stale_nan_gradient(stale):
+    """linalg.eigh's backward divides by the differences of the eigenvalues: NaN where two are equal
+    (pytorch/pytorch#47599). Accumulated into a .grad that already held NaN (a parameter left out of the
+    optimizer, never zeroed), the gradient was taken as that input's NaN, and eigh's finding, its own
+    gradient freed, was noted as masked (a probe, session 48): now both are reported."""
+    torch.manual_seed(0)
+    feat = torch.zeros(3, 4, requires_grad=True)
+    feat.grad = torch.full((3, 4), stale)
+    w = torch.randn(4, 4)
+
+    def step():
+        _, vectors = torch.linalg.eigh(feat.T @ feat + torch.eye(4))  # equal eigenvalues
+        (vectors[:, -1] @ w).pow(2).sum().backward()
+
+    finder = run(step)
+    eigh = ("producer", "LinalgEighBackward0", line_of("# equal eigenvalues"))
+    found = [(f.kind, f.node, f.where.lineno) for f in finder.findings]
+    if stale == stale:  # a finite stale gradient: eigh's finding alone
+        assert found == [eigh] and finder.masked == []
+    else:  # the stale NaN is reported where it is consumed, and eigh's stands beside it
+        assert found == [("input", "AccumulateGrad", line_of("# equal eigenvalues")), eigh]
+        assert finder.masked == []

@@ -10,6 +10,7 @@ import torch
 from .._tree import named_leaves
 from .diagnosis import diagnose
 from .findings import LocateFinding, Producer, TensorInfo
+from .off_path import OffPath
 from .provenance import _OUTSIDE, Provenance
 from .replay import _repro
 from .schema import _OpInfo
@@ -74,6 +75,18 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     # True (from a reported finding) before an OffPath (a held one: NOTE: [off the gradient path]).
     taints = [taint for i, c in in_counts.items() if any(c) and (taint := provenance.tainted(inputs[i][2]))]
     tainted = True if True in taints else (taints[0] if taints else False)
+
+    def held_reach_outputs(but: Any = None) -> None:
+        # NOTE: [A held finding beside another]
+        # Outputs carry one taint, but a held finding's values (NOTE: [off the gradient path], NOTE: [a
+        # backward finding masked downstream]) may reach them beside another's: eigh's NaN gradient at
+        # equal eigenvalues (pytorch/pytorch#47599) accumulated into a .grad that already held NaN (a
+        # parameter left out of the optimizer, never zeroed) was tainted as that input's, and eigh's
+        # finding, its gradient freed, was noted as masked (a probe, session 48). Such a finding follows
+        # the outputs too, and is reported if they are alive when it is judged.
+        for taint in taints:
+            if isinstance(taint, OffPath) and taint is not but:
+                taint.follow(outputs)
     dirty = [i for i, c in in_counts.items() if c[0] and provenance.from_outside(inputs[i][2])]
 
     if (out_inf and not (out_nan or tensor_nan or tensor_inf or numbers)
@@ -87,6 +100,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     if out_inf and not (tensor_nan or tensor_inf or numbers):
         kind, reason = "producer", "made non-finite values from finite inputs"
     elif tainted and not dirty:
+        held_reach_outputs(but=tainted)
         return None, tainted  # propagates (inf * 0, inf - inf) what a finding made
     elif blamed and not tainted:
         kind = "scalar"
@@ -135,6 +149,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         kind, info.name, producer.phase, producer.node, source,
         producer.source if producer.phase == "backward" else None, reason,
         tuple(output_infos), tuple(input_infos), tuple(scalars), diagnosis=diagnosis, backward_source=backward_source)
+    held_reach_outputs()
     return (finding, repro), True
 
 
