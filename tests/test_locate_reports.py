@@ -191,6 +191,24 @@ def ring_attention_sft_all_ignored():
     F.cross_entropy(logits, torch.tensor([-100, -100]), ignore_index=-100).backward()  # <openrlhf>
 
 
+
+def log_of_softmax_underflow():
+    # pytorch/pytorch#1620: torch.log(softmax(x)) instead of log_softmax, a pointer network's loss: the
+    # softmax underflows to 0 (the report's logits [0, 50, -50] through a random Linear), and log(0) = -inf
+    layer = torch.nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(3))
+    log_p = torch.log(F.softmax(layer(torch.tensor([[0.0, 100.0, -100.0]])), dim=-1))  # <log-softmax>
+    F.nll_loss(log_p, torch.tensor([1])).backward()
+
+
+def gumbel_softmax_at_zero_temperature():
+    # pytorch/pytorch#184031: F.gumbel_softmax with tau=0 (an annealed temperature reaching 0) is all NaN
+    torch.manual_seed(0)
+    logits = torch.nn.Linear(4, 5)(torch.randn(2, 4))
+    F.gumbel_softmax(logits, tau=0.0, hard=True).sum().backward()  # <gumbel-tau>
+
+
 CASES = [
     (cross_entropy_all_ignored, "aten.nll_loss_forward.default", "forward", None, "ce-ignored",
      "every one of the 10 targets is ignore_index (-100)"),
@@ -228,6 +246,8 @@ CASES = [
      "every one of the 2 targets is ignore_index (-100)"),
     (fp16_attention_scores_overflow, "aten.bmm.default", "forward", None, "fp16-scores",
      "torch.float16 overflow in a matmul"),
+    (log_of_softmax_underflow, "aten.log.default", "forward", None, "log-softmax", "log at the edge of its domain"),
+    (gumbel_softmax_at_zero_temperature, "aten.div.Tensor", "forward", None, "gumbel-tau", "divides by the number 0"),
 ]
 
 
