@@ -231,8 +231,9 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
     except MemoryError:  # not a damaged file: a record too large for this machine's memory
         return FileScan(path, "unreadable", error="this machine's memory is too small to read it (MemoryError)")
     except Exception as e:  # noqa: BLE001  (the readers raise many kinds for a damaged file)
-        return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint ({type(e).__name__}: "
-                                                  f"{first_sentence(e)})")
+        # (or one torch itself fails on: a float8 tensor in the legacy format, a probe, session 48)
+        return FileScan(path, "unreadable", error=f"damaged or truncated, or not a checkpoint, or one this torch "
+                                                  f"cannot load ({type(e).__name__}: {first_sentence(e)})")
     finally:
         opened.close()
     report = Report(tuple(entries))
