@@ -181,14 +181,26 @@ def test_modules_built_elsewhere_and_re_assigned_buffers_do_not_make_the_buffers
         assert w._model_changed
 
 
-def test_caught_raise_leaves_the_model_as_the_step_found_it():
+class _Stop(Exception):
+    pass
+
+
+def _stop(event):
+    raise _Stop(event.summary())
+
+
+@pytest.mark.parametrize("action, raised", [("raise", nanfast.NonFiniteError), (_stop, _Stop)],
+                         ids=["raise", "a callable raising"])
+def test_caught_raise_leaves_the_model_as_the_step_found_it(action, raised):
+    """A callable action raising its own exception stops the step as "raise" does; it left the bad
+    forward's BatchNorm statistics in the model (a probe, session 48)."""
     torch.manual_seed(0)
     model = BNNet()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    w = nanfast.watch(model, opt)  # action="raise"
+    w = nanfast.watch(model, opt, action=action)
     train_step(model, opt, *batch(0))
     before = full_state(model, opt)
-    with pytest.raises(nanfast.NonFiniteError):
+    with pytest.raises(raised):
         train_step(model, opt, *dirty(1))
     assert_same_state(full_state(model, opt), before)
     train_step(model, opt, *batch(1))

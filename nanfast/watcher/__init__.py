@@ -173,8 +173,10 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._found: Optional[torch.Tensor] = None
         self._saved_found_inf: Optional[torch.Tensor] = None
         # Buffers a bad step's forward wrote (BatchNorm statistics), put back by a skip or a raise before
-        # the optimizer step (see NOTE: [What a step writes besides the update]); inference has no step.
-        undoes = optimizer is not None and (action in SKIPPING or (action == "raise" and sync == "eager"))
+        # the optimizer step (see NOTE: [What a step writes besides the update]), or a callable action's
+        # raise; inference has no step.
+        undoes = optimizer is not None and (action in SKIPPING or ((action == "raise" or callable(action))
+                                                                   and sync == "eager"))
         self._undo: Optional[BufferUndo] = BufferUndo(model) if undoes else None
         if optimizer is not None and action in SKIPPING:
             warn_of_parameters_outside(model, optimizer)

@@ -264,8 +264,15 @@ class Actions:
         forward's event, or an abandoned batch's (but for non-finite parameters), has no optimizer step to
         skip: a skip or rollback watch puts back the buffers it changed and warns."""
         if callable(self.action):
-            with self._idle():
-                self.action(event)
+            try:
+                with self._idle():
+                    self.action(event)
+            except BaseException:
+                # Raised from to stop, as "raise" stops: the buffers the step's forward wrote are put back
+                # too (left, a caught stop kept the bad batch's BatchNorm statistics: a probe, session 48).
+                if before_step and self._undo is not None:
+                    self._undo.restore()
+                raise
         elif self.action == "warn":
             warn_at_user_line(event.summary(), RuntimeWarning)
         else:
