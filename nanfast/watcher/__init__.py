@@ -186,8 +186,13 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         # a raise put nothing back and a bad batch left NaN BatchNorm statistics. So a step whose forwards
         # took no snapshot takes the next step's at its end, after its verdict was acted on (the buffers
         # as the next step finds them, before any of its forwards), and the watch takes one at its start.
-        # An eager forward takes it again at its step's start, as before.
+        # An eager forward takes it again at its step's start, as before. A lagged skip on the device
+        # puts the buffers back in the optimizer's step post-hook, after the step's end: a snapshot taken
+        # at the end was of the bad batch's values, which the skip then "put back" (a probe, session 48),
+        # so while such a step is being stepped (_skipping_on_device) it is taken after the skip.
         self._undo_by_forward = False
+        self._undo_due = False
+        self._skipping_on_device = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
         if rollback is not None and self._undo.scripted:

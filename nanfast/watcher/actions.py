@@ -140,11 +140,17 @@ class Actions:
         self._stepped = True
         self._untell_accelerate()
         gradless = self._step.gradless  # the step's, before _end_step starts the next one
-        read = self._end_step(found_inf=getattr(optimizer, "found_inf", None), grad_scale=getattr(optimizer, "grad_scale", None))
+        self._skipping_on_device = self._skip_on_device and self.action in SKIPPING
+        try:
+            read = self._end_step(found_inf=getattr(optimizer, "found_inf", None),
+                                  grad_scale=getattr(optimizer, "grad_scale", None))
+        finally:
+            self._skipping_on_device = False
         if self.action not in SKIPPING:
             return
         if self._skip_on_device and not self._skip_now:
             if read is None:
+                self._begin_undo()
                 return
             found = (read.summary[0] > 0).to(torch.float32)
             self._saved_found_inf = vars(optimizer).get("found_inf")
@@ -152,6 +158,7 @@ class Actions:
             optimizer.found_inf = found if self._saved_found_inf is None else torch.maximum(self._saved_found_inf, found)
             self._found = found
         elif self._skip_now:
+            self._begin_undo()  # the skip has put the buffers back
             # NOTE: [Gradients a skipped step gives back]
             # Every torch optimizer leaves a parameter without a .grad, and its state, untouched; the
             # post-hook gives the gradients back zeroed, which code after optimizer.step() can still
@@ -177,6 +184,7 @@ class Actions:
             skip = self._found.bool()
             if self._undo is not None:
                 self._undo.restore(where=skip)
+                self._begin_undo()  # see NOTE: [Buffers of compiled forwards]
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:

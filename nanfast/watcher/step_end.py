@@ -201,8 +201,17 @@ class StepEnd:
         if read is not None and self._rollback is not None and not evaluation:
             self._rollback.step_ended(read.step, proven=self._pending is not read)
         if self._undo is not None and not forward_began_undo and not evaluation and self._active:
-            self._undo.begin()  # see NOTE: [Buffers of compiled forwards]
+            self._undo_due = True  # see NOTE: [Buffers of compiled forwards]
+            if not self._skipping_on_device:
+                self._begin_undo()
         return read
+
+    def _begin_undo(self) -> None:
+        """Takes the next step's buffer snapshot where no forward of it will (NOTE: [Buffers of compiled
+        forwards]), if one is due."""
+        if self._undo_due:
+            self._undo_due = False
+            self._undo.begin()
 
     def _end_evaluation(self, first_slot: int, microbatch: Optional[int]) -> None:
         """Reads an evaluation's checks at once: those of slots `first_slot` on, recorded by the forward
