@@ -390,7 +390,42 @@ def test_a_non_finite_loss_with_finite_gradients_is_reported():
     with pytest.raises(nanfast.NonFiniteError, match="value of 'loss' passed to Watch.loss"):
         opt.step()
     assert (w.last.phase, w.last.name, w.last.nan, w.last.later) == ("loss_value", "loss", 1, ())
-    assert w.loss(loss, name="aux") is loss
+    finite = torch.ones(())
+    with pytest.warns(UserWarning, match="before any forward"):  # after the step: read alone
+        assert w.loss(finite, name="aux") is finite
+    w.remove()
+
+
+def test_a_loss_passed_after_its_optimizer_step_is_read_alone_not_with_the_next_step():
+    """`optimizer.step(); w.loss(loss)` (the tutorials' logging order) counted a batch's loss into the
+    next step: an all-ignored batch's NaN loss skipped the next, healthy update (or stopped it), its
+    step blamed, and the timeline's losses were one step off (a probe, session 48). A loss passed before
+    any forward of its step is read at once, alone, as the step it came after, and said so once."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nanfast.watch(model, opt, action="skip")
+    x, _ = batch()
+
+    def step(targets):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), targets, ignore_index=-100)
+        loss.backward()
+        opt.step()
+        return w.loss(loss)
+
+    with pytest.warns(UserWarning, match="called before any forward of the model in its step"):
+        step(torch.arange(5) % 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # said once
+        step(torch.arange(5) % 4)
+    with pytest.warns(RuntimeWarning, match="step 2 .*after optimizer.step\(\)"):
+        step(torch.full((5,), -100))  # every target ignored: a NaN loss, zero gradients
+    assert (w.last.phase, w.last.step, w.last.late_loss, w.last.evaluation) == ("loss_value", 2, True, False)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(torch.arange(5) % 4)  # healthy: applied
+    assert w.skipped_steps == 0 and w.last.step == 2
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     w.remove()
 
 

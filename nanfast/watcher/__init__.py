@@ -192,6 +192,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         # so while such a step is being stepped (_skipping_on_device) it is taken after the skip.
         self._undo_by_forward = False
         self._undo_due = False
+        self._warned_late_loss = False  # see NOTE: [A loss passed after its step]
         self._skipping_on_device = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")

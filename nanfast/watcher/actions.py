@@ -42,8 +42,9 @@ class Actions:
                 rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
             places = steps.places(rows, read, False, self.nan_only, self.model.forward) if bad else []
             if places:
-                self.last = event = Event(read.step, places[0], tuple(places[1:]), evaluation=not read.abandoned,
-                                          abandoned=read.abandoned)
+                self.last = event = Event(read.step, places[0], tuple(places[1:]),
+                                          evaluation=not (read.abandoned or read.late_loss), abandoned=read.abandoned,
+                                          late_loss=read.late_loss)
                 self.events.append(event)
                 if acting:
                     self._act(event, False, before_step)
@@ -289,9 +290,10 @@ class Actions:
             # event.rank is set when the ranks agreed on the event: all of them are here.
             agreed = event.rank is not None and not event.evaluation and self.action != "raise"
             elsewhere = agreed and agree.any_rank(bool(missed), self.process_group) and not missed
-            if (event.evaluation or event.abandoned and event.phase != "param") and self.action in SKIPPING:
+            if (event.evaluation or event.late_loss or event.abandoned and event.phase != "param") and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
-                what = "an evaluation forward" if event.evaluation else "the loop dropped the batch itself"
+                what = ("an evaluation forward" if event.evaluation else "its step was already applied" if event.late_loss
+                        else "the loop dropped the batch itself")
                 warn_at_user_line(f"{event.summary()}: {what}, so no optimizer step to skip{unrestored}", RuntimeWarning)
                 return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).

@@ -119,6 +119,9 @@ class Event:
     # Seen in a batch the loop dropped after its backward (its gradients cleared with no optimizer step:
     # its own NaN guard), read at the next forward; `step` is the optimizer step it came before.
     abandoned: bool = False
+    # A loss passed to Watch.loss before any forward of the model in its step (after optimizer.step()),
+    # read alone at once; `step` is the step it came after (NOTE: [A loss passed after its step]).
+    late_loss: bool = False
     # The first place's forward ran in eval mode with gradients enabled: a training forward for the watch
     # (fine-tuning with frozen BatchNorm statistics trains so), or a validation pass without no_grad.
     eval_mode_with_grad: bool = False
@@ -161,7 +164,8 @@ class Event:
         on = f" on rank {self.rank}" if self.rank is not None else ""
         at = f"step {self.step}" + (" (an evaluation: a forward in eval mode without gradients)" if self.evaluation
                                     else " (a batch the loop dropped: its gradients were cleared without an optimizer "
-                                    "step)" if self.abandoned else "")
+                                    "step)" if self.abandoned else " (a loss passed to Watch.loss after optimizer.step(), "
+                                    "read alone: the step was already applied)" if self.late_loss else "")
         # The parameters' rows, and the gradients', are read together: the ones after `first` are not
         # where its values went, and their order is the optimizer's (see the class docstring).
         together = 0

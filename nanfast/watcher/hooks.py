@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .. import _C
+from ..locator.source import warn_at_user_line
 from ..recompute import recomputation
 from .forwards import Forward
 from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
@@ -107,11 +108,27 @@ class Hooks:
         if not self._active or torch.compiler.is_compiling() or transformed():
             return value
         evaluating = self._evaluating()  # a validation loss: its own read, not the next step's (see the NOTE)
+        # NOTE: [A loss passed after its step]
+        # `optimizer.step(); w.loss(loss)` (the tutorials' order for logging) counted a batch's loss into
+        # the next step: an all-ignored batch's NaN loss (zero gradients) skipped or stopped the next,
+        # healthy update, its step named, and the timeline's losses were a step off (a probe, session
+        # 48). A loss passed before any forward of the model in its step came after its step's end (or
+        # from outside the watched model's step): it is read at once, alone, as an evaluation's loss is,
+        # numbered as the step it came after, with no record or spike sample, and said so once (a host
+        # read of its own each time).
+        late = (not evaluating and self.optimizer is not None and self.step_count > 0 and self._step.forwards == 0
+                and not self._step.slots)
+        if late and not self._warned_late_loss:
+            self._warned_late_loss = True
+            warn_at_user_line("nanfast.watch: Watch.loss was called before any forward of the model in its step "
+                              "(after optimizer.step()?): such a loss is read at once, alone (a host read of its "
+                              "own), as the step that ended, which a non-finite one can no longer skip or stop; "
+                              "call w.loss(loss) before optimizer.step() to have it read with its step", UserWarning)
         if evaluating and self._outside_evaluation is not None:  # read with the submodules' records before it
             first, self._outside_evaluation = self._outside_evaluation, None
         else:
             first = len(self._step.slots)
-        if self._keeps_losses and value.is_floating_point() and not evaluating and value.numel() > 0:
+        if self._keeps_losses and value.is_floating_point() and not (evaluating or late) and value.numel() > 0:
             # float64 on the device, no graph, no sync (see NOTE: [A loss's mean without ATen ops]); an
             # empty loss has no mean (ATen's NaN would enter the records as a NaN loss, with no event)
             self._step.losses.setdefault(name, []).append(_C.loss_mean(value))
@@ -124,6 +141,8 @@ class Hooks:
                 self._record("loss_value", site, 1, tensors)
         if evaluating and len(self._step.slots) > first:  # nothing recorded (loss=False, ignored): nothing to read
             self._end_evaluation(first, None)
+        elif late and self._step.slots:
+            self._end_step(fused_pass=False, evaluation=True, late_loss=True)
         return value
 
     def _outside_forward(self, grad: bool) -> None:

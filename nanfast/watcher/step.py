@@ -50,6 +50,9 @@ class Read:
     # A batch the loop abandoned after its backward (see NOTE: [A batch the loop abandons]): read as an
     # evaluation is, but its event is no evaluation's and a bad one reads the parameters.
     abandoned: bool = False
+    # A loss passed to Watch.loss before any forward of its step (after optimizer.step(): NOTE: [A loss
+    # passed after its step]): read as an evaluation is, numbered as the step it came after.
+    late_loss: bool = False
     # An evaluation inside a training step (see NOTE: [An evaluation inside a training step]): the buffers
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False

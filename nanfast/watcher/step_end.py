@@ -133,13 +133,14 @@ class StepEnd:
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
                   scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False,
-                  abandoned: bool = False) -> Optional[Read]:
+                  abandoned: bool = False, late_loss: bool = False) -> Optional[Read]:
         """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
         checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
         forwards between optimizer steps]); with `abandoned`, those of a batch the loop dropped, read so
-        (see NOTE: [A batch the loop abandons])."""
+        (see NOTE: [A batch the loop abandons]); with `late_loss`, a loss passed after its step, numbered
+        as that step (NOTE: [A loss passed after its step])."""
         self._skip_now = False
         self._drop_failed_backward()
         if self._outside_evaluation is not None and not evaluation:
@@ -158,10 +159,10 @@ class StepEnd:
             recorded, recorded_slots, absmax, limited = self._recorder.take()
             read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
-                                   grad_scale=grad_scale, device=self._device, step=self.step_count,
+                                   grad_scale=grad_scale, device=self._device, step=self.step_count - late_loss,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
-            read.evaluation, read.abandoned = evaluation, abandoned
+            read.evaluation, read.abandoned, read.late_loss = evaluation, abandoned, late_loss
             read.step_state = self._step_state
             read.params_rewritten = self._steps.params_rewritten
             read.forward_unchecked = self._step.forwards == 0 and not any(label[0] in _HOOKED_PHASES
