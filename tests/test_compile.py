@@ -153,7 +153,7 @@ def test_watch_on_a_compiled_model_keeps_the_graph_whole(profile):
     assert [(e.step, e.phase, e.name) for e in w.events] == [(1, "grad", "inner.weight")]
     # The input was dirty (log(0)) but never checked: the event says so rather than read as a clean batch.
     assert w.events[0].forward_unchecked and not w.events[0].dirty_input
-    assert "its input, activations and output were not checked" in w.events[0].summary()
+    assert "its input and output were not checked, nor a compiled region's activations" in w.events[0].summary()
     assert nanfast.check_all(model, raise_on_nonfinite=False).ok
 
 
@@ -300,6 +300,38 @@ def test_a_bad_compiled_step_leaves_batchnorm_statistics_as_they_were(action, sy
     expected, _ = train([CLEAN, CLEAN * 2] + ([CLEAN * 3] if action != "raise" else []), watched=False)
     for (name, buffer), want in zip(model.named_buffers(), expected.buffers()):
         assert torch.equal(buffer, want), name
+
+
+def test_past_the_recompile_limit_a_dirty_batch_is_not_read_as_a_submodules_fault():
+    """dynamic=False and batches of many sizes: past torch.compile's recompile limit the forward runs
+    uncompiled, its submodules' hooks work again and the model's own, compiled on their own, stay idle.
+    A dirty batch was then named the first Linear's fault with forward_unchecked False, and the healthy
+    run was told to watch a submodule (a probe, session 48)."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = _NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, dynamic=False, backend="aot_eager")
+        w = nanfast.watch(compiled, opt, action="skip")
+        for n in range(4, 9):  # healthy, each batch a new size
+            opt.zero_grad()
+            compiled(torch.rand(n, 4) + 0.5).sum().backward()
+            opt.step()
+        said = [str(c.message) for c in caught if "its own forward did not" in str(c.message)]
+        assert len(said) == 1 and "past torch.compile's recompile limit" in said[0]
+        assert w.events == []
+        x = torch.rand(20, 4) + 0.5
+        x[3, 1] = float("nan")
+        opt.zero_grad()
+        compiled(x).sum().backward()
+        opt.step()
+    w.remove()
+    event = w.events[-1]
+    assert event.forward_unchecked and "its input and output were not checked" in event.summary()
+    assert w.skipped_steps == 1
 
 
 class _Root(torch.nn.Module):

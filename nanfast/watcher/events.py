@@ -205,9 +205,10 @@ class Event:
         hint = (" (its forward ran in eval mode with gradients enabled: if it was a validation pass, run it "
                 "under torch.no_grad() so that it is read as an evaluation, not as part of the training step)"
                 if self.eval_mode_with_grad else
-                " (no forward of the model ran where the watch's hooks see it in this step, a compiled one: its input, "
-                "activations and output were not checked, so this is where the values first reached what the step's "
-                "pass reads)" if self.forward_unchecked else "")
+                " (no forward of the model ran where its own hooks see it in this step: a compiled one, or submodules "
+                "the loop called itself; its input and output were not checked, nor a compiled region's activations, "
+                "so this is where the values first reached a check, and a dirty batch would show here)"
+                if self.forward_unchecked else "")
         if not later:
             return f"nanfast.watch: {head}{hint}"
         named = first_few([p.where() for p in later], _MAX_NAMED_IN_SUMMARY, "; ")

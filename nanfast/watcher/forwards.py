@@ -50,10 +50,13 @@ UNSEEN_OPTIMIZER = ("nanfast.watch: the parameters were updated in place between
 # training_step) calls a submodule. Detection and skips still work, but calls are numbered on across
 # the step's microbatches (a new forward resets them) and the batch is not checked as the model's input.
 OUTSIDE_FORWARD = ("nanfast.watch: step {step}: submodules of the watched {model} ran but its own forward did not "
-                   "(the loop, or a Lightning training_step, calls a submodule, as self.net(x)): their calls are "
-                   "numbered on across the step's microbatches and the batch is not checked as the model's input. "
-                   "Watch the module "
-                   "whose forward runs (nanfast.watch(model.net, ...); in Lightning, NanfastCallback(module=\"net\")).")
+                   "(the loop, or a Lightning training_step, calls a submodule, as self.net(x); or the model is "
+                   "torch.compile'd and its forward now runs uncompiled, past torch.compile's recompile limit, while "
+                   "its own hooks stay compiled, idle): their calls are numbered on across the step's microbatches "
+                   "and the batch is not checked as the model's input. Watch the module whose forward runs "
+                   "(nanfast.watch(model.net, ...); in Lightning, NanfastCallback(module=\"net\")), or keep the "
+                   "forward compiled (dynamic=True, torch._dynamo.mark_dynamic, or a higher "
+                   "torch._dynamo.config.recompile_limit).")
 UNCLOSED_STEP = ("nanfast.watch: a new step began while the previous one was never ended ({why}). A step ends "
                  "at optimizer.step() of the optimizer given to watch(), or at w.step(): without an optimizer, "
                  "call w.step() at the end of each step, or pass the optimizer (nanfast.watch(model, optimizer)). "

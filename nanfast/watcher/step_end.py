@@ -17,9 +17,6 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .step import Read, Step
 
 
-# The phases the forward's hooks record (a step with none ran no forward the hooks saw: a compiled one).
-_HOOKED_PHASES = frozenset(("input", "forward", "backward", "loss"))
-
 
 class StepEnd:
     """The step boundary of `Watch` (a part of it: the state it uses is the Watch's)."""
@@ -165,8 +162,14 @@ class StepEnd:
             read.evaluation, read.abandoned, read.late_loss = evaluation, abandoned, late_loss
             read.step_state = self._step_state
             read.params_rewritten = self._steps.params_rewritten
-            read.forward_unchecked = self._step.forwards == 0 and not any(label[0] in _HOOKED_PHASES
-                                                                          for label in self._step.slots)
+            # NOTE: [A step without the model's own forward]
+            # No forward of the model ran where its own hooks saw it: a compiled forward (its hooks idle),
+            # the loop calling submodules itself (Lightning's self.net(x)), or both at once: past
+            # torch.compile's recompile limit the forward runs uncompiled, its submodules' hooks work
+            # again, and the model's own, compiled on their own, stay idle. Its input and output were not
+            # checked: a dirty batch first showed at the first submodule, read as that module's fault (a
+            # probe, session 48). The event says so whatever the submodules' hooks recorded.
+            read.forward_unchecked = not evaluation and self._step.forwards == 0
             if self._headroom is not None and not evaluation:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
