@@ -26,7 +26,7 @@ import torch
 import nanfast
 from nanfast import _C
 from nanfast.cli import bench_watch, watch_workloads
-from nanfast.watcher.hooks import hooked_modules
+from nanfast.watcher.install import hooked_modules
 from nanfast.watcher.options import PASS_THROUGH, fused_records
 
 # Its neighbour in benchmarks/: the watch options that turn the health features off.
