@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nanfast
 
@@ -300,6 +301,65 @@ def test_a_bad_compiled_step_leaves_batchnorm_statistics_as_they_were(action, sy
     expected, _ = train([CLEAN, CLEAN * 2] + ([CLEAN * 3] if action != "raise" else []), watched=False)
     for (name, buffer), want in zip(model.named_buffers(), expected.buffers()):
         assert torch.equal(buffer, want), name
+
+
+@pytest.mark.parametrize("action", ["raise", "a callable raising"])
+def test_caught_stops_of_consecutive_bad_compiled_steps_leave_batchnorm_statistics_as_they_were(action):
+    """The next step's buffer snapshot (a compiled forward takes none) was taken after the step's read
+    only when acting did not raise: after a caught stop, the next bad batch's statistics stayed (a
+    review, session 48)."""
+    def stop(event):
+        raise RuntimeError("stop")
+
+    def train(batches, watched):
+        torch.manual_seed(0)
+        model = _NormNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        w = nanfast.watch(model, optimizer, action="raise" if action == "raise" else stop) if watched else None
+        run = torch.compile(model, backend="aot_eager")
+        for batch in batches:
+            optimizer.zero_grad()
+            try:
+                run(batch).sum().backward()
+                optimizer.step()
+            except (nanfast.NonFiniteError, RuntimeError):
+                pass  # the loop goes on with the next batch
+        if w is not None:
+            w.remove()
+        return model
+
+    model = train([CLEAN, CLEAN * 2, BAD, BAD * 2, CLEAN * 3], watched=True)
+    expected = train([CLEAN, CLEAN * 2, CLEAN * 3], watched=False)
+    for (name, buffer), want in zip(model.named_buffers(), expected.buffers()):
+        assert torch.equal(buffer, want), name
+
+
+def test_a_compiled_models_loss_passed_before_backward_is_read_with_its_step():
+    """A compiled forward leaves the model's hooks idle, so every loss came "before any forward of its
+    step": each was read alone as the step before's (two host reads a step), warned as misplaced, and
+    kept out of the timeline (a review, session 48)."""
+    torch.manual_seed(0)
+    model = _NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = nanfast.watch(model, opt, action="skip")
+    run = torch.compile(model, backend="aot_eager")
+
+    def step(batch, targets=None):
+        opt.zero_grad()
+        out = run(batch)
+        loss = w.loss(out.sum() if targets is None else F.cross_entropy(out, targets, ignore_index=-100))
+        loss.backward()
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing said of the loss's place
+        for _ in range(4):
+            step(CLEAN)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        step(CLEAN, torch.full((6,), -100))  # every target ignored: a NaN loss, zero gradients
+    assert (w.last.phase, w.last.step, w.last.late_loss) == ("loss_value", 4, False)
+    assert [record.step for record in w.history if record.loss is not None][:4] == [0, 1, 2, 3]  # in the timeline
+    w.remove()
 
 
 def test_past_the_recompile_limit_a_dirty_batch_is_not_read_as_a_submodules_fault():

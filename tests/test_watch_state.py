@@ -390,9 +390,7 @@ def test_a_non_finite_loss_with_finite_gradients_is_reported():
     with pytest.raises(nanfast.NonFiniteError, match="value of 'loss' passed to Watch.loss"):
         opt.step()
     assert (w.last.phase, w.last.name, w.last.nan, w.last.later) == ("loss_value", "loss", 1, ())
-    finite = torch.ones(())
-    with pytest.warns(UserWarning, match="before any forward"):  # after the step: read alone
-        assert w.loss(finite, name="aux") is finite
+    assert w.loss(loss, name="aux") is loss
     w.remove()
 
 
@@ -427,6 +425,35 @@ def test_a_loss_passed_after_its_optimizer_step_is_read_alone_not_with_the_next_
     assert w.skipped_steps == 0 and w.last.step == 2
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     w.remove()
+
+
+@pytest.mark.parametrize("action", ["skip", "raise"])
+def test_a_late_loss_puts_back_no_buffers_of_the_step_already_applied(action):
+    """Read as a bad step's before its optimizer step, a late NaN loss put back the BatchNorm statistics
+    of its step, whose update had been applied (a review, session 48)."""
+    def train(watched):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        w = nanfast.watch(model, opt, action=action) if watched else None
+        x, _ = batch()
+        for targets in (torch.arange(5) % 4, torch.full((5,), -100), torch.arange(5) % 4):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), targets, ignore_index=-100)
+            loss.backward()
+            opt.step()
+            if w is not None:
+                try:
+                    w.loss(loss)
+                except nanfast.NonFiniteError:
+                    pass
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched = train(True)
+    for (name, buffer), want in zip(watched.named_buffers(), train(False).buffers()):
+        assert torch.equal(buffer, want), name
 
 
 def test_two_watches_sharing_a_scaler_restore_it_in_any_order():

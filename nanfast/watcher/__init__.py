@@ -193,6 +193,8 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._undo_by_forward = False
         self._undo_due = False
         self._warned_late_loss = False  # see NOTE: [A loss passed after its step]
+        self._loss_may_come_late = False
+        self._step_given_loss = False
         self._skipping_on_device = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")

@@ -35,7 +35,8 @@ class Actions:
         agree.wait(read)
         if self._rollback is not None and self._rollback.stale(read.step):
             return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
-        before_step = read.host is None and not read.within_step
+        # (a late loss's step was applied: its buffers are the next step's, NOTE: [A loss passed after its step])
+        before_step = read.host is None and not read.within_step and not read.late_loss
         bad, summary, rows = steps.verdict(read)
         if read.evaluation:  # see NOTE: [Evaluation forwards between optimizer steps]
             if bad and read.abandoned:  # a non-finite parameter is named (no optimizer step ran since)
@@ -145,8 +146,11 @@ class Actions:
         try:
             read = self._end_step(found_inf=getattr(optimizer, "found_inf", None),
                                   grad_scale=getattr(optimizer, "grad_scale", None))
-        finally:
+        except BaseException:
             self._skipping_on_device = False
+            self._begin_undo()  # no post-hook follows
+            raise
+        self._skipping_on_device = False
         if self.action not in SKIPPING:
             return
         if self._skip_on_device and not self._skip_now:

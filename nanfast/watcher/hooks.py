@@ -112,17 +112,20 @@ class Hooks:
         # `optimizer.step(); w.loss(loss)` (the tutorials' order for logging) counted a batch's loss into
         # the next step: an all-ignored batch's NaN loss (zero gradients) skipped or stopped the next,
         # healthy update, its step named, and the timeline's losses were a step off (a probe, session
-        # 48). A loss passed before any forward of the model in its step came after its step's end (or
-        # from outside the watched model's step): it is read at once, alone, as an evaluation's loss is,
-        # numbered as the step it came after, with no record or spike sample, and said so once (a host
-        # read of its own each time).
-        late = (not evaluating and self.optimizer is not None and self.step_count > 0 and self._step.forwards == 0
-                and not self._step.slots)
+        # 48). A loss passed before any forward of the model in its step, when the step before ran the
+        # model's own forward and was given no loss, came after its step's end: it is read at once,
+        # alone, as an evaluation's loss is, numbered as the step it came after, with no record or spike
+        # sample, and said so once (a host read of its own each time; a lagged watch's pending step is
+        # read with it). Not after a compiled forward (its hooks idle: every loss comes "before any
+        # forward") or a step given a loss (an encoder's loss passed before a watched decoder runs).
+        late = (not evaluating and self._loss_may_come_late and self._step.forwards == 0 and not self._step.slots)
+        self._step_given_loss = self._step_given_loss or not (evaluating or late)
         if late and not self._warned_late_loss:
             self._warned_late_loss = True
             warn_at_user_line("nanfast.watch: Watch.loss was called before any forward of the model in its step "
                               "(after optimizer.step()?): such a loss is read at once, alone (a host read of its "
-                              "own), as the step that ended, which a non-finite one can no longer skip or stop; "
+                              "own, and of a lagged watch's pending step), as the step that ended, which a "
+                              "non-finite one can no longer skip or stop; "
                               "call w.loss(loss) before optimizer.step() to have it read with its step", UserWarning)
         if evaluating and self._outside_evaluation is not None:  # read with the submodules' records before it
             first, self._outside_evaluation = self._outside_evaluation, None

@@ -179,9 +179,25 @@ class StepEnd:
                 agree.start(read, self.process_group)
         if not evaluation:  # an evaluation keeps the number of the step it comes before
             self.step_count += 1
+            # A loss passed before any forward of the next step is late only after a step whose own forward
+            # ran and that was given no loss (NOTE: [A loss passed after its step]).
+            self._loss_may_come_late = self._step.forwards > 0 and not self._step_given_loss
+            self._step_given_loss = False
         self._reset_step()
         if self.on_event == "locate" and not evaluation:
             self._capture_step_state()
+        try:
+            self._read_ended(read, evaluation)
+        finally:  # also after an action raised: the next step begins with the buffers as they are now
+            if self._undo is not None and not forward_began_undo and not evaluation and self._active:
+                self._undo_due = True  # see NOTE: [Buffers of compiled forwards]
+                if not self._skipping_on_device:
+                    self._begin_undo()
+        return read
+
+    def _read_ended(self, read: Optional[Read], evaluation: bool) -> None:
+        """_end_step's read of the step that ended (eager: now; lagged: the previous one's, this one's
+        started), and what acting on it takes."""
         at_once = self.sync == "lagged" and not evaluation and read is not None and self._needs_host_verdict()
         if self.sync == "lagged" and not evaluation and not (at_once and not agree.with_other_ranks(self.process_group)):
             if read is not None:
@@ -204,11 +220,6 @@ class StepEnd:
             self._evaluate(read)
         if read is not None and self._rollback is not None and not evaluation:
             self._rollback.step_ended(read.step, proven=self._pending is not read)
-        if self._undo is not None and not forward_began_undo and not evaluation and self._active:
-            self._undo_due = True  # see NOTE: [Buffers of compiled forwards]
-            if not self._skipping_on_device:
-                self._begin_undo()
-        return read
 
     def _begin_undo(self) -> None:
         """Takes the next step's buffer snapshot where no forward of it will (NOTE: [Buffers of compiled
