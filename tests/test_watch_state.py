@@ -530,6 +530,35 @@ def test_a_caught_error_inside_gradscaler_step_leaves_the_scaler_ready(fault, fu
         assert torch.equal(p, q)
 
 
+def test_a_late_loss_raising_between_scaler_step_and_update_leaves_the_scaler_ready():
+    """`scaler.step(opt); w.loss(loss); scaler.update()`: a late NaN loss raised from w.loss with the
+    scaler's iteration stepped and never updated, and a loop that caught it failed at every later
+    scaler.step() ("step() has already been called since the last update()": a probe, session 48)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    w = nanfast.watch(model, opt, scaler=scaler)
+    caught = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the late loss's warning
+        for i in range(4):
+            opt.zero_grad()
+            y = torch.full((16,), -100) if i == 1 else torch.randint(0, 4, (16,))  # all ignored: a NaN loss
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(torch.randn(16, 8)).float(), y, ignore_index=-100)
+            scaler.scale(loss).backward()
+            try:
+                scaler.step(opt)
+                w.loss(loss)
+                scaler.update()
+            except nanfast.NonFiniteError as error:
+                caught += 1
+                assert error.report.late_loss and error.report.step == i
+    assert caught == 1 and w.step_count == 4 and scaler.get_scale() == 2.0 ** 10
+    w.remove()
+
+
 def test_the_locate_rerun_opens_no_step():
     model = MLP()
     x, y = batch()

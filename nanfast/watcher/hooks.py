@@ -12,6 +12,8 @@ import torch
 from .. import _C
 from ..locator.source import warn_at_user_line
 from ..recompute import recomputation
+from ..report import NonFiniteError
+from . import scaler_hook
 from .forwards import Forward
 from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
 from .options import SKIPPING
@@ -145,7 +147,12 @@ class Hooks:
         if evaluating and len(self._step.slots) > first:  # nothing recorded (loss=False, ignored): nothing to read
             self._end_evaluation(first, None)
         elif late and self._step.slots:
-            self._end_step(fused_pass=False, evaluation=True, late_loss=True)
+            try:
+                self._end_step(fused_pass=False, evaluation=True, late_loss=True)
+            except NonFiniteError:
+                if self.scaler is not None:  # between scaler.step() and scaler.update(): that update won't come
+                    scaler_hook.end_iteration(self.scaler)
+                raise
         return value
 
     def _outside_forward(self, grad: bool) -> None:

@@ -79,14 +79,25 @@ def attach(scaler: Any, watcher: ScalerWatcher) -> _Shared:
 # scale and the overflow flag as attributes (optimizer.grad_scale, optimizer.found_inf), which
 # GradScaler.step deletes after optimizer.step() returns: left there, the next step() multiplied its
 # scale by the stale one, and the next healthy update came out divided by the scale squared (1024x too
-# small; a probe, session 47). They go whatever the exception (a callable action's own, too).
+# small; a probe, session 47). They go whatever the exception (a callable action's own, too). A late
+# loss (NOTE: [A loss passed after its step]) read between scaler.step() and scaler.update() raises from
+# Watch.loss with the iteration stepped: it is ended the same way (a probe, session 48).
 _HANDED_TO_FUSED = ("grad_scale", "found_inf")
 
 
 def _ready_for_next_step(scaler: Any, optimizer: Any, handed: list[str], watch_raised: bool) -> None:
     for name in handed:
         vars(optimizer).pop(name, None)
-    if watch_raised and scaler.is_enabled():
+    if watch_raised:
+        end_iteration(scaler)
+
+
+def end_iteration(scaler: Any) -> None:
+    """Clears the scaler's state for an iteration it began (scaled gradients unscaled or stepped) and
+    that update() has not ended, as update() clears it, at the scale it has (NOTE: [A watch raising
+    inside GradScaler.step]; also a late loss's raise between scaler.step() and scaler.update()). None
+    begun: nothing to do (update() would raise)."""
+    if scaler.is_enabled() and getattr(scaler, "_per_optimizer_states", None):
         scaler.update(new_scale=scaler.get_scale())
 
 
