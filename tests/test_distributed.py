@@ -504,11 +504,68 @@ def pipeline_stages_one_frozen(rank, mesh):
     return {"events": [(e.step, e.rank, e.phase) for e in w.events], "skipped": w.skipped_steps}
 
 
+
+def ddp_late_nan_loss_on_one_rank(rank, mesh):
+    """`optimizer.step(); w.loss(loss)` with rank 1's loss NaN at step 2, action="raise": the late loss is
+    read on its rank alone, and rank 1 raised alone while rank 0 went on into its next collective (gloo:
+    "Connection reset by peer" once rank 1 left; a probe, session 48). With other ranks it is said, not
+    acted on: its step was applied on every rank."""
+    _, model, optimizer, gen = _ddp_tanh_net(rank, fused=False)
+    raised = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w = nanfast.watch(model, optimizer, action="raise")
+        for step in range(4):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(torch.randn(8, 4, generator=gen)), torch.randn(8, 2, generator=gen))
+            loss.backward()
+            optimizer.step()
+            try:
+                w.loss(loss.detach() + (float("nan") if rank == 1 and step == 2 else 0.0))
+            except nanfast.NonFiniteError as e:
+                raised.append((step, str(e)))
+        w.remove()
+    return {"raised": raised, "events": [(e.step, e.late_loss) for e in w.events], "steps": w.step_count,
+            "said": [str(c.message) for c in caught if "said, not acted on" in str(c.message)]}
+
+
+def ddp_abandoned_dirty_batch_on_one_rank(rank, mesh):
+    """A loop's own guard drops a batch (`zero_grad(); continue` on a non-finite gradient norm, the same on
+    every rank after DDP's all-reduce) whose input was dirty on rank 1 alone, action="raise": rank 1 alone
+    took it for abandoned and raised in its next forward while rank 0 waited in DDP's all-reduce, a hang
+    (a probe, session 48). With other ranks the batch stays in the step, whose end every rank reads."""
+    net, model, optimizer, gen = _ddp_tanh_net(rank, fused=False)
+    raised, dropped = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = nanfast.watch(model, optimizer, action="raise")
+        for step in range(5):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            try:
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)):
+                    dropped.append(step)
+                    optimizer.zero_grad()
+                    continue
+                optimizer.step()
+            except nanfast.NonFiniteError as e:
+                raised.append((step, str(e)))
+        w.remove()
+    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return {"raised": [step for step, _ in raised], "dropped": dropped,
+            "params_equal_across_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
+
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
-             ddp_lagged_validation_on_one_rank, ddp_watch_locate, pipeline_stages_one_frozen]
+             ddp_lagged_validation_on_one_rank, ddp_watch_locate, pipeline_stages_one_frozen,
+             ddp_late_nan_loss_on_one_rank, ddp_abandoned_dirty_batch_on_one_rank]
 if not FSDP2_TRAINS_ON_CPU:
     SCENARIOS = [s for s in SCENARIOS if s not in (fsdp2_grads, fsdp2_watch_skip, fsdp2_dcp_save)]
 _TMP = ""  # the spawn's directory, set in each rank's process
@@ -806,3 +863,16 @@ def test_every_rank_gets_the_located_op_of_the_rank_that_saw_the_fault(ranks):
 
 def test_pipeline_stages_with_different_modules_skip_together(ranks):
     assert _results(ranks, pipeline_stages_one_frozen) == [{"events": [(2, 1, "input")], "skipped": 1}] * 2
+
+
+def test_a_late_nan_loss_on_one_rank_is_said_not_raised_alone(ranks):
+    results = _results(ranks, ddp_late_nan_loss_on_one_rank)
+    assert [r["raised"] for r in results] == [[], []] and [r["steps"] for r in results] == [4, 4]
+    assert results[0]["events"] == [] and results[1]["events"] == [(2, True)]
+    assert results[0]["said"] == [] and len(results[1]["said"]) == 1
+
+
+def test_a_batch_one_ranks_guard_drops_is_left_to_the_step_every_rank_reads(ranks):
+    results = _results(ranks, ddp_abandoned_dirty_batch_on_one_rank)
+    for r in results:
+        assert r["dropped"] == [2] and r["raised"] == [3] and r["params_equal_across_ranks"]

@@ -427,6 +427,31 @@ def test_a_loss_passed_after_its_optimizer_step_is_read_alone_not_with_the_next_
     w.remove()
 
 
+def test_late_losses_stay_told_apart_after_a_validation_through_a_submodule():
+    """A validation through a submodule (Lightning's self.net(x)) between the step and its late loss made
+    that loss count into the next step, which then counted as given one, and every later late loss went
+    into the step after it: a NaN at step 4 skipped the healthy step 5 (a probe, session 48)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = nanfast.watch(net, opt, action="skip")
+        for step in range(7):
+            opt.zero_grad()
+            loss = F.mse_loss(net(torch.randn(8, 4)), torch.randn(8, 2))
+            loss.backward()
+            opt.step()
+            if step == 2:  # a validation through a submodule
+                net.eval()
+                with torch.no_grad():
+                    net[0](torch.randn(8, 4))
+                net.train()
+            w.loss(loss.detach() + (float("nan") if step == 4 else 0.0))
+        w.remove()
+    assert [(e.step, e.late_loss, e.phase) for e in w.events] == [(4, True, "loss_value")] and w.skipped_steps == 0
+
+
 @pytest.mark.parametrize("action", ["skip", "raise"])
 def test_a_late_loss_puts_back_no_buffers_of_the_step_already_applied(action):
     """Read as a bad step's before its optimizer step, a late NaN loss put back the BatchNorm statistics

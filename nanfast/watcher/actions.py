@@ -276,6 +276,12 @@ class Actions:
         skip at once could not put back (NOTE: [A lagged step one rank must read at once]). An evaluation
         forward's event, or an abandoned batch's (but for non-finite parameters), has no optimizer step to
         skip: a skip or rollback watch puts back the buffers it changed and warns."""
+        if event.late_loss and agree.with_other_ranks(self.process_group):
+            # A late loss is read on its rank alone (a rank may log alone): a raise there left the others
+            # waiting in their next collective (a probe, session 48). Its step was applied everywhere.
+            warn_at_user_line(f"{event.summary()}: said, not acted on: the other ranks did not read this rank's "
+                              "loss, and a raise here alone would leave them waiting in a collective", RuntimeWarning)
+            return
         if callable(self.action):
             try:
                 with self._idle():

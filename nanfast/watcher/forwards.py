@@ -240,7 +240,10 @@ class StepState:
         # own read, the step's number kept, no timeline record, nothing to skip: a skip watch puts back
         # the buffers its forward changed). Elsewhere (an accelerator, fuse=True), and where gradients
         # are zeroed in place (`set_to_none=False`) or the guard comes before backward, the loop calls
-        # `w.step()` in its guard.
+        # `w.step()` in its guard. So does a distributed run: only the rank whose checks counted the
+        # value would take the batch for abandoned, and act on it alone (a rollback on one rank, the
+        # replicas apart; a raise while the others wait in DDP's all-reduce: a probe, session 48); there
+        # the batch stays in the step, whose end every rank reads the same.
         groups = optimizer.param_groups  # each walk below stops at its first hit: O(1) in a healthy step
         wanted, self._grads_wanted = self._grads_wanted, any(p.requires_grad for g in groups for p in g["params"])
         if not (backward_finished and self.grad_forwards and wanted) or any(

@@ -13,7 +13,7 @@ from .. import _C
 from ..locator.source import warn_at_user_line
 from ..recompute import recomputation
 from ..report import NonFiniteError
-from . import scaler_hook
+from . import agree, scaler_hook
 from .forwards import Forward
 from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
 from .options import SKIPPING
@@ -120,8 +120,13 @@ class Hooks:
         # sample, and said so once (a host read of its own each time; a lagged watch's pending step is
         # read with it). Not after a compiled forward (its hooks idle: every loss comes "before any
         # forward") or a step given a loss (an encoder's loss passed before a watched decoder runs).
-        late = (not evaluating and self._loss_may_come_late and self._step.forwards == 0 and not self._step.slots)
-        self._step_given_loss = self._step_given_loss or not (evaluating or late)
+        late = not evaluating and self._loss_may_come_late and self._step.forwards == 0
+        if late:
+            self._end_outside_evaluation()  # a validation through submodules before it is read as its own
+            late = not self._step.slots  # (else submodules ran since the step ended: the loss goes with them)
+        # Given in its place: after a forward of the step (a loss passed before any, and counted into the
+        # step, leaves the next one's late losses still told apart: a probe, session 48).
+        self._step_given_loss = self._step_given_loss or (self._step.forwards > 0 and not evaluating)
         if late and not self._warned_late_loss:
             self._warned_late_loss = True
             warn_at_user_line("nanfast.watch: Watch.loss was called before any forward of the model in its step "
@@ -194,7 +199,8 @@ class Hooks:
         self._drop_failed_backward()
         if self.optimizer is not None and not self._sharded and torch.is_grad_enabled():
             if (self._steps.abandoned(self.optimizer, self._recorder.backward_finished())
-                    and self._recorder.finite() is False):  # see NOTE: [A batch the loop abandons]
+                    and self._recorder.finite() is False  # see NOTE: [A batch the loop abandons]
+                    and not agree.with_other_ranks(self.process_group)):
                 self._end_step(fused_pass=False, evaluation=True, abandoned=True)
         interrupted = self._steps.enter(self.model)
         if interrupted is not None:
