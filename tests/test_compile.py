@@ -263,6 +263,22 @@ class _NormNet(torch.nn.Module):
         return self.outer(torch.relu(self.norm(self.inner(torch.log(x)))))
 
 
+def _train_compiled(optimizer, run, batches, go_on: bool) -> None:
+    """One training step per batch through `run` (the compiled model). A stop (NonFiniteError, or with
+    `go_on` a callable action's RuntimeError) ends the training, or with `go_on` is caught as a loop
+    catches it, which goes on with the next batch."""
+    for batch in batches:
+        optimizer.zero_grad()
+        try:
+            run(batch).sum().backward()
+            optimizer.step()
+        except (nanfast.NonFiniteError, RuntimeError) as stop:
+            if not go_on:
+                if isinstance(stop, nanfast.NonFiniteError):
+                    break
+                raise
+
+
 @pytest.mark.parametrize("action, sync", [("skip", "eager"), ("raise", "eager"), ("skip", "lagged"),
                                           ("rollback", "lagged")])
 @pytest.mark.parametrize("how", ["compile(model)", "model.compile()"])
@@ -284,13 +300,7 @@ def test_a_bad_compiled_step_leaves_batchnorm_statistics_as_they_were(action, sy
             run = model
         else:
             run = torch.compile(model, backend="aot_eager")
-        for batch in batches:
-            optimizer.zero_grad()
-            try:
-                run(batch).sum().backward()
-                optimizer.step()
-            except nanfast.NonFiniteError:
-                break
+        _train_compiled(optimizer, run, batches, go_on=False)
         if w is not None:
             w.remove()  # a watch left installed made a later test's count of global hooks order-dependent
         return model, optimizer
@@ -316,14 +326,7 @@ def test_caught_stops_of_consecutive_bad_compiled_steps_leave_batchnorm_statisti
         model = _NormNet()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         w = nanfast.watch(model, optimizer, action="raise" if action == "raise" else stop) if watched else None
-        run = torch.compile(model, backend="aot_eager")
-        for batch in batches:
-            optimizer.zero_grad()
-            try:
-                run(batch).sum().backward()
-                optimizer.step()
-            except (nanfast.NonFiniteError, RuntimeError):
-                pass  # the loop goes on with the next batch
+        _train_compiled(optimizer, torch.compile(model, backend="aot_eager"), batches, go_on=True)
         if w is not None:
             w.remove()
         return model

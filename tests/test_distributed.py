@@ -116,6 +116,14 @@ def dtensor_placements(rank, mesh):
     }
 
 
+def _params_equal_across_ranks(net: torch.nn.Module) -> bool:
+    """Whether every rank holds the same parameters (an all_gather: every rank calls it)."""
+    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
 class Probe(torch.nn.Module):
     """Passes its input on, with a detached statistic of it that nothing downstream uses: a fault
     planted in the statistic is seen by the watch on this rank only (DDP's gradient reduction would
@@ -172,10 +180,7 @@ def _ddp_training(rank, action, fault_rank, fault_step, steps=4, sync="eager", f
                 record["raised"].append((step, str(e)))
             record["host_reads"].append(reads.host_syncs)
             record["changed"].append(not all(torch.equal(p, b) for p, b in zip(net.parameters(), before)))
-            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, flat)
-            record["params_equal_across_ranks"].append(all(torch.equal(g, gathered[0]) for g in gathered))
+            record["params_equal_across_ranks"].append(_params_equal_across_ranks(net))
         w.remove()
     record["skipped_steps"] = w.skipped_steps
     record["last_rollback"] = w.last_rollback
@@ -282,10 +287,7 @@ def _routed_training(rank, action, steps, dirty=None, nan_weight=None, fused=Fal
             except nanfast.NonFiniteError as e:
                 record["raised"].append((step, str(e)))
                 break
-            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, flat)
-            record["params_equal_across_ranks"].append(all(torch.equal(g, gathered[0]) for g in gathered))
+            record["params_equal_across_ranks"].append(_params_equal_across_ranks(net))
         w.remove()
     record["skipped_steps"], record["last_rollback"] = w.skipped_steps, w.last_rollback
     return record
@@ -413,12 +415,9 @@ def _loss_spike_training(rank, spike_action, steps=24, spike_step=20):
             except nanfast.SpikeError as e:
                 raised.append((step, str(e)))
         w.remove()
-    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
     return {"raised": raised, "skipped_steps": w.skipped_steps,
             "events": [(e.step, e.kind, e.rank, e.summary()) for e in w.events],
-            "params_equal_across_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
+            "params_equal_across_ranks": _params_equal_across_ranks(net)}
 
 
 def ddp_spike_skip(rank, mesh):
@@ -554,11 +553,8 @@ def ddp_abandoned_dirty_batch_on_one_rank(rank, mesh):
             except nanfast.NonFiniteError as e:
                 raised.append((step, str(e)))
         w.remove()
-    flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
     return {"raised": [step for step, _ in raised], "dropped": dropped,
-            "params_equal_across_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
+            "params_equal_across_ranks": _params_equal_across_ranks(net)}
 
 SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
