@@ -189,13 +189,11 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         # An eager forward takes it again at its step's start, as before. A lagged skip on the device
         # puts the buffers back in the optimizer's step post-hook, after the step's end: a snapshot taken
         # at the end was of the bad batch's values, which the skip then "put back" (a probe, session 48),
-        # so while such a step is being stepped (_skipping_on_device) it is taken after the skip.
+        # so for such a step it is taken after the skip (_end_step's defer_undo).
         self._undo_by_forward = False
         self._undo_due = False
         self._warned_late_loss = False  # see NOTE: [A loss passed after its step]
         self._loss_may_come_late = False
-        self._step_given_loss = False
-        self._skipping_on_device = False
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
         if rollback is not None and self._undo.scripted:

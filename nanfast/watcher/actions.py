@@ -142,20 +142,21 @@ class Actions:
         self._stepped = True
         self._untell_accelerate()
         gradless = self._step.gradless  # the step's, before _end_step starts the next one
-        self._skipping_on_device = self._skip_on_device and self.action in SKIPPING
+        skipping_on_device = self._skip_on_device and self.action in SKIPPING
+        read = None
         try:
             read = self._end_step(found_inf=getattr(optimizer, "found_inf", None),
-                                  grad_scale=getattr(optimizer, "grad_scale", None))
-        except BaseException:
-            self._skipping_on_device = False
-            self._begin_undo()  # no post-hook follows
-            raise
-        self._skipping_on_device = False
+                                  grad_scale=getattr(optimizer, "grad_scale", None), defer_undo=skipping_on_device)
+        finally:
+            # A skip on the device puts the buffers back in the post-hook, which then takes the deferred
+            # snapshot (NOTE: [Buffers of compiled forwards]); with none to make (no read, a skip made
+            # here, an action that raised) it is taken now.
+            if not (skipping_on_device and read is not None and not self._skip_now):
+                self._begin_undo()
         if self.action not in SKIPPING:
             return
         if self._skip_on_device and not self._skip_now:
             if read is None:
-                self._begin_undo()
                 return
             found = (read.summary[0] > 0).to(torch.float32)
             self._saved_found_inf = vars(optimizer).get("found_inf")
@@ -163,7 +164,6 @@ class Actions:
             optimizer.found_inf = found if self._saved_found_inf is None else torch.maximum(self._saved_found_inf, found)
             self._found = found
         elif self._skip_now:
-            self._begin_undo()  # the skip has put the buffers back
             # NOTE: [Gradients a skipped step gives back]
             # Every torch optimizer leaves a parameter without a .grad, and its state, untouched; the
             # post-hook gives the gradients back zeroed, which code after optimizer.step() can still

@@ -126,7 +126,8 @@ class Hooks:
             late = not self._step.slots  # (else submodules ran since the step ended: the loss goes with them)
         # Given in its place: after a forward of the step (a loss passed before any, and counted into the
         # step, leaves the next one's late losses still told apart: a probe, session 48).
-        self._step_given_loss = self._step_given_loss or (self._step.forwards > 0 and not evaluating)
+        if self._step.forwards > 0 and not evaluating:
+            self._step.given_loss = True
         if late and not self._warned_late_loss:
             self._warned_late_loss = True
             warn_at_user_line("nanfast.watch: Watch.loss was called before any forward of the model in its step "

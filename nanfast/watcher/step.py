@@ -103,7 +103,7 @@ class Step:
     far. A new step is a new Step."""
 
     __slots__ = ("slots", "forwards", "clipped", "clipped_versions", "losses", "output_checked", "params_unread",
-                 "inputs", "outputs", "eval_mode_with_grad", "gradless")
+                 "inputs", "outputs", "eval_mode_with_grad", "gradless", "given_loss")
 
     def __init__(self) -> None:
         self.slots: list[tuple[str, Any, int, int]] = []  # (phase, site, call, microbatch) by slot id
@@ -119,6 +119,7 @@ class Step:
         # A skipping watch's: the optimizer's parameters with no .grad at the step's first forward (ids);
         # None where no forward began the step, or none had one (NOTE: [Gradients a skipped step gives back]).
         self.gradless: Optional[frozenset[int]] = None
+        self.given_loss = False  # Watch.loss was given one after a forward (NOTE: [A loss passed after its step])
 
     def truncate(self, first_slot: int) -> None:
         """Forgets the slots from `first_slot` on (a forward dropped, an evaluation taken out), with their

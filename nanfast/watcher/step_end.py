@@ -17,7 +17,6 @@ from .fused_pass import Pass, reads_params, run as run_fused_pass
 from .step import Read, Step
 
 
-
 class StepEnd:
     """The step boundary of `Watch` (a part of it: the state it uses is the Watch's)."""
 
@@ -130,14 +129,15 @@ class StepEnd:
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
                   scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False,
-                  abandoned: bool = False, late_loss: bool = False) -> Optional[Read]:
+                  abandoned: bool = False, late_loss: bool = False, defer_undo: bool = False) -> Optional[Read]:
         """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
         checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
         forwards between optimizer steps]); with `abandoned`, those of a batch the loop dropped, read so
         (see NOTE: [A batch the loop abandons]); with `late_loss`, a loss passed after its step, numbered
-        as that step (NOTE: [A loss passed after its step])."""
+        as that step (NOTE: [A loss passed after its step]). `defer_undo`: a compiled forward's next
+        buffer snapshot is left due, for the caller to take (_begin_undo) once a skip put them back."""
         self._skip_now = False
         self._drop_failed_backward()
         if self._outside_evaluation is not None and not evaluation:
@@ -181,8 +181,7 @@ class StepEnd:
             self.step_count += 1
             # A loss passed before any forward of the next step is late only after a step whose own forward
             # ran and that was given no loss (NOTE: [A loss passed after its step]).
-            self._loss_may_come_late = self._step.forwards > 0 and not self._step_given_loss
-            self._step_given_loss = False
+            self._loss_may_come_late = self._step.forwards > 0 and not self._step.given_loss
         self._reset_step()
         if self.on_event == "locate" and not evaluation:
             self._capture_step_state()
@@ -191,7 +190,7 @@ class StepEnd:
         finally:  # also after an action raised: the next step begins with the buffers as they are now
             if self._undo is not None and not forward_began_undo and not evaluation and self._active:
                 self._undo_due = True  # see NOTE: [Buffers of compiled forwards]
-                if not self._skipping_on_device:
+                if not defer_undo:
                     self._begin_undo()
         return read
 
