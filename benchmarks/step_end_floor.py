@@ -34,7 +34,7 @@ VARIANTS = ("watch", "watch, features off", "floor: five C++ calls")
 
 def _floor_end(w: nanfast.watcher.Watch):
     """The floor's step end for watch `w` (see the module's docstring)."""
-    def end_step(found_inf=None, grad_scale=None, scaler_skipped=False, fused_pass=True):
+    def end_step(found_inf=None, grad_scale=None, scaler_skipped=False, fused_pass=True, defer_undo=False):
         _, _, grads, _ = w._params.gather(w.optimizer.param_groups, groups=True)
         counts, norm, absmax = _C.stats_on(grads, w._device)
         recorded, _, _, _ = w._recorder.take()
