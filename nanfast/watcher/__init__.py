@@ -33,9 +33,10 @@ from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH,
 from .owned_hook import remove_inert_hooks
 from .profile import Profile
 from .readings import Readings
-from .restore import BufferUndo, warn_of_parameters_outside
+from .restore import BufferUndo
 from .rollback import Rollback
 from .spikes import ModuleGroups, SpikeError, SpikeOptions, Spikes, spike_options
+from .stepped import warn_of_parameters_outside
 from .step import Read
 from .step_end import StepEnd
 

@@ -20,7 +20,7 @@ from .events import Event
 from .inputs import entry_names
 from .options import SKIPPING
 from .closure import RanClosure
-from .restore import lacks_state, nonfinite_unstepped
+from .stepped import lacks_state, nonfinite_unstepped
 from .spikes import SpikeError
 
 
