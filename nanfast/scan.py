@@ -19,12 +19,13 @@ import torch
 
 from ._tree import named_leaves
 from .check import check_all, may_hold_values, values_tensor
-from .checkpoint_readers import (NotRead, Refused, Unreadable, first_sentence, is_numpy, is_torch_save,
-                                 numpy_file_arrays, openable_path, require_regular_file, safetensors_tensors,
-                                 torch_load)
-from .dcp_reader import METADATA, dcp_items, dcp_shard, is_dcp_directory
-from .pt2_archive import exported_program_items
 from .ops import reads_dtype
+from .readers import NotRead, Refused, Unreadable, first_sentence, openable_path, require_regular_file
+from .readers.dcp import METADATA, dcp_items, dcp_shard, is_dcp_directory
+from .readers.numpy_files import is_numpy, numpy_file_arrays
+from .readers.pt2 import exported_program_items
+from .readers.safetensors_file import safetensors_tensors
+from .readers.torch_save import is_torch_save, torch_load
 from .report import Entry, Report, first_few
 
 __all__ = ["FileScan", "checkpoint_files", "scan_file"]
@@ -52,7 +53,7 @@ class FileScan:
     error: Optional[str] = None
     not_checked: tuple[tuple[str, str], ...] = ()  # (name, why) of the tensors whose values were not read
     # Other libraries' classes and functions the file names, read as data, never imported (see NOTE:
-    # [Other libraries' objects in checkpoints] in checkpoint_readers.py).
+    # [Other libraries' objects in checkpoints] in readers/pickle_globals.py).
     stand_ins: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:

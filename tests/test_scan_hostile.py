@@ -185,18 +185,18 @@ def test_hyper_parameters_keyed_by_an_enum_or_held_in_a_dict_subclass(capsys, tm
 def test_compressed_records_larger_than_the_memory_are_refused_by_name(capsys, tmp_path, monkeypatch):
     """A re-zipped checkpoint's records are read whole: a 3.9 MB file inflating to 4 GB peaked at 4.4 GB,
     and a larger one would have the process killed without a word. (The memory is made small here.)"""
-    from nanfast import checkpoint_readers
+    from nanfast.readers import zip_records
     from test_scan import rezip_deflated
 
     stored, deflated = tmp_path / "stored.pt", tmp_path / "deflated.pt"
     torch.save({"w": torch.zeros(2_000_000)}, stored)  # 8 MB of zeros: a few KB compressed
     rezip_deflated(stored, deflated)
-    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 4 << 20)
+    monkeypatch.setattr(zip_records, "available_memory", lambda: 4 << 20)
     code, out = run_scan(capsys, deflated)
     assert code == 2 and out.startswith(f"{deflated}: unreadable: its compressed records inflate to 8 MiB (")
     assert "x the file), more than the 4 MiB of memory available: nothing was checked" in out
     assert run_scan(capsys, stored)[0] == 0  # stored, it is mapped: no memory asked
-    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 64 << 20)
+    monkeypatch.setattr(zip_records, "available_memory", lambda: 64 << 20)
     assert run_scan(capsys, deflated)[0] == 0
 
 
@@ -297,11 +297,11 @@ def test_a_checkpoint_whose_name_is_not_utf8_is_read(tmp_path, suffix):
 
 def test_an_npz_member_inflating_past_the_memory_is_not_read_and_its_siblings_are(capsys, tmp_path, monkeypatch):
     """Members are read whole: a 14 MB file inflating to 3.7 GB was read (the memory is made small here)."""
-    from nanfast import checkpoint_readers
+    from nanfast.readers import zip_records
 
     path = tmp_path / "bomb.npz"
     np.savez_compressed(path, zeros=np.zeros(2_000_000, dtype=np.float32), bad=np.array([NAN], dtype=np.float32))
-    monkeypatch.setattr(checkpoint_readers, "available_memory", lambda: 4 << 20)
+    monkeypatch.setattr(zip_records, "available_memory", lambda: 4 << 20)
     code, out = run_scan(capsys, path)
     assert code == 2 and "'zeros' (it inflates to 8 MiB, more than the 4 MiB of memory available)" in out
     assert "1 of them hold non-finite values" in out

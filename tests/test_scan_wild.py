@@ -203,16 +203,16 @@ def test_a_distributed_checkpoint_item_past_its_file_or_outside_its_directory_is
     and the whole checkpoint unreadable); a link to a file outside the directory was followed."""
     from collections import namedtuple
 
-    from nanfast import dcp_reader
+    from nanfast.readers import dcp
 
     where = namedtuple("where", "relative_path offset length")
     (tmp_path / "__0_0.distcp").write_bytes(b"PK\x03\x04" + bytes(60))
-    item = dcp_reader._item(str(tmp_path), where("__0_0.distcp", 0, 2**40))
+    item = dcp._item(str(tmp_path), where("__0_0.distcp", 0, 2**40))
     assert isinstance(item, scan.NotRead) and "ends before the item's 1099511627776 bytes" in item.reason
     outside = tmp_path.parent / "outside.bin"
     outside.write_bytes(b"PK\x03\x04" + bytes(60))
     os.symlink(outside, tmp_path / "__1_0.distcp")
-    item = dcp_reader._item(str(tmp_path), where("__1_0.distcp", 0, 8))
+    item = dcp._item(str(tmp_path), where("__1_0.distcp", 0, 8))
     assert isinstance(item, scan.NotRead) and "not a file in the checkpoint's directory" in item.reason
 
 

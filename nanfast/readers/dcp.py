@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint_readers import NotRead, Refused, Unreadable, first_sentence, saved_item
+from . import NotRead, Refused, Unreadable, first_sentence
+from .torch_save import saved_item
 
 METADATA = ".metadata"
 

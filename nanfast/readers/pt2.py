@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint_readers import NotRead, Unreadable, first_sentence, saved_item
+from . import NotRead, Unreadable, first_sentence
+from .torch_save import saved_item
 
 # NOTE: [PT2 archives]
 # torch.export.save (and torch._inductor's aoti_compile_and_package) write a zip whose record
