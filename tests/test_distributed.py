@@ -795,11 +795,12 @@ def test_a_distributed_checkpoint_of_a_sharded_model_is_scanned_chunk_by_chunk(r
     [Distributed checkpoints]): every chunk of every rank is read, the NaN in rank 1's chunk is named by
     its tensor and offsets, nothing else is bad."""
     from nanfast import scan
+    from nanfast.checkpoint_paths import checkpoint_files
     from nanfast.cli import main
 
     results = _results(ranks, fsdp2_dcp_save)
     path, rows = results[0]["path"], results[0]["local_rows"]
-    assert scan.checkpoint_files(path) == [path]
+    assert checkpoint_files(path) == [path]
     result = scan.scan_file(path)
     assert result.status == "nonfinite" and result.not_checked == ()
     assert [(e.name, e.nan) for e in result.report.bad] == [(f"model.0.weight[{rows}, 0]", 1)]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nanfast import scan
+from nanfast.checkpoint_paths import checkpoint_files
 from nanfast.cli import main
 
 NAN = float("nan")
@@ -619,7 +620,7 @@ def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp
     deeper = tmp_path / "sub" / "deeper.pt"
     torch.save({"x": torch.tensor([NAN])}, deeper)  # subdirectories are entered (a Trainer's checkpoint-N/)
     (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)  # links to folders are not
-    assert scan.checkpoint_files(str(tmp_path)) == [str(clean_file), str(poisoned_file), str(deeper)]
+    assert checkpoint_files(str(tmp_path)) == [str(clean_file), str(poisoned_file), str(deeper)]
     code, out = run_scan(capsys, tmp_path)
     assert code == 1 and out.startswith(f"{clean_file}: 2 tensors") and f"{deeper}: 1 tensor" in out
     code, out = run_scan(capsys, tmp_path / "sub" / "..")  # the same directory
@@ -631,7 +632,7 @@ def test_a_directory_is_its_checkpoint_files_and_an_index_its_shards(capsys, tmp
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": "clean.pt", "b": "poisoned.pth", "c": "clean.pt"}}))
-    assert scan.checkpoint_files(str(index)) == [str(clean_file), str(poisoned_file)]
+    assert checkpoint_files(str(index)) == [str(clean_file), str(poisoned_file)]
     assert run_scan(capsys, index)[0] == 1
     index.write_text(json.dumps({"weights": []}))
     code, out = run_scan(capsys, index)
@@ -703,7 +704,7 @@ def test_a_timm_training_directory_is_scanned(capsys, tmp_path):
     with torch.no_grad():
         model[2].weight[1, 3] = NAN
     saver.save_checkpoint(1, metric=2.0)  # worse: model_best stays epoch 0's
-    files = scan.checkpoint_files(str(tmp_path))
+    files = checkpoint_files(str(tmp_path))
     assert [os.path.basename(f) for f in files] == ["checkpoint-0.pth.tar", "checkpoint-1.pth.tar", "last.pth.tar",
                                                     "model_best.pth.tar"]
     code, out = run_scan(capsys, tmp_path)
@@ -742,7 +743,7 @@ def _dcp_checkpoint(tmp_path, nan=False):
 
 def test_a_distributed_checkpoint_directory_is_read_item_by_item(capsys, tmp_path):
     path = _dcp_checkpoint(tmp_path)
-    assert scan.checkpoint_files(str(path)) == [str(path)]
+    assert checkpoint_files(str(path)) == [str(path)]
     result = scan.scan_file(str(path))
     names = [e.name for e in result.report.entries]
     assert result.status == "clean" and result.not_checked == ()

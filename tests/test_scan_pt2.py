@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nanfast import check_all, scan
+from nanfast.checkpoint_paths import checkpoint_files
 from nanfast.cli import main
 from test_scan import RunsCode
 
@@ -75,7 +76,7 @@ def test_an_exported_models_weights_buffers_and_constants_are_read(capsys, tmp_p
     expected = check_all(dict(module.state_dict(), offset=module.offset), raise_on_nonfinite=False)
     for entry in expected.entries:  # the same counts and norms as the tensors in memory
         assert (read[entry.name].shape, read[entry.name].norm) == (entry.shape, entry.norm)
-    assert scan.checkpoint_files(str(tmp_path)) == [str(path)]  # a directory's .pt2 files are scanned
+    assert checkpoint_files(str(tmp_path)) == [str(path)]  # a directory's .pt2 files are scanned
     assert run_scan(capsys, path)[0] == 0
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nanfast import scan
+from nanfast.checkpoint_paths import checkpoint_files
 from test_scan import NAN, INF, RunsCode, run_scan
 
 
@@ -90,7 +91,7 @@ def test_a_directory_with_an_index_reports_a_missing_shard(capsys, tmp_path):
         torch.save({shard: torch.ones(2)}, tmp_path / shard)
     weight_map = {f"w{i}": f"model-0000{i}-of-00003.pt" for i in (1, 2, 3)}
     (tmp_path / "model.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    files = scan.checkpoint_files(str(tmp_path))
+    files = checkpoint_files(str(tmp_path))
     assert [os.path.basename(f) for f in files] == sorted(weight_map.values())
     code, out = run_scan(capsys, tmp_path)
     assert code == 2

@@ -8,8 +8,9 @@ import argparse
 import json
 import os
 
+from ..checkpoint_paths import checkpoint_files, index_gaps, indexes_of
 from ..progress import byte_progress
-from ..scan import FileScan, checkpoint_files, exit_code, format_scan, index_gaps, indexes_of, scan_file
+from ..scan import FileScan, exit_code, format_scan, scan_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
