@@ -33,6 +33,12 @@ namespace {
 // most of them, and a median of zeros would judge nothing.
 // What it gives up: every module vanishing together (and a model of one module) is no module's alarm;
 // a loss that stays high while the total gradient norm falls is what tells that.
+// Nor is a share judged where the reference is below float32's smallest normal number: every value of
+// that median module's gradient is then subnormal, and a module at 0 beside it has underflowed with the
+// rest, not been cut off. A run that fits its batch exactly ("overfit one batch", a float32 loss of 0.0)
+// takes every gradient there, 1e-41 and falling, its modules reaching 0 one after the other, and each
+// "vanished" in turn (the watch suite's MLP, steps 51, 52 and 60 of a healthy run: session 49).
+// bfloat16 has float32's range; a float16 gradient underflows far earlier, and is judged as before.
 // A spike's excess over the median is also more than this many times the window's largest (see the
 // rule in SpikeWindows::judge).
 constexpr double kBeyondLargest = 2.0;
@@ -84,7 +90,11 @@ class SpikeWindows {
         vanishing_values.push_back(values[i]);
       }
     }
-    const double reference = median_of(vanishing_values);  // NaN without any: no share is judged
+    // NaN without any, and below float32's normal range (see the NOTE): no share is judged.
+    double reference = median_of(vanishing_values);
+    if (reference < std::numeric_limits<float>::min()) {
+      reference = std::numeric_limits<double>::quiet_NaN();
+    }
     std::vector<Alarm> fired;
     for (size_t i = 0; i < ids.size(); ++i) {
       Series& s = series_[ids[i]];
