@@ -309,3 +309,85 @@ def test_hooks_of_modules_swapped_out_are_not_kept():
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
         assert len(w._handles) < 20
+
+
+def _trained_then(final, **options):
+    """Three healthy SGD steps under a watch, then `final(model)` inside its block; returns the watch and
+    what final returned (None when the block's end raised: see the caller)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt, **options) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+        final(model)
+    return w
+
+
+def _dirty_batch():
+    x = torch.randn(3, 4)
+    x[0, 0] = NAN
+    return x
+
+
+@pytest.mark.parametrize("mode", ["eval, gradients on", "train, no_grad"])
+def test_a_final_batch_no_step_ended_is_read_when_the_block_ends(mode):
+    """A last test batch run after the last optimizer.step(), in eval mode without torch.no_grad() or under
+    no_grad in train mode, counts into a step no optimizer.step() ends: the block's end dropped its checks
+    unread, a NaN output with no event and no warning (a probe, session 49). Now read there."""
+    def final(model):
+        if mode.startswith("eval"):
+            model.eval()
+            return model(_dirty_batch())
+        with torch.no_grad():
+            return model(_dirty_batch())
+
+    with pytest.raises(nanfast.NonFiniteError, match=r"step 3 \(forwards no step ended, after the last "
+                                                     r"optimizer.step\(\) or w.step\(\): read when the watch ended\): "
+                                                     r"the input batch is dirty"):
+        _trained_then(final)
+    with pytest.warns(RuntimeWarning, match=r"read when the watch ended\).*no step followed its forwards, so no "
+                                            r"optimizer step to skip"):
+        w = _trained_then(final, action="skip")
+    (event,) = w.events
+    assert event.unended and not event.evaluation and event.step == 3 and event.dirty_input
+    assert w.skipped_steps == 0 and len(w.history) == 3
+
+
+def test_inference_with_gradients_and_no_optimizer_is_read_when_the_block_ends():
+    """model.eval() inference that forgot torch.no_grad(), watched without an optimizer and never
+    calling w.step(): every forward joined one open step, dropped unread at the block's end (100 NaN
+    outputs, no event: a probe, session 49)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    with torch.no_grad():
+        model[2].weight[0, 0] = NAN
+    with pytest.warns(RuntimeWarning, match=r"step 0 \(forwards no step ended.*output of 2 \(Linear\) \(nan=3"):
+        with nanfast.watch(model, action="warn") as w:
+            for _ in range(5):
+                model(torch.randn(3, 4))
+    assert [(e.unended, e.name) for e in w.events] == [(True, "2")]
+
+
+def test_a_healthy_block_end_reads_nothing_more():
+    """The block's end reads open forwards only when they recorded checks: a loop ending at its
+    optimizer.step() has none (no host read there), and healthy open ones make no event."""
+    from op_recorder import OpRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = nanfast.watch(model, opt).__enter__()
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+        with OpRecorder() as ops:
+            w.__exit__(None, None, None)
+        assert ops.host_syncs == 0 and w.events == []
+        w = _trained_then(lambda model: model.eval()(torch.randn(3, 4)))
+    assert w.events == [] and len(w.history) == 3

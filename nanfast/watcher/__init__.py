@@ -259,6 +259,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         try:
             if exc_type is None:
                 self.flush()
+                self._end_unended()
             else:
                 self._record_pending()
         finally:

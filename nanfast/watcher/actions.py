@@ -44,8 +44,8 @@ class Actions:
             places = steps.places(rows, read, False, self.nan_only, self.model.forward) if bad else []
             if places:
                 self.last = event = Event(read.step, places[0], tuple(places[1:]),
-                                          evaluation=not (read.abandoned or read.late_loss), abandoned=read.abandoned,
-                                          late_loss=read.late_loss)
+                                          evaluation=not (read.abandoned or read.late_loss or read.unended),
+                                          abandoned=read.abandoned, late_loss=read.late_loss, unended=read.unended)
                 self.events.append(event)
                 if acting:
                     self._act(event, False, before_step)
@@ -300,10 +300,11 @@ class Actions:
             # event.rank is set when the ranks agreed on the event: all of them are here.
             agreed = event.rank is not None and not event.evaluation and self.action != "raise"
             elsewhere = agreed and agree.any_rank(bool(missed), self.process_group) and not missed
-            if (event.evaluation or event.late_loss or event.abandoned and event.phase != "param") and self.action in SKIPPING:
+            if (event.evaluation or event.late_loss or event.unended or event.abandoned and event.phase != "param") \
+                    and self.action in SKIPPING:
                 unrestored = f"; its buffers {missed} changed in place could not be put back" if missed else ""
                 what = ("an evaluation forward" if event.evaluation else "its step was already applied" if event.late_loss
-                        else "the loop dropped the batch itself")
+                        else "no step followed its forwards" if event.unended else "the loop dropped the batch itself")
                 warn_at_user_line(f"{event.summary()}: {what}, so no optimizer step to skip{unrestored}", RuntimeWarning)
                 return
             # Buffers changed in place with no copy taken (a kind not copied, or not seen changing before).

@@ -122,6 +122,9 @@ class Event:
     # A loss passed to Watch.loss before any forward of the model in its step (after optimizer.step()),
     # read alone at once; `step` is the step it came after (NOTE: [A loss passed after its step]).
     late_loss: bool = False
+    # Seen in forwards no step end read (after the last optimizer.step() or w.step()), read when the
+    # watch's `with` block ended (NOTE: [Forwards the loop never ended]); `step` is the one they came after.
+    unended: bool = False
     # The first place's forward ran in eval mode with gradients enabled: a training forward for the watch
     # (fine-tuning with frozen BatchNorm statistics trains so), or a validation pass without no_grad.
     eval_mode_with_grad: bool = False
@@ -165,7 +168,9 @@ class Event:
         at = f"step {self.step}" + (" (an evaluation: a forward in eval mode without gradients)" if self.evaluation
                                     else " (a batch the loop dropped: its gradients were cleared without an optimizer "
                                     "step)" if self.abandoned else " (a loss passed to Watch.loss after optimizer.step(), "
-                                    "read alone: the step was already applied)" if self.late_loss else "")
+                                    "read alone: the step was already applied)" if self.late_loss else " (forwards no step "
+                                    "ended, after the last optimizer.step() or w.step(): read when the watch ended)"
+                                    if self.unended else "")
         # The parameters' rows, and the gradients', are read together: the ones after `first` are not
         # where its values went, and their order is the optimizer's (see the class docstring).
         together = 0

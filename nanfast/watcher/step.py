@@ -53,6 +53,9 @@ class Read:
     # A loss passed to Watch.loss before any forward of its step (after optimizer.step(): NOTE: [A loss
     # passed after its step]): read as an evaluation is, numbered as the step it came after.
     late_loss: bool = False
+    # Forwards no step end read, read when the watch's `with` block ended (NOTE: [Forwards the loop never
+    # ended]): read as an evaluation is.
+    unended: bool = False
     # An evaluation inside a training step (see NOTE: [An evaluation inside a training step]): the buffers
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False

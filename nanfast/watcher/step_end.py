@@ -69,6 +69,19 @@ class StepEnd:
         if self._outside_evaluation is not None:
             self._end_outside_evaluation()
 
+    def _end_unended(self) -> None:
+        """At the `with` block's end (after flush()): reads the checks of forwards that no step end read."""
+        # NOTE: [Forwards the loop never ended]
+        # A step is read at its end: optimizer.step(), or w.step(). Forwards after the last one (a final
+        # test batch run in eval mode without torch.no_grad(), or under no_grad in train mode; inference
+        # with gradients and no optimizer, which never calls w.step()) ended no step, and the watch's
+        # removal dropped their checks unread: a NaN output with no event and no warning (a probe,
+        # session 49). So the block's end reads them as an evaluation is read (one host read; an
+        # event, Event.unended, and no step to skip). remove() alone, and a block left by an exception,
+        # drop them as before (as a lagged watch's pending step: flush() first).
+        if self._active and self._step.slots:
+            self._end_step(fused_pass=False, evaluation=True, unended=True)
+
     def _record_pending(self) -> None:
         """Keeps the step still pending in a lagged watch in the events and the timeline without acting on
         it: the `with` block is left by an exception, which a raise of the watch's would hide (the last
@@ -129,14 +142,16 @@ class StepEnd:
 
     def _end_step(self, found_inf: Optional[torch.Tensor] = None, grad_scale: Optional[torch.Tensor] = None,
                   scaler_skipped: bool = False, fused_pass: bool = True, evaluation: bool = False,
-                  abandoned: bool = False, late_loss: bool = False, defer_undo: bool = False) -> Optional[Read]:
+                  abandoned: bool = False, late_loss: bool = False, unended: bool = False,
+                  defer_undo: bool = False) -> Optional[Read]:
         """The step boundary: packs this step's checks (with the fused pass over parameters and gradients
         unless fused_pass is False), reads them (eager) or starts their copy and reads the previous step's
         (lagged), and acts. Returns this step's packed read if the step was checked. `evaluation`: the
         checks of an evaluation forward, read at once, the step number kept (see NOTE: [Evaluation
         forwards between optimizer steps]); with `abandoned`, those of a batch the loop dropped, read so
         (see NOTE: [A batch the loop abandons]); with `late_loss`, a loss passed after its step, numbered
-        as that step (NOTE: [A loss passed after its step]). `defer_undo`: a compiled forward's next
+        as that step (NOTE: [A loss passed after its step]); with `unended`, forwards no step end read, at the
+        watch's end (NOTE: [Forwards the loop never ended]). `defer_undo`: a compiled forward's next
         buffer snapshot is left due, for the caller to take (_begin_undo) once a skip put them back."""
         self._skip_now = False
         self._drop_failed_backward()
@@ -159,7 +174,7 @@ class StepEnd:
                                    grad_scale=grad_scale, device=self._device, step=self.step_count - late_loss,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
-            read.evaluation, read.abandoned, read.late_loss = evaluation, abandoned, late_loss
+            read.evaluation, read.abandoned, read.late_loss, read.unended = evaluation, abandoned, late_loss, unended
             read.step_state = self._step_state
             read.params_rewritten = self._steps.params_rewritten
             # NOTE: [A step without the model's own forward]
