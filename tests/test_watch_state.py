@@ -417,7 +417,7 @@ def test_a_loss_passed_after_its_optimizer_step_is_read_alone_not_with_the_next_
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # said once
         step(torch.arange(5) % 4)
-    with pytest.warns(RuntimeWarning, match="step 2 .*after optimizer.step\(\)"):
+    with pytest.warns(RuntimeWarning, match=r"step 2 .*after optimizer.step\(\)"):
         step(torch.full((5,), -100))  # every target ignored: a NaN loss, zero gradients
     assert (w.last.phase, w.last.step, w.last.late_loss, w.last.evaluation) == ("loss_value", 2, True, False)
     before = [p.detach().clone() for p in model.parameters()]
@@ -1070,3 +1070,22 @@ def test_a_spike_raised_inside_gradscaler_step_leaves_a_fused_optimizer_ready():
                 scaler.step(opt)
                 scaler.update()
         assert step == 8 and not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_an_inference_loss_without_an_optimizer_is_its_forwards_not_a_late_one():
+    """Without an optimizer, each no_grad forward is a step ended when it returns; a loss passed to
+    w.loss after it is that forward's: an evaluation loop warned "Watch.loss was called ... after
+    optimizer.step()?" and named a NaN loss as passed after optimizer.step() (a probe, session 49)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).eval()
+    targets = [torch.randn(5, 1), torch.randn(5, 1), torch.full((5, 1), float("nan"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning but the NaN loss's own
+        with pytest.warns(RuntimeWarning, match=r"^nanfast.watch: step 2: non-finite values first appeared in the "
+                                                r"value of 'loss' passed to Watch.loss \(nan=5"):
+            with nanfast.watch(model, action="warn") as w:
+                for y in targets:
+                    with torch.no_grad():
+                        w.loss(torch.nn.functional.mse_loss(model(torch.randn(5, 4)), y, reduction="none"))
+    (event,) = w.events
+    assert event.step == 2 and not event.late_loss and not event.evaluation and len(w.history) == 3

@@ -195,6 +195,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._undo_due = False
         self._warned_late_loss = False  # see NOTE: [A loss passed after its step]
         self._loss_may_come_late = False
+        self._inference_ended = False  # the step that ended last was an inference forward's
         if rollback is not None and self._sharded:
             raise ValueError("nanfast.watch: action='rollback' does not snapshot sharded (DTensor) parameters")
         if rollback is not None and self._undo.scripted:

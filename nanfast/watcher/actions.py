@@ -45,7 +45,8 @@ class Actions:
             if places:
                 self.last = event = Event(read.step, places[0], tuple(places[1:]),
                                           evaluation=not (read.abandoned or read.late_loss or read.unended),
-                                          abandoned=read.abandoned, late_loss=read.late_loss, unended=read.unended)
+                                          abandoned=read.abandoned, late_loss=read.late_loss and not read.after_inference,
+                                          unended=read.unended)
                 self.events.append(event)
                 if acting:
                     self._act(event, False, before_step)

@@ -120,6 +120,9 @@ class Hooks:
         # sample, and said so once (a host read of its own each time; a lagged watch's pending step is
         # read with it). Not after a compiled forward (its hooks idle: every loss comes "before any
         # forward") or a step given a loss (an encoder's loss passed before a watched decoder runs).
+        # Without an optimizer, an inference forward is a step ended when it returns: a loss passed after
+        # it is its own, read the same way but neither late nor warned of (an evaluation loop's loss was
+        # "passed after optimizer.step()", a probe, session 49).
         late = not evaluating and self._loss_may_come_late and self._step.forwards == 0
         if late:
             self._end_outside_evaluation()  # a validation through submodules before it is read as its own
@@ -128,7 +131,7 @@ class Hooks:
         # step, leaves the next one's late losses still told apart: a probe, session 48).
         if self._step.forwards > 0 and not evaluating:
             self._step.given_loss = True
-        if late and not self._warned_late_loss:
+        if late and not self._warned_late_loss and not self._inference_ended:
             self._warned_late_loss = True
             warn_at_user_line("nanfast.watch: Watch.loss was called before any forward of the model in its step "
                               "(after optimizer.step()?): such a loss is read at once, alone (a host read of its "
@@ -262,6 +265,7 @@ class Hooks:
             # Inference: each forward is a step, of activations only; one inside a training step (an
             # eval pass before w.step()) belongs to that step.
             self._end_step(fused_pass=False)
+            self._inference_ended = True  # a loss passed next is this forward's (NOTE: [A loss passed after its step])
         elif self._evaluating():
             # NOTE: [Evaluation forwards between optimizer steps]
             # A forward in eval mode without gradients (a

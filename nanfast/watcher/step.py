@@ -56,6 +56,8 @@ class Read:
     # Forwards no step end read, read when the watch's `with` block ended (NOTE: [Forwards the loop never
     # ended]): read as an evaluation is.
     unended: bool = False
+    # A late loss of a step an inference forward ended (no optimizer): that forward's loss, not a late one.
+    after_inference: bool = False
     # An evaluation inside a training step (see NOTE: [An evaluation inside a training step]): the buffers
     # a skip would put back are the training step's, not the evaluation's.
     within_step: bool = False

@@ -175,6 +175,7 @@ class StepEnd:
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
             read.evaluation, read.abandoned, read.late_loss, read.unended = evaluation, abandoned, late_loss, unended
+            read.after_inference = late_loss and self._inference_ended
             read.step_state = self._step_state
             read.params_rewritten = self._steps.params_rewritten
             # NOTE: [A step without the model's own forward]
@@ -197,6 +198,7 @@ class StepEnd:
             # A loss passed before any forward of the next step is late only after a step whose own forward
             # ran and that was given no loss (NOTE: [A loss passed after its step]).
             self._loss_may_come_late = self._step.forwards > 0 and not self._step.given_loss
+            self._inference_ended = False
         self._reset_step()
         if self.on_event == "locate" and not evaluation:
             self._capture_step_state()
