@@ -95,6 +95,18 @@ def test_records_match_a_float64_reference_on_a_real_loop(sync, params_every):
     assert w.stats()["grad_norm"] == records[-1].grad_norm
 
 
+def test_stats_of_an_inference_step_hold_no_gradient_norms():
+    """An inference step's pass reads no gradients: w.stats() said grad_norm 0.0 and grad_max_abs 0.0
+    where w.history said None (a probe, session 49); it leaves them out, as param_norm when unread."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    with nanfast.watch(model) as w:
+        for _ in range(3):
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+    assert w.history[-1].grad_norm is None and w.history[-1].grad_max_abs is None
+    assert w.stats() == {"step": 2.0, "nan": 0.0, "posinf": 0.0, "neginf": 0.0}
+
+
 def count_syncs(fn):
     with OpRecorder() as counter:
         fn()

@@ -23,7 +23,7 @@ from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
 from .fused_pass import parameter_names
 from .headroom import DEFAULT_THRESHOLDS, Headroom, thresholds
-from .history import DEFAULT_HISTORY, StepRecord, Timeline
+from .history import DEFAULT_HISTORY, StepRecord, Tail, Timeline
 from .hooks import Hooks
 from .install import Installation, weakly_bound
 from .inputs import walked_tensors
@@ -208,7 +208,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._pending: Optional[Read] = None
         self._summary_values: Optional[list[float]] = None
         self._summary_step = -1
-        self._summary_params = False  # whether the last summary's pass read the parameters
+        self._summary_tail: Optional[Tail] = None  # what the last summary's pass read (parameters, gradients)
         self._spikes = None if spiking is None else Spikes(spiking, ModuleGroups(model))
         self._timeline = Timeline(history, log_to, type(model).__name__,  # opens log_to files: last
                                   self._headroom.thresholds if self._headroom is not None else ())

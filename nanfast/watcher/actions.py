@@ -55,7 +55,7 @@ class Actions:
         # read when they add information]).
         if bad and read.params_unread and (before_step or self._params_as_found()):
             rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
-        self._summary_values, self._summary_step, self._summary_params = summary, read.step, read.tail.params
+        self._summary_values, self._summary_step, self._summary_tail = summary, read.step, read.tail
         headroom = [] if self._headroom is None else self._headroom.observe(
             read.step, read.headroom, lambda microbatch, rows: entry_names(read.inputs.get(microbatch), rows,
                                                                              self.model.forward))

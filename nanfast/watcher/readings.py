@@ -35,19 +35,22 @@ class Readings:
         |grad| (of the finite elements), and the NaN/+inf/-inf counts over everything checked. Empty before
         the first checked step. They come with the step's one read. The param norm is there only on
         steps whose pass read the parameters (every ``params_every`` checked steps by default; see
-        `nanfast.watch`).
+        `nanfast.watch`), the gradients' only on steps whose pass read gradients (not an inference
+        step's, as in ``w.history``).
 
         Returns:
-            A dict with keys step, grad_norm, param_norm (when read), grad_max_abs, nan, posinf, neginf
-            (floats)."""
+            A dict with keys step, grad_norm and grad_max_abs (when read), param_norm (when read), nan,
+            posinf, neginf (floats)."""
         if self._summary_values is None:
             return {}
         values = dict(zip(SUMMARY, self._summary_values))
         stats = {"step": float(self._summary_step), "grad_norm": values["grad_norm"], "param_norm": values["param_norm"],
                  "grad_max_abs": values["grad_max_abs"], "nan": values["nan"], "posinf": values["posinf"],
                  "neginf": values["neginf"]}
-        if not self._summary_params:
+        if not self._summary_tail.params:
             del stats["param_norm"]
+        if not self._summary_tail.grads:  # an inference step's pass read none (0.0 is no norm it took)
+            del stats["grad_norm"], stats["grad_max_abs"]
         return stats
 
     @property
