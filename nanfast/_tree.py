@@ -1,5 +1,5 @@
-"""Walking nested containers: `named_leaves` (every leaf of dicts, lists, tuples, sets, named tuples and
-dataclasses, with its path), `leaves` (the same without paths) and `group_by_device`. One walker, so
+"""Walking nested containers: `named_leaves` (every leaf of dicts, lists, tuples, sets, named tuples,
+dataclasses and transformers' key/value caches, with its path), `leaves` (the same without paths) and `group_by_device`. One walker, so
 that every API finds the same tensors in the same input."""
 
 from __future__ import annotations
@@ -35,12 +35,33 @@ _LEAVE = object()
 _PATHS_PER_CONTAINER = 8
 
 
+# NOTE: [Key/value caches]
+# A transformers Cache (DynamicCache, StaticCache, EncoderDecoderCache, ...) passed to a forward as
+# past_key_values holds the keys and values of the tokens before: a NaN in them comes in with the input.
+# The walker did not enter such objects, so the watch named the first attention projection that read
+# it as the producer, and check_all listed the cache as not checked (a probe, session 49). A cache and
+# its layers are walked as their attributes (`layers`, each layer's `keys` and `values`; older versions'
+# `key_cache` and `value_cache` lists), recognised by their base classes in transformers.cache_utils
+# without importing transformers. A watched generate() reads the cache at every forward, as its
+# attention does.
+_CACHE_BASES = frozenset({("transformers.cache_utils", "Cache"), ("transformers.cache_utils", "CacheLayerMixin")})
+_is_cache_type: dict[type, bool] = {}
+
+
+def _is_kv_cache(obj: Any) -> bool:
+    kind = type(obj)
+    known = _is_cache_type.get(kind)
+    if known is None:
+        known = _is_cache_type[kind] = any((c.__module__, c.__name__) in _CACHE_BASES for c in kind.__mro__)
+    return known
+
+
 def is_container(obj: Any) -> bool:
     """Whether `named_leaves` walks into `obj` (a Tensor is a leaf, although it is iterable)."""
     if isinstance(obj, torch.Tensor):
         return False
     return (isinstance(obj, (Mapping, *_SEQUENCES, *_SETS))
-            or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)))
+            or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or _is_kv_cache(obj))
 
 
 def _children(obj: Any) -> list[tuple[Any, int, Any]]:
@@ -55,6 +76,8 @@ def _children(obj: Any) -> list[tuple[Any, int, Any]]:
         return [(i, _POSITION, value) for i, value in enumerate(obj)]
     if isinstance(obj, _SETS):
         return [(i, _MEMBER, value) for i, value in enumerate(obj)]
+    if _is_kv_cache(obj):  # see NOTE: [Key/value caches]
+        return [(name, _KEY, value) for name, value in vars(obj).items()]
     return [(f.name, _KEY, _field(obj, f.name)) for f in dataclasses.fields(obj)]
 
 

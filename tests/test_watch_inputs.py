@@ -208,3 +208,32 @@ def test_an_output_layout_names_only_rows_it_matches():
     assert output_layout(logits) is None and output_names(None, 1) is None
     layout = output_layout({"logits": logits, "ids": torch.zeros(2, dtype=torch.long), "past": [(loss, loss)]})
     assert output_names(layout, 3) == ["logits", "past[0][0]", "past[0][1]"] and output_names(layout, 2) is None
+
+
+def test_a_nan_in_a_transformers_kv_cache_passed_in_is_a_dirty_input():
+    """A tiny random-init Llama (transformers) decoding one token from a DynamicCache with one NaN in
+    layer 1's keys: the NaN came in with the input, but the walker did not enter the cache, so the
+    event named model.layers.1.self_attn.o_proj as its producer, and check_all listed the cache as not
+    checked (a probe, session 49; NOTE: [Key/value caches])."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=32,
+                                      intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, 6)), use_cache=True).past_key_values
+    keys = cache.layers[1].keys if hasattr(cache, "layers") else cache.key_cache[1]  # transformers 5 / 4
+    keys[0, 0, 2, 0] = NAN
+    name = "layers.1.keys" if hasattr(cache, "layers") else "key_cache.1"
+    report = nanfast.check_all({"past_key_values": cache}, raise_on_nonfinite=False)
+    assert [e.name for e in report.bad] == [f"past_key_values.{name}"] and report.unchecked == ()
+    with pytest.warns(RuntimeWarning, match=r"the input batch is dirty: past_key_values\.(layers\[1\]\.keys|"
+                                            r"key_cache\[1\]) \(nan=1"):
+        with nanfast.watch(model, action="warn") as w, torch.no_grad():
+            model(torch.randint(0, 100, (1, 1)), past_key_values=cache, use_cache=True)
+    assert w.events[0].dirty_input
+    # A healthy generate() with the watch on (its cache walked at every forward): no event.
+    with nanfast.watch(model) as w, torch.no_grad():
+        model.generate(torch.randint(0, 100, (1, 4)), max_new_tokens=3, do_sample=False)
+    assert w.events == [] and len(w.history) == 3
