@@ -327,3 +327,25 @@ def test_a_lagged_cpu_watch_names_a_parameter_reaching_the_loss_outside_the_forw
         event = w.events[0]
         found[sync] = (event.step, event.phase, event.name, [(p.phase, p.name) for p in event.later])
     assert found["eager"] == found["lagged"] == (2, "param", "emb.weight", [("grad", "emb.weight")])
+
+
+def test_with_every_n_a_non_finite_parameter_is_said_to_come_from_the_unchecked_steps():
+    """every=3: a dirty batch at unchecked step 4 writes NaN into the parameters; the next checked step,
+    6, said they were "made by the previous optimizer step" (step 5, which only carried them on). Any
+    step since the last checked one may have (a probe, session 49)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanfast.NonFiniteError, match=r"step 6 began with non-finite values in parameter 0.weight .*: "
+                                                     r"made by one of the optimizer steps 3 to 5 \(or whatever last "
+                                                     r"wrote the parameters\): with every=3, the steps after 3 were "
+                                                     r"not checked"):
+        with nanfast.watch(model, opt, action="skip", every=3) as w:
+            for i in range(8):
+                x = torch.randn(6, 8)
+                if i == 4:
+                    x[1, 3] = float("nan")
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), torch.randn(6, 4)).backward()
+                opt.step()
+    assert w.last.every == 3 and w.last.step == 6

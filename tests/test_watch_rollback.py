@@ -456,3 +456,30 @@ def test_a_rollback_to_a_snapshot_without_a_parameter_is_refused():
     params, buffers, _ = full_state(w.model, w.optimizer)
     assert torch.equal(params["body.l1.weight"], began[0]["body.l1.weight"])  # the body was not rolled back
     w.remove()
+
+
+def test_a_lagged_rollback_leaves_a_record_for_the_step_it_skipped():
+    """A lagged rollback happens at the next optimizer.step(), whose update (computed from the bad
+    parameters) is skipped and its read dropped: that step had no record at all, the timeline going from
+    step 5 to 7, and w.skipped_steps did not count it (a probe, session 49). Eager leaves no such step."""
+    histories = {}
+    for sync in ("eager", "lagged"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the rollback's own
+            with nanfast.watch(model, opt, action="rollback", rollback_every=2, sync=sync) as w:
+                for i in range(9):
+                    if i == 5:
+                        with torch.no_grad():
+                            model[0].weight[0, 0] = float("nan")
+                    opt.zero_grad()
+                    F.mse_loss(model(torch.randn(6, 8)), torch.randn(6, 4)).backward()
+                    opt.step()
+        assert w.rolled_back_steps == 1 and w.last_rollback == (5, 4)
+        histories[sync] = [(r.step, r.skipped, r.rolled_back) for r in w.history]
+        skipped = w.skipped_steps
+    assert [s for s, _, _ in histories["lagged"]] == list(range(9)) == [s for s, _, _ in histories["eager"]]
+    assert histories["lagged"][5:7] == [(5, False, True), (6, True, False)] and skipped == 1
+    assert histories["eager"][5:7] == [(5, False, True), (6, False, False)]

@@ -34,7 +34,15 @@ class Actions:
         nothing is acted on, and no collective is started."""
         agree.wait(read)
         if self._rollback is not None and self._rollback.stale(read.step):
-            return  # computed from the parameters a rollback replaced (see NOTE: [Rolling back])
+            # Computed from the parameters a rollback replaced (see NOTE: [Rolling back]): no event, but
+            # its update was not applied (the rollback skipped it), which its record says (it had none:
+            # a lagged timeline went from step 5 to 7, a probe, session 49).
+            self.skipped_steps += 1
+            if self._timeline.wanted:
+                _, summary, _ = steps.verdict(read)
+                losses, scale, _ = read.tail.unpack(summary[len(steps.SUMMARY):])
+                self._timeline.add(read.step, summary, read.tail, losses, scale, skipped=True)
+            return
         # (a late loss's step was applied: its buffers are the next step's, NOTE: [A loss passed after its step])
         before_step = read.host is None and not read.within_step and not read.late_loss
         bad, summary, rows = steps.verdict(read)
@@ -85,6 +93,8 @@ class Actions:
             event = dataclasses.replace(event, eval_mode_with_grad=True)
         if event is not None and event.kind == "nonfinite" and event.first.phase == "param" and read.params_rewritten:
             event = dataclasses.replace(event, params_rewritten=True)
+        if event is not None and event.kind == "nonfinite" and event.first.phase == "param" and self.every > 1:
+            event = dataclasses.replace(event, every=self.every)
         if event is not None and event.kind == "nonfinite" and read.forward_unchecked:
             event = dataclasses.replace(event, forward_unchecked=True)
         if event is not None and self.on_event == "locate" and acting:

@@ -135,6 +135,9 @@ class Event:
     # The loop wrote the parameters between this step's forwards (SAM's or an adversarial perturbation):
     # a non-finite parameter found at its end may be that write's, not the previous optimizer step's.
     params_rewritten: bool = False
+    # The watch's every= (a non-finite parameter's event only): the steps between two checked ones went
+    # unchecked, so the values may come from any optimizer step since the last checked one.
+    every: int = 1
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -183,9 +186,12 @@ class Event:
                     "it in this step")
         elif self.first.phase == "param":
             # The watch's first step has no optimizer step of its own before it.
+            last_checked = self.step - self.every
             made = ("already there when the watch began (the initial values, a loaded checkpoint, or whatever "
                     "wrote them before)" if self.step == 0 else
-                    "made by the previous optimizer step (or whatever last wrote the parameters)")
+                    "made by the previous optimizer step (or whatever last wrote the parameters)" if self.every == 1 else
+                    f"made by one of the optimizer steps {max(last_checked, 0)} to {self.step - 1} (or whatever last "
+                    f"wrote the parameters): with every={self.every}, the steps after {last_checked} were not checked")
             if self.params_rewritten:  # read at the step's end: the loop's own write may have made them
                 head = (f"{at}: non-finite values{on} in {_listed(self.first, read_with)} at the step's end; the loop "
                         "wrote the parameters between this step's forwards (a perturbation, as SAM's), which may "
