@@ -36,8 +36,7 @@ class Actions:
         if self._rollback is not None and self._rollback.stale(read.step):
             # Computed from the parameters a rollback replaced (see NOTE: [Rolling back]): no event, but
             # its update was not applied (the rollback skipped it), which its record says (it had none:
-            # a lagged timeline went from step 5 to 7, a probe, session 49).
-            self.skipped_steps += 1
+            # a lagged timeline went from step 5 to 7, a probe, session 49). w.rolled_back_steps counts it.
             if self._timeline.wanted:
                 _, summary, _ = steps.verdict(read)
                 losses, scale, _ = read.tail.unpack(summary[len(steps.SUMMARY):])
