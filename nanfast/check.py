@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
@@ -70,7 +71,9 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
 
 
 # Leaves that hold no floating-point values (counters, flags, names, settings): nothing to check.
-_NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_NOT_VALUES = (type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format,
+               # classes and functions (a DynamicCache's layer_class_to_replicate: NOTE: [Key/value caches])
+               type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
 
 
 def may_hold_values(leaf: Any) -> bool:

@@ -237,3 +237,15 @@ def test_a_nan_in_a_transformers_kv_cache_passed_in_is_a_dirty_input():
     with nanfast.watch(model) as w, torch.no_grad():
         model.generate(torch.randint(0, 100, (1, 4)), max_new_tokens=3, do_sample=False)
     assert w.events == [] and len(w.history) == 3
+
+
+def test_a_clean_transformers_cache_holds_nothing_unchecked():
+    """A DynamicCache made without a config keeps its layers' class (layer_class_to_replicate): it was
+    listed as not checked, and nanfast.checked warned that such batches pass unchecked (a probe, session
+    49). A class or a function holds no values."""
+    transformers = pytest.importorskip("transformers")
+    cache = transformers.DynamicCache()
+    cache.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), 0)
+    report = nanfast.check_all({"past_key_values": cache})
+    assert report.ok and report.unchecked == () and report.num_tensors >= 2
+    assert nanfast.check_all([len, torch.nn.Linear, torch]).unchecked == ()
