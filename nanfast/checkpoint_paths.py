@@ -15,6 +15,9 @@ from .readers.torch_save import is_torch_save
 from .report import Report, first_few
 from .scan import MAX_NAMED_IN_MESSAGE, FileScan
 
+# What `checkpoint_files` takes from a directory: torch.save files (Lightning's .ckpt, the HF Trainer's
+# optimizer.pt and rng_state.pth, pytorch_model.bin, timm's checkpoint-N.pth.tar), safetensors files, numpy's
+# .npy and .npz, PT2 archives.
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".pth.tar", ".bin", ".ckpt", ".npy", ".npz", ".pt2")
 
 

@@ -29,9 +29,6 @@ from .report import Entry, Report, first_few
 
 __all__ = ["FileScan", "scan_file"]
 
-# What `checkpoint_files` takes from a directory: torch.save files (Lightning's .ckpt, the HF Trainer's
-# optimizer.pt and rng_state.pth, pytorch_model.bin, timm's checkpoint-N.pth.tar), safetensors files, numpy's
-# .npy and .npz, PT2 archives.
 CHUNK_BYTES = 256 * 2**20  # tensors checked per fused pass: bounds memory for formats read tensor by tensor
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_UNREADABLE = 0, 1, 2
 MAX_NAMED_IN_MESSAGE = 8
