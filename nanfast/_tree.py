@@ -169,6 +169,17 @@ def positions_on(obj: Any, steps: Sequence[tuple[Any, int]]) -> list[tuple[int, 
     return found
 
 
+def container_of(obj: Any, node: _Node) -> Optional[tuple[Any, Any]]:
+    """The container of `obj` that holds the leaf at `node` (a node of a walk of `obj`), with the leaf's
+    key there; None for `obj` itself. Found by the whole path, never an elided one."""
+    if node is None:
+        return None
+    container = obj
+    for key, _ in _steps_up(node, node[3])[:0:-1]:
+        container = next(value for k, _, value in _children(container) if k == key)
+    return container, node[1]
+
+
 def _steps_up(node: _Node, limit: int) -> list[tuple[Any, int]]:
     """Up to `limit` steps from `node` towards the root, `node`'s first."""
     steps = []

@@ -9,8 +9,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
-from ._tree import group_by_device, leaves_with_nodes, path_of, path_steps, positions_on
+from ._tree import container_of, group_by_device, leaves_with_nodes, path_of, path_steps, positions_on
 from .check import may_hold_values, naming_entries, values_tensor
 from ._nested import shape as shape_of
 from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
@@ -116,26 +117,40 @@ def _validate(pairs: list[tuple[str, torch.Tensor]]) -> None:
                              "tensors with values of the dtypes nanfast reads can be checked")
 
 
-def _packed_samples(path: str, t: torch.Tensor, pairs: list[tuple[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+def _packed_samples(path: str, held: Optional[tuple[Any, Any]]) -> Optional[torch.Tensor]:
     """For the `data` of a PackedSequence (its rows ordered by time step, then by sequence), the sample
-    each row belongs to (int64, one per row); None for any other field.
+    each row belongs to (int64, one per row); None for any other field. `held`: the field's container
+    and its key there (container_of).
 
     named_leaves walks a PackedSequence as the named tuple it is: its data's rows are not samples, so a
-    row index named as one pointed at the wrong sample. Its siblings by path tell: `batch_sizes`
-    (sequences at each time step, summing to the rows) and `sorted_indices` (the sample of each
-    position, None when the sequences came sorted)."""
-    prefix = path[:-len("data")]
-    if not path.endswith("data") or (prefix and not prefix.endswith(".")):
+    row index named as one pointed at the wrong sample. Its `batch_sizes` (sequences at each time step)
+    and `sorted_indices` (the sample of each position, None when the sequences came sorted) tell. Only a
+    real PackedSequence is read so: a record that merely has `data` and `batch_sizes` fields has samples
+    along its rows (a probe, session 49)."""
+    if held is None or held[1] != "data" or not isinstance(held[0], PackedSequence):
         return None
-    by_path = dict(pairs)  # a bad field's, only
-    sizes = by_path.get(prefix + "batch_sizes")
-    if (sizes is None or sizes.dim() != 1 or sizes.dtype != torch.int64 or t.dim() == 0
-            or int(sizes.sum()) != t.shape[0]):
+    packed = held[0]
+    rows = packed.data.shape[0] if packed.data.dim() else 0
+    sizes, order = _index_vector(packed.batch_sizes), _index_vector(packed.sorted_indices)
+    described = (sizes is not None and sizes.numel() > 0 and bool((sizes >= 1).all())
+                 and bool((sizes[1:] <= sizes[:-1]).all()) and int(sizes.sum()) == rows)
+    if described and packed.sorted_indices is not None:
+        described = (order is not None and order.numel() == int(sizes[0])
+                     and bool((order.sort().values == torch.arange(order.numel())).all()))
+    if not described:  # not what torch.nn.utils.rnn packs: its rows' samples cannot be told
+        raise ValueError(f"nanfast.check_batch: field {path!r} is the data of a PackedSequence whose batch_sizes "
+                         f"and sorted_indices do not describe its {rows} rows (batch_sizes must be positive, "
+                         "non-increasing and sum to the rows; sorted_indices a permutation of the sequences)")
+    positions = torch.arange(rows) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    return positions if order is None else order[positions]
+
+
+def _index_vector(value: Any) -> Optional[torch.Tensor]:
+    """`value` as a 1-D int64 tensor on the CPU, or None if it is not a 1-D integer tensor."""
+    if (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point
+            or value.dtype.is_complex or value.dtype == torch.bool):
         return None
-    sizes = sizes.cpu()
-    positions = torch.arange(t.shape[0]) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-    order = by_path.get(prefix + "sorted_indices")
-    return positions if order is None else order.cpu()[positions]
+    return value.cpu().long()
 
 
 # NOTE: [Samples as list items]
@@ -256,11 +271,12 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
                         "optimizer with nanfast.check_all")
     # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
-    pairs, steps, unchecked = [], [], []
+    pairs, nodes, steps, unchecked = [], [], [], []
     for node, leaf in leaves_with_nodes(batch, shared_once=True):
         path = path_of(leaf_steps := path_steps(node), brackets=True)
         if (t := values_tensor(leaf)) is not None:
             pairs.append((path or "tensor", t))  # a batch that is one tensor: named as check_all names it
+            nodes.append(node)
             steps.append(leaf_steps)
         elif may_hold_values(leaf):  # never "finite" for what was not read
             unchecked.append(path or f"the batch ({type(leaf).__name__})")
@@ -278,7 +294,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
                 sample = None if mask else _list_sample(batch, steps[i])
                 samples = () if mask else (sample,) if sample is not None else _bad_samples(
-                    t, _packed_samples(path, t, pairs))
+                    t, _packed_samples(path, container_of(batch, nodes[i])))
                 (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),
                                                              nan, posinf, neginf, samples)))
     report = BatchReport(tuple(field for _, field in sorted(bad, key=lambda b: b[0])), len(pairs),

@@ -324,3 +324,39 @@ def test_a_bad_fields_samples_are_found_in_bounded_memory(monkeypatch):
     report = nanfast.check_batch({"x": x, "expanded": expanded, "everywhere": everywhere}, raise_on_nonfinite=False)
     assert [(f.path, f.samples) for f in report.bad] == [("x", (2, 7)), ("expanded", (1,)), ("everywhere", (0, 1, 2, 3, 4))]
     assert report.bad[1].nan == 1000 and max(read) <= 12
+
+
+def test_a_record_with_data_and_batch_sizes_fields_is_not_read_as_a_packed_sequence():
+    """Only a real PackedSequence's rows are mapped to its sequences: a batch whose record merely had
+    `data` and `batch_sizes` fields had its bad row named as another sample, and one with a negative
+    size crashed in repeat_interleave (a probe, session 49)."""
+    import collections
+
+    Record = collections.namedtuple("Record", "data batch_sizes")
+    data = torch.ones(5, 2)
+    data[3, 1] = NAN
+    for sizes in (torch.tensor([3, 2]), torch.tensor([7, -2])):  # sums to the rows; a negative size
+        for record in (Record(data, sizes), {"data": data, "batch_sizes": sizes}):
+            report = nanfast.check_batch({"x": record}, raise_on_nonfinite=False)
+            assert [(f.path, f.samples) for f in report.bad] == [("x.data", (3,))], report
+            # Reference: the rows holding NaN, one by one.
+            assert [i for i in range(5) if not torch.isfinite(data[i]).all()] == [3]
+
+
+@pytest.mark.parametrize("sizes, order", [
+    (torch.tensor([2, -1, 2]), None),   # a negative size
+    (torch.tensor([1, 2]), None),       # increasing
+    (torch.tensor([2, 2]), None),       # sums to 4, not the 3 rows
+    (torch.tensor([2, 1]), torch.tensor([0, 0])),  # sorted_indices not a permutation
+    (torch.tensor([2, 1]), torch.tensor([1])),     # nor of the right length
+    (torch.tensor([2.0, 1.0]), None),   # not integers
+])
+def test_a_packed_sequence_whose_sizes_do_not_describe_its_rows_is_refused_by_name(sizes, order):
+    """A PackedSequence built by hand with fields torch would not make: its rows' samples cannot be told,
+    so the bad field is named in a ValueError, not mapped to wrong samples or crashed on."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    data = torch.tensor([[1.0], [NAN], [2.0]])
+    packed = PackedSequence.__new__(PackedSequence, data, sizes, order, order)  # as a user's own may be, unchecked
+    with pytest.raises(ValueError, match=r"field 'x\.data' is the data of a PackedSequence"):
+        nanfast.check_batch({"x": packed}, raise_on_nonfinite=False)
