@@ -61,12 +61,16 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
                         "optimizer, a Tensor, or a container of tensors (mapping, list, tuple, dataclass) such as a "
                         "state_dict or a batch")
     pairs, unchecked = [], []
+    seen: dict[str, int] = {}
     for name, leaf in leaves:
         t = values_tensor(leaf)
         if t is not None:
-            pairs.append((name, t))
+            # Two entries of one name (a key "a.b" beside a["b"]; pairs named alike) stay two entries:
+            # the later ones are numbered, so that Report.norms keeps them all.
+            seen[name] = count = seen.get(name, 0) + 1
+            pairs.append((name if count == 1 else f"{name} (#{count})", t))
         elif may_hold_values(leaf):
-            unchecked.append(name)
+            unchecked.append(name or f"the object ({type(leaf).__name__})")  # obj itself, its own code raised
     return pairs, unchecked
 
 

@@ -12,12 +12,15 @@ import re
 # GPT-style models keep one as a buffer (register_buffer("mask", torch.triu(torch.full((T, T),
 # float("-inf")), 1))). Its -inf are the mask, not a fault: a check that called them non-finite stopped
 # a healthy model at its first step, failed every checkpoint holding one, and dropped every batch with
-# one. So an entry named as a mask (its name ends in "mask", then any [i] indices: attention_mask,
+# one. So an entry named as a mask (its name ends in "mask", then any list positions: attention_mask,
 # src_mask, tgt_mask, key_padding_mask, model.mask; not masks[0]) whose only non-finite values are -inf
 # is listed apart as a mask, not as bad. A NaN or +inf in it is reported as anywhere else; a mask that
 # masks a whole row makes NaN in the softmax after it, which is found there. Gradients are never
 # masks. Where: the watch's input, check_all (not with grads=True), check_batch and the scans.
-_MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
+# What may follow the part of a name that says what it is: a list's positions, as [i] (check_batch, the
+# watch) or .i (check_all, the scans), and check_all's number of a second entry of one name (" (#2)").
+_NAME_TAIL = r"(?:\[\d+\]|\.\d+)*(?: \(#\d+\))?"
+_MASK_NAME = re.compile(r".*mask" + _NAME_TAIL, re.IGNORECASE)
 
 # NOTE: [Sentinel infinities]
 # A score that tracks the best (or worst) value so far starts at an infinity, on purpose: `best_loss =
@@ -34,8 +37,8 @@ _MASK_NAME = re.compile(r".*mask(\[\d+\])*", re.IGNORECASE)
 # max_val, or in an entry of any other name (a weight, an optimizer's state, a learning rate, a loss
 # scale) is reported as usual. Where: check_all (not with grads=True) and the scans.
 def _last_part(pattern: str, flags: int = 0) -> re.Pattern:
-    """A name whose last part (after the last ".", "]" or "}", before any [i]) is `pattern`."""
-    return re.compile(r"(?:.*[.\]}])?(?:" + pattern + r")(?:\[\d+\])*", flags)
+    """A name whose last part (after the last ".", "]" or "}", before any list positions) is `pattern`."""
+    return re.compile(r"(?:.*[.\]}])?(?:" + pattern + r")" + _NAME_TAIL, flags)
 
 
 _SCORE_NAME = _last_part(r"best\w*|\w*_best|worst\w*|\w*_worst|kth_value|mode_worse", re.IGNORECASE)
@@ -59,7 +62,7 @@ def is_mask_name(name: str) -> bool:
 
 def is_additive_mask(name: str, nan: int, posinf: int, neginf: int) -> bool:
     """Whether the entry `name` with these counts is an additive mask (see NOTE: [Additive masks]): the
-    name ends in "mask" (then any [i] indices) and its only non-finite values are -inf."""
+    name ends in "mask" (then any list positions) and its only non-finite values are -inf."""
     return neginf > 0 and nan == 0 and posinf == 0 and is_mask_name(name)
 
 

@@ -109,7 +109,7 @@ def _call(op, tensors: Sequence[torch.Tensor], api: str, on_nested):
         raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
     try:
         return op(tensors)
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, AssertionError):  # AssertionError: fake mode's, for a real tensor beside fakes
         _diagnose(tensors, api)
         if not _nested.any_nested(tensors):
             raise

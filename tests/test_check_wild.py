@@ -181,6 +181,23 @@ def test_a_container_whose_own_code_raises_is_listed_not_checked(make):
     assert [f.path for f in batch_report.bad] == ["x"] and "c" in str(batch_report)
 
 
+def test_a_container_whose_own_code_raises_named_as_the_object_when_it_is_the_whole_input():
+    """Passed itself, it was listed as not checked under an empty name ("not checked (...): ")."""
+    report = nanfast.check_all(_LyingMapping(a=torch.ones(1)), raise_on_nonfinite=False)
+    assert report.unchecked == ("the object (_LyingMapping)",) and "the object (_LyingMapping)" in str(report)
+
+
+def test_entries_of_one_name_are_all_kept():
+    """Pairs named alike, or a key "a.b" beside a["b"], made two entries of one name, and Report.norms
+    kept only the last one's norm (a probe, session 49)."""
+    nan = torch.tensor([NAN, 3.0])
+    report = nanfast.check_all([("a", torch.tensor([3.0, 4.0])), ("a", nan)], raise_on_nonfinite=False)
+    assert [e.name for e in report.entries] == ["a", "a (#2)"] and [e.name for e in report.bad] == ["a (#2)"]
+    assert report.norms == {"a": 5.0, "a (#2)": 3.0}  # reference: the finite elements' L2 norms
+    nested = nanfast.check_all({"a.b": torch.ones(4), "a": {"b": torch.full((1,), 2.0)}})
+    assert nested.norms == {"a.b": 2.0, "a.b (#2)": 2.0} and len(nested.entries) == 2
+
+
 def test_a_dataclass_field_never_set_is_listed_alone_and_its_other_fields_are_checked():
     """The whole dataclass was listed as not checked, its NaN field called nothing."""
     pair = _unset_field()

@@ -73,15 +73,15 @@ def _train(model, steps, change=None, **options):
 
 def test_mask_names():
     for name in ("mask", "tgt_mask", "attention_mask", "model.mask", "batch.src_key_padding_mask", "masks.tgt_mask[0]",
-                 "Attn_Mask"):
+                 "Attn_Mask", "attention_mask.1", "attention_mask (#2)"):
         assert is_mask_name(name), name
-    for name in ("masks", "mask_weight", "x", "masked_scores", "mask.bias"):
+    for name in ("masks", "mask_weight", "x", "masked_scores", "mask.bias", "masks.0", "mask.x1"):
         assert not is_mask_name(name), name
     assert is_additive_mask("tgt_mask", 0, 0, 3)
     assert not is_additive_mask("tgt_mask", 1, 0, 3) and not is_additive_mask("tgt_mask", 0, 1, 3)
     assert not is_additive_mask("features", 0, 0, 3)
     for name in ("best", "best_loss", "scheduler.best", "callbacks.EarlyStopping{'monitor': 'val'}.best_score",
-                 "current_best", "mode_worse", "kth_value", "worst_score", "state.best_val[0]"):
+                 "current_best", "mode_worse", "kth_value", "worst_score", "state.best_val[0]", "best_val.0"):
         assert is_sentinel(name, 1, 0, 1, 0) and is_sentinel(name, 1, 0, 0, 1), name
     assert not is_sentinel("best", 1, 1, 0, 0) and not is_sentinel("best", 2, 0, 2, 0)
     for name in ("lr", "scale", "weight", "bestow.weight", "is_best_epoch"):
@@ -186,6 +186,21 @@ def test_a_gradient_is_never_a_mask():
     holder.mask.grad = torch.tensor([0.0, -INF, 0.0])
     report = nanfast.check_all(holder, grads=True, raise_on_nonfinite=False)
     assert not report.ok and [e.name for e in report.bad] == ["mask"] and report.masks == []
+
+
+def test_a_list_of_masks_is_left_out_by_check_all_as_by_check_batch():
+    """check_all names a list's positions ".0", check_batch "[0]": a list of per-layer additive masks was
+    left out by check_batch and called non-finite by check_all (a probe, session 49). Entries of one
+    name, numbered by check_all, are masks too."""
+    mask = torch.tensor([0.0, float("-inf")])
+    batch = {"attention_mask": [mask, mask.clone()], "x": torch.ones(2)}
+    report = nanfast.check_all(batch)  # raises on a fault
+    assert [e.name for e in report.masks] == ["attention_mask.0", "attention_mask.1"] and report.ok
+    assert [f.path for f in nanfast.check_batch(batch).masks] == ["attention_mask[0]", "attention_mask[1]"]
+    twice = nanfast.check_all([("attention_mask", mask), ("attention_mask", mask.clone())])
+    assert [e.name for e in twice.masks] == ["attention_mask", "attention_mask (#2)"] and twice.ok
+    nan_mask = {"attention_mask": [mask, torch.tensor([float("nan"), 0.0])]}  # a NaN in one is still bad
+    assert [e.name for e in nanfast.check_all(nan_mask, raise_on_nonfinite=False).bad] == ["attention_mask.1"]
 
 
 def test_check_batch_and_checked_keep_a_batch_with_a_mask():

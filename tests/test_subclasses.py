@@ -160,6 +160,17 @@ def test_an_unreadable_entry_beside_a_wrapper_subclass_is_refused_by_name():
         torch.ops.nanfast.stats([_PassThrough(dirty)])
 
 
+def test_a_fake_tensor_beside_a_real_one_is_refused_by_name_by_the_ops():
+    """nanfast.stats([real, fake]) raised fake mode's bare AssertionError ("Please convert all Tensors to
+    FakeTensors first"), naming no entry (a probe, session 49)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.ones(3))
+    for op in (nanfast.stats, nanfast.any_nonfinite):
+        with pytest.raises(TypeError, match=r"entry 1 is a FakeTensor, a tensor subclass whose values the kernels"):
+            op([torch.ones(2), fake])
+
+
 def test_locate_checks_a_subclass_op_as_the_ops_on_its_plain_tensors():
     """Under locate, an op on a MaskedTensor raised from inside nanfast (the kernels were handed the
     subclass) though nothing was non-finite, and log of a TwoTensor holding -1 raised ".tolist() is not
