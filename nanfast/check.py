@@ -179,7 +179,9 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
             level, a list or iterable may hold (name: str, value) pairs, as `named_parameters()` gives.
             Python floats and numpy arrays are checked as CPU tensors; ints, bools, strings and None
             hold no values to check; other objects are listed in `Report.unchecked`. A container inside
-            itself is walked once (a container shared by two entries, at each).
+            itself is walked once (a container shared by two entries, at each). Entries that would
+            share a name (two pairs named alike; a key "a.b" beside a["b"]) keep it with a number
+            after the first: "a.b (#2)".
         grads: check the .grad of a Module's parameters (or of a Tensor).
         raise_on_nonfinite: raise NonFiniteError if anything is non-finite.
 
