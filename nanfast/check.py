@@ -127,10 +127,24 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The strided tensor of a sparse tensor's values, or `t` itself: a COO tensor coalesced first, so that
+    its duplicate entries are summed as its values are (an nn.Embedding(sparse=True) gradient holds one
+    per occurrence of a token; inf + -inf there is a NaN of the tensor's)."""
+    if t.layout == torch.sparse_coo:
+        return t.detach().coalesce()._values()
+    if t.layout in SPARSE_COMPRESSED:
+        return t.detach().values()
+    return t
+
+
 def _validate(name: str, t: torch.Tensor) -> None:
-    if t.layout != torch.strided and not t.is_nested:
-        raise ValueError(f"nanfast.check_all: {name!r} has layout {t.layout}; only strided tensors are supported "
-                         "(check a sparse tensor's .values(), or .to_dense() it)")
+    if t.layout not in (torch.strided, torch.sparse_coo, *SPARSE_COMPRESSED) and not t.is_nested:
+        raise ValueError(f"nanfast.check_all: {name!r} has layout {t.layout}; only strided, sparse and nested "
+                         "tensors are supported (.to_dense() it)")
     if t.is_meta:
         raise ValueError(f"nanfast.check_all: {name!r} is a meta tensor: it has no values to check")
     fake = sys.modules.get("torch._subclasses.fake_tensor")
@@ -202,6 +216,7 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
     local = [distributed.local_tensor(t) for _, t in pairs]
     for (name, _), t in zip(pairs, local):
         _validate(name, t)
+    local = [stored_values(t) for t in local]  # a sparse tensor is read through its values
 
     entries: list[Entry] = [None] * len(pairs)  # type: ignore[list-item]
     for device, indices in group_by_device(local).items():

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ._tree import named_leaves
-from .check import check_all, may_hold_values, values_tensor
+from .check import SPARSE_COMPRESSED, check_all, may_hold_values, stored_values, values_tensor
 from .ops import reads_dtype
 from .readers import NotRead, Refused, Unreadable, first_sentence, openable_path, require_regular_file
 from .readers.dcp import METADATA, dcp_items, dcp_shard, is_dcp_directory
@@ -32,7 +32,6 @@ __all__ = ["FileScan", "scan_file"]
 CHUNK_BYTES = 256 * 2**20  # tensors checked per fused pass: bounds memory for formats read tensor by tensor
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_UNREADABLE = 0, 1, 2
 MAX_NAMED_IN_MESSAGE = 8
-_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +68,10 @@ def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[st
     try:
         if t.is_quantized:  # the integers are finite; a NaN or inf scale makes the values non-finite
             name, t = f"{name}.dequantize()", t.dequantize()
-        elif t.is_nested or t.layout in _SPARSE_COMPRESSED:
+        elif t.is_nested:
             name, t = f"{name}.values()", t.values()
-        elif t.layout == torch.sparse_coo:
-            name, t = f"{name}.values()", t._values()  # .values() refuses an uncoalesced tensor
+        elif t.layout in (torch.sparse_coo, *SPARSE_COMPRESSED):
+            name, t = f"{name}.values()", stored_values(t)
         if t.is_meta:
             return "a meta tensor: it holds no values"
         if t.layout != torch.strided:

@@ -394,9 +394,33 @@ def test_grads_of_a_container_is_an_error():
             check_all(obj, grads=True)
 
 
-def test_sparse_entry_is_named():
-    with pytest.raises(ValueError, match=r"'emb' has layout torch\.sparse_coo"):
-        check_all([("dense", torch.ones(2)), ("emb", torch.ones(3).to_sparse())])
+def test_sparse_gradients_and_optimizer_state_are_read_through_their_values():
+    """check_all(model, grads=True) of an nn.Embedding(sparse=True), and check_all(optimizer) of its SGD's
+    sparse momentum, raised "has layout torch.sparse_coo" although the watch and the scans read such
+    tensors (a probe, session 50). A COO tensor is coalesced: its duplicate entries (one per occurrence
+    of a token) are summed as its values are, so inf + -inf is the NaN it makes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.tensor([[1, 2, 2, 5]])).sum().backward()
+    grad = model[0].weight.grad
+    assert grad.layout == torch.sparse_coo and not grad.is_coalesced()  # token 2 twice: duplicates
+    report = check_all(model, grads=True)
+    dense = grad.to_dense().double()  # reference: the gradient as a dense float64 tensor
+    assert report.entries[0].name == "0.weight" and report.entries[0].numel == 40
+    assert report.norms["0.weight"] == pytest.approx(dense.norm().item(), rel=1e-6)
+    optimizer.step()
+    state = check_all(optimizer)
+    assert state.ok and state.entries[0].name == "state.0.momentum_buffer"
+    # inf and -inf at one token sum to NaN in the tensor: counted as it holds them.
+    bad = torch.sparse_coo_tensor(torch.tensor([[3, 3, 7]]), torch.tensor([math.inf, -math.inf, 1.0]), (9,))
+    entry = check_all({"g": bad}, raise_on_nonfinite=False).bad[0]
+    assert (entry.nan, entry.posinf, entry.neginf, entry.numel) == (1, 0, 0, 9)
+    csr = torch.eye(3).to_sparse_csr()
+    csr.values()[1] = math.nan
+    assert check_all({"csr": csr}, raise_on_nonfinite=False).bad[0].nan == 1
+    with pytest.raises(ValueError, match=r"'m' has layout torch\._mkldnn"):
+        check_all([("dense", torch.ones(2)), ("m", torch.ones(3).to_mkldnn())])
 
 
 def test_meta_entry_is_named():
