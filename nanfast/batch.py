@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ._tree import container_of, group_by_device, leaves_with_nodes, path_of, path_steps, positions_on
-from .check import may_hold_values, naming_entries, values_tensor
+from .check import SPARSE_COMPRESSED, may_hold_values, naming_entries, stored_values, values_tensor
 from ._nested import shape as shape_of
 from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
 from .intended import MASKS, is_additive_mask
@@ -104,7 +104,7 @@ def _unreadable(t: torch.Tensor) -> Optional[str]:
         return f"a {type(t).__name__} (a tensor subclass)"
     if t.is_quantized:
         return "a quantized tensor (check its .dequantize())"
-    if t.layout != torch.strided and not t.is_nested:
+    if t.layout not in (torch.strided, torch.sparse_coo, *SPARSE_COMPRESSED) and not t.is_nested:
         return f"a {t.layout} tensor"
     return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
 
@@ -113,7 +113,7 @@ def _validate(pairs: list[tuple[str, torch.Tensor]]) -> None:
     for name, t in pairs:
         what = _unreadable(t)
         if what:
-            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only dense (strided or nested) "
+            raise ValueError(f"nanfast.check_batch: field {name!r} is {what}; only strided, sparse and nested "
                              "tensors with values of the dtypes nanfast reads can be checked")
 
 
@@ -213,6 +213,9 @@ def _bad_samples(t: torch.Tensor, samples: Optional[torch.Tensor] = None) -> tup
         return tuple(i for i, part in enumerate(t.detach().unbind()) if bool(any_nonfinite(part)))
     if t.dim() == 0 or t.shape[0] == 0:
         return ()
+    if t.layout != torch.strided:  # sparse: the rows of the values holding NaN or inf, as the tensor sums them
+        coo = (t if t.layout == torch.sparse_coo else t.to_sparse_coo()).detach().coalesce()
+        return tuple(coo._indices()[0][_rows_holding_nonfinite(coo._values())].unique().tolist())
     # NOTE: [A bad field's samples in bounded memory]
     # The samples are found by reductions over the non-batch dims of this (bad) field: linear in its size,
     # and few ops whatever the batch size (one view per sample made millions of tensors for a long 1-D
@@ -265,7 +268,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     Raises:
         NonFiniteError: (carrying the BatchReport) something is non-finite and raise_on_nonfinite.
         TypeError: batch is an nn.Module or an optimizer (check_all checks those).
-        ValueError: naming the field, if one cannot be read by sample (sparse, quantized, meta, or of a
+        ValueError: naming the field, if one cannot be read by sample (quantized, meta, or of a
             dtype the kernels do not read)."""
     if isinstance(batch, (torch.nn.Module, torch.optim.Optimizer)):  # its tensors are not a batch's fields
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
@@ -284,7 +287,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
     for indices in group_by_device([t for _, t in pairs]).values():
-        names, tensors = [pairs[i][0] for i in indices], [pairs[i][1] for i in indices]
+        names, tensors = [pairs[i][0] for i in indices], [stored_values(pairs[i][1]) for i in indices]
         # nested tensors are read through their components
         if not bool(naming_entries(any_nonfinite, names, tensors, "nanfast.check_batch")):
             continue

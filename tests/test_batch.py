@@ -113,9 +113,30 @@ def test_half_and_complex_fields():
     assert [(f.path, f.samples) for f in report.bad] == [("h", (1,)), ("c", (0,))]
 
 
-def test_sparse_field_is_a_clear_error():
-    with pytest.raises(ValueError, match="field 'sp'"):
-        nanfast.check_batch({"sp": torch.eye(3).to_sparse()})
+@pytest.mark.parametrize("layout", ["coo", "hybrid coo", "csr", "csc", "bsr"])
+def test_a_sparse_field_names_its_samples(layout):
+    """A sparse batch field (bag-of-words features, a sparse adjacency) was refused with a ValueError
+    although check_all reads sparse tensors; its samples are the rows of its values holding NaN or inf."""
+    torch.manual_seed(0)
+    dense = torch.randn(6, 4) * (torch.rand(6, 4) < 0.5)
+    dense[1, 2], dense[4, 0] = NAN, INF
+    make = {"coo": lambda d: d.to_sparse(), "hybrid coo": lambda d: d.to_sparse(1), "csr": torch.Tensor.to_sparse_csr,
+            "csc": torch.Tensor.to_sparse_csc, "bsr": lambda d: d.to_sparse_bsr((2, 2))}[layout]
+    report = nanfast.check_batch({"x": make(dense), "y": torch.ones(6)}, raise_on_nonfinite=False)
+    # Reference: the dense field's rows holding NaN or inf, and its counts.
+    want = tuple(i for i in range(6) if not torch.isfinite(dense[i]).all())
+    assert [(f.path, f.samples, f.nan, f.posinf, f.shape) for f in report.bad] == [("x", want, 1, 1, (6, 4))]
+    assert nanfast.check_batch({"x": make(torch.ones(6, 4))}).ok
+
+
+def test_a_sparse_fields_duplicate_entries_are_summed_and_other_layouts_named():
+    """An uncoalesced COO field's entries at one index are summed, as its values are: inf and -inf there
+    are the NaN of sample 2. A layout nanfast cannot read is still named."""
+    dup = torch.sparse_coo_tensor(torch.tensor([[2, 2, 4], [0, 0, 1]]), torch.tensor([INF, -INF, 1.0]), (5, 2))
+    [field] = nanfast.check_batch({"x": dup}, raise_on_nonfinite=False).bad
+    assert (field.samples, field.nan, field.posinf, field.neginf) == ((2,), 1, 0, 0)
+    with pytest.raises(ValueError, match="field 'm' is a torch._mkldnn tensor"):
+        nanfast.check_batch({"m": torch.ones(3).to_mkldnn()})
 
 
 def test_report_to_dict_is_json():
