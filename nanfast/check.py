@@ -130,12 +130,13 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
 SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
-def stored_values(t: torch.Tensor) -> torch.Tensor:
+def stored_values(t: torch.Tensor, coalesced: bool = True) -> torch.Tensor:
     """The strided tensor of a sparse tensor's values, or `t` itself: a COO tensor coalesced first, so that
     its duplicate entries are summed as its values are (an nn.Embedding(sparse=True) gradient holds one
-    per occurrence of a token; inf + -inf there is a NaN of the tensor's)."""
+    per occurrence of a token; inf + -inf there is a NaN of the tensor's); with coalesced=False, its
+    stored entries (coalescing is a host read on CUDA: the watch reads them so)."""
     if t.layout == torch.sparse_coo:
-        return t.detach().coalesce()._values()
+        return (t.detach().coalesce() if coalesced else t.detach())._values()
     if t.layout in SPARSE_COMPRESSED:
         return t.detach().values()
     return t

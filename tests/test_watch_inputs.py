@@ -13,6 +13,7 @@ from nanfast.watcher.events import InputEntry
 from nanfast.watcher.inputs import Layout, entry_names, input_tensors, output_layout, output_names
 
 NAN = float("nan")
+INF = float("inf")
 
 
 class Scaled(torch.nn.Module):
@@ -249,3 +250,43 @@ def test_a_clean_transformers_cache_holds_nothing_unchecked():
     report = nanfast.check_all({"past_key_values": cache})
     assert report.ok and report.unchecked == () and report.num_tensors >= 2
     assert nanfast.check_all([len, torch.nn.Linear, torch]).unchecked == ()
+
+
+class _SparseFeatures(torch.nn.Module):
+    """Bag-of-words features as a sparse batch, projected by a dense weight (a recommender's first layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(6, 3) * 0.1)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x, extra=None):
+        return self.head(torch.sparse.mm(x, self.proj) + (0 if extra is None else extra["w"].to_dense()))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_nan_in_a_sparse_input_is_a_dirty_input_not_the_first_module(layout):
+    """The watch read only strided inputs: a NaN in a sparse feature batch was blamed on the head
+    (Linear) that read sparse.mm's output (a check of this session, 50). It reads a sparse input's stored
+    values, as it reads a sparse gradient's, without coalescing (a host read on CUDA): no host read."""
+    from op_recorder import OpRecorder
+
+    torch.manual_seed(0)
+    dense = (torch.rand(4, 6) < 0.4).float()
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    model = _SparseFeatures()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, optimizer) as w:  # a clean batch: silent, and the forward adds no host read
+        with OpRecorder() as bare:
+            model.head(torch.sparse.mm(sparse, model.proj))
+        with OpRecorder() as watched:
+            model(sparse).sum().backward()
+        optimizer.step()
+    assert not w.events and watched.host_syncs == bare.host_syncs
+    dense[2, 3] = NAN
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    event = _dirty_step(_SparseFeatures(), sparse)
+    assert event.first.entries == (InputEntry("x", 1, 0, 0),), event.summary()
+    extra = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([INF, 1.0]), (3,))  # in a dict, uncoalesced
+    event = _dirty_step(_SparseFeatures(), dense.nan_to_num().to_sparse(), extra={"w": extra})
+    assert event.first.entries == (InputEntry("extra.w", 0, 1, 0),), event.summary()

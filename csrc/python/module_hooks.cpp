@@ -15,17 +15,37 @@ namespace nanfast::python {
 
 // The floating and complex strided tensors in `obj` when it is a plain Tensor (or Parameter), or a
 // tuple or list of those and None: what most modules take and return. None for anything else (a
-// subclass, a dict, a nesting), which nanfast.watcher.hooks.floating_tensors walks in Python with the
-// one container walker; the same tensors in the same order either way. The watch calls it twice per
-// module call, right after the module's own kernels, where each Python line pays cold caches.
+// subclass, a dict, a nesting, a floating sparse tensor: read through its values), which
+// nanfast.watcher.inputs.walked_tensors walks in Python with the one container walker; the same
+// tensors in the same order either way. The watch calls it twice per module call, right after the
+// module's own kernels, where each Python line pays cold caches.
 py::object plain_floating_tensors(py::handle obj) {
-  auto wanted = [](PyObject* item) {
+  enum class Kind { skipped, wanted, walked };
+  auto kind = [](PyObject* item) {
     const at::Tensor& t = THPVariable_Unpack(item);
-    return (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) && t.layout() == at::kStrided;
+    if (!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type())) {
+      return Kind::skipped;
+    }
+    switch (t.layout()) {
+      case at::kStrided:
+        return Kind::wanted;
+      case at::kSparse:
+      case at::kSparseCsr:
+      case at::kSparseCsc:
+      case at::kSparseBsr:
+      case at::kSparseBsc:
+        return Kind::walked;
+      default:
+        return Kind::skipped;
+    }
   };
   py::list found;
   if (THPVariable_CheckExact(obj.ptr())) {
-    if (wanted(obj.ptr())) {
+    const Kind k = kind(obj.ptr());
+    if (k == Kind::walked) {
+      return py::none();
+    }
+    if (k == Kind::wanted) {
       found.append(obj);
     }
     return found;
@@ -43,7 +63,11 @@ py::object plain_floating_tensors(py::handle obj) {
     if (!THPVariable_CheckExact(item)) {
       return py::none();
     }
-    if (wanted(item)) {
+    const Kind k = kind(item);
+    if (k == Kind::walked) {
+      return py::none();
+    }
+    if (k == Kind::wanted) {
       found.append(item);
     }
   }

@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .. import _C, _tree
+from ..check import SPARSE_COMPRESSED, stored_values
 from ..intended import is_mask_name
 
 # NOTE: [Naming the input's entries]
@@ -33,12 +34,17 @@ class Layout(NamedTuple):
     keywords: bool = False  # the walked root was (args, kwargs)
 
 
+_READ_LAYOUTS = (torch.strided, torch.jagged, torch.sparse_coo, *SPARSE_COMPRESSED)
+
+
 def checked_tensor(t: Any) -> bool:
     """Whether the watch checks `t`: a floating or complex strided tensor (what the C++ fast path,
-    plain_floating_tensors, keeps; the container walker's path keeps the same), or a jagged nested one
-    (read through its values, NOTE: [Tensor subclasses read through their plain tensors])."""
+    plain_floating_tensors, keeps; the container walker's path keeps the same), a jagged nested one
+    (read through its values, NOTE: [Tensor subclasses read through their plain tensors]) or a sparse
+    one (read through its stored values, by the walker: a NaN in a sparse input batch was blamed on the
+    first module that read it)."""
     return (isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-            and t.layout in (torch.strided, torch.jagged))
+            and t.layout in _READ_LAYOUTS)
 
 
 def input_tensors(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Layout]:
@@ -65,7 +71,7 @@ def walked_tensors(obj: Any) -> tuple[list[torch.Tensor], Layout]:
     tensors, nodes = [], []
     for node, leaf in _tree.leaves_with_nodes(obj):
         if checked_tensor(leaf):
-            tensors.append(leaf)
+            tensors.append(stored_values(leaf, coalesced=False))
             nodes.append(node)
     return tensors, Layout(nodes=nodes)
 
