@@ -155,25 +155,31 @@ class _Subclass(torch.Tensor):
 
 def test_the_watchs_fast_path_finds_what_the_walker_finds():
     """nanfast.watcher.hooks.floating_tensors takes a C++ path for a tensor and for a tuple or list of
-    tensors and None (a module's usual arguments and outputs) and walks anything else: either way the
-    floating and complex strided tensors the one walker finds, in its order."""
+    tensors and None (a module's usual arguments and outputs) and walks anything else (a floating sparse
+    tensor too): either way the floating and complex strided tensors the one walker finds, in its order,
+    and a floating sparse tensor's stored values."""
     from nanfast import _C
     from nanfast.watcher.hooks import floating_tensors
 
     x, h = torch.randn(3), torch.randn(2, dtype=torch.float16)
+    sparse, csr = torch.randn(4).to_sparse(), torch.randn(2, 3).to_sparse_csr()
     kinds = [x, h, torch.arange(3), torch.ones(2, dtype=torch.bool), torch.randn(2, dtype=torch.complex64),
-             torch.randn(4).to_sparse(), torch.zeros(2, dtype=torch.float8_e4m3fn), torch.nn.Parameter(torch.randn(2)),
-             torch.randn(2, 2).t()]
+             torch.arange(4).to_sparse(), torch.zeros(2, dtype=torch.float8_e4m3fn),
+             torch.nn.Parameter(torch.randn(2)), torch.randn(2, 2).t()]
     Pair = collections.namedtuple("Pair", "a b")
     fast = [x, h, kinds[-2], (), tuple(kinds), list(kinds), (x, None, h), [None, None], (x, x)]
     walked = [(x, 1), (x, (h,)), {"a": x}, Pair(x, h), (x, "label"), _Subclass(torch.randn(2)),
-              (x, _Subclass(torch.randn(2))), Sample(x, 1), None, 3]
+              (x, _Subclass(torch.randn(2))), Sample(x, 1), None, 3, sparse, (x, sparse, h), [csr, None]]
 
     def expected(obj):
-        return [t for t in leaves(obj) if isinstance(t, torch.Tensor)
-                and (t.is_floating_point() or t.is_complex()) and t.layout == torch.strided]
+        return [t._values() if t.layout == torch.sparse_coo else t.values() if t.layout != torch.strided else t
+                for t in leaves(obj) if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+                and t.layout in (torch.strided, torch.sparse_coo, torch.sparse_csr)]
+
+    def same(t):  # a sparse tensor's values are a new view at each call: the same memory
+        return t.data_ptr(), t.shape, t.dtype
 
     for obj in fast + walked:
-        assert [id(t) for t in floating_tensors(obj)] == [id(t) for t in expected(obj)], obj
+        assert [same(t) for t in floating_tensors(obj)] == [same(t) for t in expected(obj)], obj
     assert all(_C.plain_floating_tensors(obj) is not None for obj in fast)
     assert all(_C.plain_floating_tensors(obj) is None for obj in walked)
