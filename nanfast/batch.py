@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from ._tree import container_of, group_by_device, leaves_with_nodes, path_of, path_steps, positions_on
-from .check import SPARSE_COMPRESSED, may_hold_values, naming_entries, stored_values, values_tensor
+from .check import READ_LAYOUTS, may_hold_values, naming_entries, stored_values, values_tensor
 from ._nested import shape as shape_of
 from .ops import any_nonfinite, dispatch_subclass, reads_dtype, stats
 from .intended import MASKS, is_additive_mask
@@ -104,7 +104,7 @@ def _unreadable(t: torch.Tensor) -> Optional[str]:
         return f"a {type(t).__name__} (a tensor subclass)"
     if t.is_quantized:
         return "a quantized tensor (check its .dequantize())"
-    if t.layout not in (torch.strided, torch.sparse_coo, *SPARSE_COMPRESSED) and not t.is_nested:
+    if t.layout not in READ_LAYOUTS and not t.is_nested:
         return f"a {t.layout} tensor"
     return None if reads_dtype(t.dtype) else f"of dtype {t.dtype}, which the kernels do not read"
 

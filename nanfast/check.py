@@ -127,7 +127,8 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+READ_LAYOUTS = (torch.strided, *SPARSE_LAYOUTS)  # a sparse tensor through its values (stored_values)
 
 
 def stored_values(t: torch.Tensor, coalesced: bool = True) -> torch.Tensor:
@@ -137,13 +138,13 @@ def stored_values(t: torch.Tensor, coalesced: bool = True) -> torch.Tensor:
     stored entries (coalescing is a host read on CUDA: the watch reads them so)."""
     if t.layout == torch.sparse_coo:
         return (t.detach().coalesce() if coalesced else t.detach())._values()
-    if t.layout in SPARSE_COMPRESSED:
+    if t.layout in SPARSE_LAYOUTS:
         return t.detach().values()
     return t
 
 
 def _validate(name: str, t: torch.Tensor) -> None:
-    if t.layout not in (torch.strided, torch.sparse_coo, *SPARSE_COMPRESSED) and not t.is_nested:
+    if t.layout not in READ_LAYOUTS and not t.is_nested:
         raise ValueError(f"nanfast.check_all: {name!r} has layout {t.layout}; only strided, sparse and nested "
                          "tensors are supported (.to_dense() it)")
     if t.is_meta:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ._tree import named_leaves
-from .check import SPARSE_COMPRESSED, check_all, may_hold_values, stored_values, values_tensor
+from .check import SPARSE_LAYOUTS, check_all, may_hold_values, stored_values, values_tensor
 from .ops import reads_dtype
 from .readers import NotRead, Refused, Unreadable, first_sentence, openable_path, require_regular_file
 from .readers.dcp import METADATA, dcp_items, dcp_shard, is_dcp_directory
@@ -70,7 +70,7 @@ def _readable(name: str, t: Optional[torch.Tensor], leaf: Any) -> Union[tuple[st
             name, t = f"{name}.dequantize()", t.dequantize()
         elif t.is_nested:
             name, t = f"{name}.values()", t.values()
-        elif t.layout in (torch.sparse_coo, *SPARSE_COMPRESSED):
+        elif t.layout in SPARSE_LAYOUTS:
             name, t = f"{name}.values()", stored_values(t)
         if t.is_meta:
             return "a meta tensor: it holds no values"

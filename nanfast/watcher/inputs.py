@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .. import _C, _tree
-from ..check import SPARSE_COMPRESSED, stored_values
+from ..check import READ_LAYOUTS, stored_values
 from ..intended import is_mask_name
 
 # NOTE: [Naming the input's entries]
@@ -34,7 +34,7 @@ class Layout(NamedTuple):
     keywords: bool = False  # the walked root was (args, kwargs)
 
 
-_READ_LAYOUTS = (torch.strided, torch.jagged, torch.sparse_coo, *SPARSE_COMPRESSED)
+_READ_LAYOUTS = (torch.jagged, *READ_LAYOUTS)
 
 
 def checked_tensor(t: Any) -> bool:
