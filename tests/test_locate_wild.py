@@ -255,3 +255,28 @@ def test_eighs_backward_at_equal_eigenvalues_is_found_beside_a_stale_nan_gradien
     else:  # the stale NaN is reported where it is consumed, and eigh's stands beside it
         assert found == [("input", "AccumulateGrad", line_of("# equal eigenvalues")), eigh]
         assert finder.masked == []
+
+
+def test_a_sparse_input_is_read_not_taken_for_finite():
+    """Sparse tensors were not read: sparse.mm fed a NaN in its sparse operand was said to make "NaN from
+    inputs without NaN", and an op on a sparse tensor making -inf was not seen, its -inf then blamed on
+    the to_dense() that read it "from finite inputs" (a check of this session, 50). Their stored values
+    are read; a finding names them `.values()`."""
+    torch.manual_seed(0)
+    weight = torch.randn(3, 2, requires_grad=True)
+    dirty = torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 1]]), torch.tensor([float("nan"), 2.0]), (3, 3))
+    finder = run(lambda: torch.sparse.mm(dirty, weight).sum().backward())
+    finding = finder.findings[0]  # backward's mm reads a transposed copy: another storage, another finding
+    assert finding.kind == "input" and finding.op == "aten._sparse_addmm.default"
+    assert all(f.kind == "input" for f in finder.findings)
+    assert [(i.name, i.nan) for i in finding.inputs if i.nan] == [("mat1.values()", 1)]
+    counts = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([-1.0, 3.0]), (4,))
+
+    def step():
+        logs = torch.log1p(counts)  # the sparse fault: log1p(-1) = -inf
+        return logs.to_dense() * 2
+
+    finder = run(step)
+    assert [(f.kind, f.op, f.where.lineno) for f in finder.findings] == [
+        ("producer", "aten.log1p.default", line_of("# the sparse fault"))]
+    assert [(o.name, o.neginf) for o in finder.findings[0].outputs] == [("out.values()", 1)]

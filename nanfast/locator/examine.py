@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .._tree import named_leaves
+from ..check import SPARSE_LAYOUTS
 from .diagnosis import diagnose
 from .findings import LocateFinding, Producer, TensorInfo
 from .off_path import OffPath
@@ -52,7 +53,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
                    if isinstance(t, torch.Tensor)]
         if tensors:
             for label, t in tensors:
-                label += ".values()" if t.is_nested else ""
+                label += ".values()" if t.is_nested or t.layout in SPARSE_LAYOUTS else ""
                 inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
             continue
         text = _scalar_text(value)
@@ -136,7 +137,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         for i in dirty:  # report a dirty tensor once, at its first consumer
             provenance.set_producer(inputs[i][2], _OUTSIDE)
     names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
-    output_infos = [info_of(n + (".values()" if r.is_nested else ""), t, c, None)
+    output_infos = [info_of(n + (".values()" if r.is_nested or r.layout in SPARSE_LAYOUTS else ""), t, c, None)
                     for n, r, t, c in zip(names, raw, outputs, out_counts)]
     repro = (_repro(info.name, named, before, info.out_args)
              if dump_wanted else None)

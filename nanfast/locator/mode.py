@@ -229,7 +229,8 @@ class _LocateMode(TorchDispatchMode):
         written = [t for name, value in _named_args(info, args, kwargs) if name in info.read_write_args
                    for t in _tensors_in(value) if id(t) not in returned and _values(t) is not None]
         for t in written:
-            self.provenance.record_write(t, producer, _any_nonfinite([_values(t)]), tainted)
+            values = _values(t)  # a sparse tensor's storage is its values'
+            self.provenance.record_write(values, producer, _any_nonfinite([values]), tainted)
 
 
 def _implicit_gradient() -> bool:

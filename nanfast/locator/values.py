@@ -11,6 +11,7 @@ import torch
 
 from ..ops import dispatch_subclass, reads_dtype  # importing ops registers torch.ops.nanfast.*
 from .._tree import group_by_device, leaves
+from ..check import SPARSE_LAYOUTS, stored_values
 
 
 def _can_hold_nonfinite(dtype: torch.dtype) -> bool:
@@ -26,8 +27,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _values(t: Any) -> Optional[torch.Tensor]:
-    """What locate checks of `t`: its dense values when they can hold NaN/inf, else None (not a tensor,
-    an integer dtype, a sparse or meta tensor). A torch.func wrapper (vmap's batched tensor, grad's
+    """What locate checks of `t`: its dense values when they can hold NaN/inf (a sparse tensor's stored
+    values: unread, an op fed a NaN in one was said to make NaN from inputs without NaN), else None (not
+    a tensor, an integer dtype, a meta tensor). A torch.func wrapper (vmap's batched tensor, grad's
     tracking tensor) reaching a backward node's hook is read through the tensor it wraps, which holds
     every sample's values (the kernels have no batching rule). A tensor subclass with a dispatch of its
     own (MaskedTensor, DTensor, a wrapper) is not read: what its values mean is its own (a MaskedTensor's
@@ -37,6 +39,8 @@ def _values(t: Any) -> Optional[torch.Tensor]:
         t = torch._C._functorch.get_unwrapped(t)
     if not isinstance(t, torch.Tensor) or not _can_hold_nonfinite(t.dtype) or t.is_meta or dispatch_subclass(t):
         return None
+    if t.layout in SPARSE_LAYOUTS:  # its stored values (their storage is the tensor's values' own)
+        return stored_values(t, coalesced=False)
     return _dense(t) if t.is_nested or t.layout == torch.strided else None
 
 
