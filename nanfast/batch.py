@@ -161,9 +161,9 @@ def _index_vector(value: Any) -> Optional[torch.Tensor]:
 # by default is a list of batched tensors instead ([x, y]), whose positions are fields, and a loader of
 # several loaders (Lightning's CombinedLoader) yields a list of batches, each a dict of batched tensors.
 # So a field is in the sample of its position in a list or tuple only where the batch shows that list
-# to hold samples: a list of records (dicts or dataclasses) beside a list of the same length or beside a
-# tensor with one row per record, or a list beside such a list of records; records whose tensors all
-# have one number of rows look batched and are not taken for samples (a review, session 45: a detection
+# to hold samples: a list of records (dicts or dataclasses), or of tensors, beside a list of the same
+# length or beside a tensor with one row per entry, or a list beside such a list of records; entries
+# whose tensors all have one number of rows look batched and are not taken for samples (a review, session 45: a detection
 # batch whose images all hold as many boxes falls back to rows too). Elsewhere, as before, a sample is
 # an index along the field's first dimension.
 def _list_sample(batch: Any, steps: list) -> Optional[int]:
@@ -184,15 +184,20 @@ def _pair_of_samples(sequence: Any, sibling: Any) -> bool:
 
 
 def _sample_records(value: Any) -> bool:
-    """Whether `value` is a list or tuple of records that may each be one sample's: two or more records
-    whose tensors all have one number of rows look like batches (a default-collated ((inputs, extras),
-    labels) of batch size 2: two dicts of 2-row tensors beside 2 labels; lists of batches side by side),
-    where one sample's boxes or labels vary in number from sample to sample."""
-    if not _records(value):
+    """Whether `value` is a list or tuple of records (or of tensors) that may each be one sample's: two or
+    more whose tensors all have one number of rows look like batches (a default-collated ((inputs,
+    extras), labels) of batch size 2: two dicts of 2-row tensors beside 2 labels; lists of batches side
+    by side; [x, y] beside 2 labels), where one sample's boxes, labels or time steps vary in number from
+    sample to sample (variable-length sequences a collate_fn leaves in a list: a NaN at time step 4 of
+    sequence 1 was "sample 4 of field 'seqs[1]'", a probe, session 50)."""
+    if _sequence(value) and all(isinstance(v, torch.Tensor) for v in value):
+        tensors = value
+    elif _records(value):
+        tensors = [t for record in value for t in (record.values() if isinstance(record, Mapping) else vars(record).values())
+                   if isinstance(t, torch.Tensor)]
+    else:
         return False
-    rows = {t.shape[0] if t.dim() else None for record in value
-            for t in (record.values() if isinstance(record, Mapping) else vars(record).values())
-            if isinstance(t, torch.Tensor)}
+    rows = {t.shape[0] if t.dim() else None for t in tensors}
     return len(value) < 2 or len(rows) != 1 or None in rows
 
 

@@ -381,3 +381,19 @@ def test_a_packed_sequence_whose_sizes_do_not_describe_its_rows_is_refused_by_na
     packed = PackedSequence.__new__(PackedSequence, data, sizes, order, order)  # as a user's own may be, unchecked
     with pytest.raises(ValueError, match=r"field 'x\.data' is the data of a PackedSequence"):
         nanfast.check_batch({"x": packed}, raise_on_nonfinite=False)
+
+
+def test_variable_length_sequences_left_in_a_list_beside_their_labels_are_samples():
+    """A collate_fn that pads nothing leaves each sample's sequence in a list beside the batched labels:
+    a NaN at time step 4 of sequence 1 was "sample 4 of field 'seqs[1]'" (a probe, session 50). Tensors
+    of one length in a list ([x, y] as default_collate makes it) are still batched fields."""
+    seqs = [torch.ones(3, 2), torch.ones(5, 2), torch.ones(2, 2)]
+    seqs[1][4, 0] = NAN
+    report = nanfast.check_batch({"seqs": seqs, "labels": torch.tensor([0, 1, 2])}, raise_on_nonfinite=False)
+    # Reference: the sequences holding NaN, one by one.
+    assert [i for i, s in enumerate(seqs) if not torch.isfinite(s).all()] == [1]
+    assert [(f.path, f.samples) for f in report.bad] == [("seqs[1]", (1,))] and report.samples == [1]
+    x, y = torch.ones(4, 3), torch.zeros(4)
+    x[2, 1] = INF
+    report = nanfast.check_batch({"xy": [x, y], "labels": torch.tensor([0, 1])}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("xy[0]", (2,))]
