@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
-from nanfast import batch as batch_module
+from nanfast import batch as batch_module, batch_samples
 
 NAN = float("nan")
 INF = float("inf")
@@ -334,7 +334,7 @@ def test_a_bad_fields_samples_are_found_in_bounded_memory(monkeypatch):
     """The samples of a bad field were found by one isfinite over its whole logical size: a 2-byte
     [nan].expand(2**15, 2**15) took 5 GB, a 256 MB float8 field 3 GB (read in float32). A broadcast
     dimension is read once, and rows in chunks (made small here); the samples are the same."""
-    monkeypatch.setattr(batch_module, "_CHUNK_ELEMENTS", 12)
+    monkeypatch.setattr(batch_samples, "_CHUNK_ELEMENTS", 12)
     read = []
     isfinite = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda t: read.append(t.numel()) or isfinite(t))
