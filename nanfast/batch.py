@@ -143,13 +143,12 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
         raise TypeError(f"nanfast.check_batch: got a {type(batch).__name__}, not a batch; check a model or an "
                         "optimizer with nanfast.check_all")
     # numpy arrays (a collator's return_tensors="np") and Python floats too, as check_all reads them.
-    pairs, nodes, steps, unchecked = [], [], [], []
+    pairs, nodes, unchecked = [], [], []
     for node, leaf in leaves_with_nodes(batch, shared_once=True):
-        path = path_of(leaf_steps := path_steps(node), brackets=True)
+        path = path_of(path_steps(node), brackets=True)
         if (t := values_tensor(leaf)) is not None:
             pairs.append((path or "tensor", t))  # a batch that is one tensor: named as check_all names it
             nodes.append(node)
-            steps.append(leaf_steps)
         elif may_hold_values(leaf):  # never "finite" for what was not read
             unchecked.append(path or f"the batch ({type(leaf).__name__})")
     _validate(pairs)
@@ -164,7 +163,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
             if nan or posinf or neginf:
                 path, t = pairs[i]
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
-                sample = None if mask else list_sample(batch, steps[i])
+                sample = None if mask else list_sample(batch, path_steps(nodes[i]))
                 samples = () if mask else (sample,) if sample is not None else bad_samples(
                     t, packed_samples(path, container_of(batch, nodes[i])))
                 (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),

@@ -8,7 +8,6 @@ from typing import Any, Optional
 import torch
 
 from .._tree import named_leaves
-from ..check import SPARSE_LAYOUTS
 from .diagnosis import diagnose
 from .findings import LocateFinding, Producer, TensorInfo
 from .off_path import OffPath
@@ -16,7 +15,8 @@ from .provenance import _OUTSIDE, Provenance
 from .replay import _repro
 from .schema import _OpInfo
 from .source import SourceLine
-from .values import _at_dtype_limit, _counts, _dense, _scalar_nonfinite, _scalar_text, _values, finite_min_max
+from .values import (_at_dtype_limit, _counts, _dense, _scalar_nonfinite, _scalar_text, _values, finite_min_max,
+                     values_label)
 
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
@@ -53,8 +53,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
                    if isinstance(t, torch.Tensor)]
         if tensors:
             for label, t in tensors:
-                label += ".values()" if t.is_nested or t.layout in SPARSE_LAYOUTS else ""
-                inputs.append((label, _values(before.get(id(t), t)), _values(t), t))
+                inputs.append((values_label(label, t), _values(before.get(id(t), t)), _values(t), t))
             continue
         text = _scalar_text(value)
         if text is not None:
@@ -137,8 +136,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         for i in dirty:  # report a dirty tensor once, at its first consumer
             provenance.set_producer(inputs[i][2], _OUTSIDE)
     names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
-    output_infos = [info_of(n + (".values()" if r.is_nested or r.layout in SPARSE_LAYOUTS else ""), t, c, None)
-                    for n, r, t, c in zip(names, raw, outputs, out_counts)]
+    output_infos = [info_of(values_label(n, r), t, c, None) for n, r, t, c in zip(names, raw, outputs, out_counts)]
     repro = (_repro(info.name, named, before, info.out_args)
              if dump_wanted else None)
     diagnosis = None

@@ -26,6 +26,11 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.values() if t.is_nested else t
 
 
+def values_label(name: str, t: torch.Tensor) -> str:
+    """How a finding names tensor `t` passed as `name`: a nested or sparse one by the values read of it."""
+    return name + ".values()" if t.is_nested or t.layout in SPARSE_LAYOUTS else name
+
+
 def _values(t: Any) -> Optional[torch.Tensor]:
     """What locate checks of `t`: its dense values when they can hold NaN/inf (a sparse tensor's stored
     values: unread, an op fed a NaN in one was said to make NaN from inputs without NaN), else None (not
