@@ -280,3 +280,6 @@ def test_a_sparse_input_is_read_not_taken_for_finite():
     assert [(f.kind, f.op, f.where.lineno) for f in finder.findings] == [
         ("producer", "aten.log1p.default", line_of("# the sparse fault"))]
     assert [(o.name, o.neginf) for o in finder.findings[0].outputs] == [("out.values()", 1)]
+    # Said in words, as of a dense log1p, of the values the sparse tensor holds (it had no diagnosis).
+    assert finder.findings[0].diagnosis == ("log1p at the edge of its domain: 1 of 2 elements of `self.values()` "
+                                            "is <= -1 (min -1, max -1)")

@@ -143,7 +143,17 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     if kind != "input":
         as_read = {name: before.get(id(value), value) if isinstance(value, torch.Tensor) else value
                    for name, value in named if name not in info.out_args}
+        # A sparse or nested operand alone is diagnosed by the values it holds, so named (a sparse log1p's
+        # -inf had no reason in words; a probe, session 50). Beside another tensor operand its values would
+        # not line up with that one's elements, so such an op gets none.
+        label, held, _, _ = inputs[0] if len(inputs) == 1 else ("", None, None, None)
+        arg = label.removesuffix(".values()")
+        by_values = held is not None and arg != label and arg in as_read
+        if by_values:
+            as_read[arg] = held
         diagnosis = diagnose(info.name, as_read, outputs)
+        if diagnosis and by_values:
+            diagnosis = diagnosis.replace(f"`{arg}`", f"`{label}`")
     finding = LocateFinding(
         kind, info.name, producer.phase, producer.node, source,
         producer.source if producer.phase == "backward" else None, reason,
