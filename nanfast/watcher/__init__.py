@@ -19,6 +19,7 @@ from ..locator.source import user_stacklevel
 from ..recompute import recomputation
 from . import agree, scaler_hook
 from .actions import Actions
+from .buffers import WrittenBuffers
 from .events import KINDS, PHASES, Event, InputEntry, Place
 from .forwards import StepState
 from .fused_pass import parameter_names
@@ -147,6 +148,8 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._device = results_device(model)
         self._root = self._site("", type(model).__name__)
         self._input = self._site("input", "")
+        # The buffers a training forward may write, checked after it (NOTE: [Buffers a forward writes]).
+        self._written = WrittenBuffers(model, self._site) if params else None
         self._handles: list = []
         self._retire: Optional[weakref.finalize] = None  # set by _install
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules with hooks (NOTE: [A model changed after watch()])

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from ..report import NonfiniteCounts, first_few
 
 # Phases in the order their values arise within a step.
-PHASES = ("param", "input", "forward", "loss_value", "loss", "backward", "grad")
+PHASES = ("param", "input", "forward", "buffer", "loss_value", "loss", "backward", "grad")
 # What an event reports: non-finite values (the watch's actions apply), or a warning about finite values
 # (overflow headroom running out, a spike in the loss or a gradient norm).
 KINDS = ("nonfinite", "headroom", "spike")
@@ -34,7 +34,8 @@ class Place(NonfiniteCounts):
     """Where, within a step, non-finite values were seen.
 
     ``phase`` is one of PHASES. ``name`` is the module's qualified name ("" for the model itself) in
-    phases forward, backward and loss; the parameter's name in phases param and grad; "input" in phase
+    phases forward, backward and loss; the parameter's name in phases param and grad, the buffer's in
+    phase buffer (read after a training forward: NOTE: [Buffers a forward writes]); "input" in phase
     input; the name given to Watch.loss in phase loss_value. ``call`` tells the calls of a module called
     several times in one forward apart (1-based); ``microbatch`` is the index of the model's forward
     within the step (gradient accumulation). ``entries``, in phase input: the entries of the batch that
@@ -59,6 +60,7 @@ class Place(NonfiniteCounts):
             "param": f"parameter {self.name}",
             "input": "the input batch",
             "forward": f"output of {module}",
+            "buffer": f"buffer {self.name} ({self.module_class}) after the forward",
             "loss_value": f"value of {self.name!r} passed to Watch.loss",
             "loss": f"gradient of the loss w.r.t. the output of {module}",
             "backward": f"gradient flowing out of {module} in backward",

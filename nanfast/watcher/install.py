@@ -167,6 +167,8 @@ class Installation:
         self._model_changed = False
         self._members = {id(module) for module in self.model.modules()}  # alive: the model holds them
         self._params.forget()  # names as the model has them now (a parametrization renames a parameter)
+        if self._written is not None:
+            self._written.relist()
         if not (self._hook_modules and (self._check_activations or self._check_grads)):
             return
         # The handles of hooks on modules gone since (a head swapped out) are dropped.

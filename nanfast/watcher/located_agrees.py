@@ -14,7 +14,7 @@ __all__ = ["disagreement"]
 
 # Phases whose place names a module (by qualified name) or a parameter (module path + "." + its name).
 _MODULE_PHASES = ("forward", "backward", "loss")
-_PARAMETER_PHASES = ("grad", "param")
+_PARAMETER_PHASES = ("grad", "param", "buffer")
 
 
 def _module_of(model: torch.nn.Module, phase: str, name: str) -> Optional[torch.nn.Module]:

@@ -1,0 +1,71 @@
+"""The floating-point module buffers a training forward may write (BatchNorm's running statistics, an
+average kept in a buffer), checked after each training forward of the model (see NOTE: [Buffers a
+forward writes])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from .. import _C
+
+# NOTE: [Buffers a forward writes]
+# BatchNorm's training forward updates running_mean and running_var in place while its output, made
+# from the batch's own statistics, stays finite: a float16 batch whose variance passes 65504 left
+# running_var +inf, the watch silent, and model.eval() then output the bias alone (pytorch/pytorch#115500;
+# a probe, session 51). Those writes bump no version counter (pytorch/pytorch#13402), so which buffers
+# a forward wrote is not known without reading them: after each training-mode forward of the model
+# every floating-point buffer of its modules is read, a record of its own, phase "buffer", named by the
+# buffer ("buffer 1.running_var (BatchNorm1d)"); a skip puts such buffers back as for any bad step (NOTE:
+# [What a step writes besides the update]). Buffers that already held NaN or inf when they were listed (a
+# float causal mask's -inf, a quantization observer's +inf/-inf bounds before its first forward) are
+# intended, not checked; so are those `ignore` names. An evaluation forward (eval mode) writes none.
+# Listing reads the buffers once: at watch(), and at the first step after the model gained a module or
+# buffer (NOTE: [A model changed after watch()]). The reads follow the `params` check (the model's state).
+
+
+def _checked(t: Any) -> bool:
+    """A plain dense floating-point (or complex) tensor: what the recorder reads."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_meta
+            and (t.is_floating_point() or t.is_complex()))
+
+
+class WrittenBuffers:
+    """The model's floating-point buffers as checked after its training forwards (see NOTE: [Buffers a
+    forward writes]): each one's site, and the buffers read in one loop (`_C.BufferSlots`)."""
+
+    def __init__(self, model: torch.nn.Module, site: Callable[[str, str], Any]):
+        """Args:
+            model: the watched model.
+            site: makes the recording place of a buffer from its name and its module's class (the watch's
+                `_site`, which also says whether `ignore` names it)."""
+        self._model = model
+        self._site = site
+        self._sites: list[Any] = []
+        self._slots: Optional[Any] = None
+
+    def relist(self) -> None:
+        """Lists the buffers as the model's modules hold them now, leaving out those that hold NaN or inf
+        now (read once) and those `ignore` names."""
+        listed = [(module, name, f"{prefix}.{name}" if prefix else name, buffer)
+                  for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
+                  for name, buffer in module._buffers.items() if _checked(buffer)]
+        sites = [self._site(full, type(module).__name__) for module, _, full, _ in listed]
+        kept = [i for i, site in enumerate(sites) if not site.ignored]
+        if kept:
+            buffers = [listed[i][3] for i in kept]
+            counts, _, _ = _C.stats_on(buffers, buffers[0].device)
+            kept = [i for i, row in zip(kept, counts.tolist()) if not any(row)]
+        self._sites = [sites[i] for i in kept]
+        self._slots = _C.BufferSlots([listed[i][0] for i in kept], [listed[i][1] for i in kept]) if kept else None
+
+    def record(self, record: Callable[[str, Any, int, list], None]) -> None:
+        """Records each listed buffer as its module holds it now (one re-assigned to something the
+        recorder does not read is left out), through the watch's `_record`."""
+        if self._slots is None:
+            return
+        for site, buffer in zip(self._sites, self._slots.state()[0]):
+            if _checked(buffer):
+                record("buffer", site, 1, [buffer])

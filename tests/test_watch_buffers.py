@@ -1,0 +1,141 @@
+"""The module buffers a training forward writes are checked after it (NOTE: [Buffers a forward writes]):
+BatchNorm's running statistics turned non-finite while its output stays finite, named and skipped; the
+buffers that already hold NaN/inf when listed (masks, observers' bounds) left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nanfast
+from op_recorder import OpRecorder
+
+
+def _float16_batchnorm() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 10), nn.BatchNorm1d(10), nn.Linear(10, 1)).half()
+
+
+def _batches(bad: int, n: int = 4) -> list[torch.Tensor]:
+    """float16 batches; batch `bad` is scaled so that the Linear's outputs stay finite (~4e4) while their
+    variance (~1e9) passes float16's largest value."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.rand(8, 10, generator=g) * (60000.0 if i == bad else 1.0)).half() for i in range(n)]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+
+def test_a_float16_batchnorm_whose_running_var_overflows_is_named_and_skipped():
+    """pytorch/pytorch#115500: the batch's variance passes float16's max, so BatchNorm's running_var
+    becomes +inf while every activation, the loss and the gradients stay finite. The watch said nothing,
+    and model.eval() then output the last Linear's bias alone."""
+    model = _float16_batchnorm()
+    reference = _float16_batchnorm()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference))
+    batches = _batches(bad=2)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        with nanfast.watch(model, opt, action="skip", headroom=None) as w:
+            _train(model, opt, batches)
+    (event,) = w.events
+    assert (event.step, event.phase, event.name, event.module_class) == (2, "buffer", "1.running_var", "BatchNorm1d")
+    assert (event.nan, event.posinf, event.neginf) == (0, 10, 0)
+    assert "buffer 1.running_var (BatchNorm1d)" in event.summary()
+    assert w.skipped_steps == 1
+    # As if the bad batch never came: the statistics and weights of a run without it.
+    _train(reference, ref_opt, batches[:2] + batches[3:])
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+    model.eval()
+    assert model(batches[0]).unique().numel() > 1  # not the bias alone
+
+
+def test_a_raising_watch_names_the_buffer_and_puts_it_back():
+    model = _float16_batchnorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, headroom=None):
+        _train(model, opt, _batches(bad=-1, n=2))
+        with pytest.raises(nanfast.NonFiniteError, match=r"buffer 1\.running_var \(BatchNorm1d\)"):
+            _train(model, opt, _batches(bad=0, n=1))
+    assert torch.isfinite(model[1].running_var).all()
+
+
+def test_a_healthy_run_is_silent_and_adds_no_host_read():
+    model = _float16_batchnorm().float()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [x.float() for x in _batches(bad=-1)]
+    with nanfast.watch(model, opt) as w:
+        _train(model, opt, batches[:1])
+        with OpRecorder() as ops:
+            model(batches[1])  # the buffers' record is in the forward's post-hook
+        assert ops.host_syncs == 0
+        _train(model, opt, batches[2:])
+    assert w.events == []
+
+
+class Masked(nn.Module):
+    """A float causal mask of -inf kept in a buffer, and a quantization observer whose bounds stay at
+    +inf/-inf because it is never called: both intended, from before the watch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("causal", torch.full((4, 4), float("-inf")).triu(1))
+        self.observer = torch.ao.quantization.MinMaxObserver()
+
+    def forward(self, x):
+        scores = (self.lin(x)[:, None, :] + self.causal).softmax(-1)
+        return self.bn(scores.sum(1))
+
+
+def test_buffers_that_held_nan_or_inf_when_listed_are_intended():
+    torch.manual_seed(0)
+    model = Masked()
+    assert torch.isinf(model.observer.min_val) and torch.isinf(model.causal).any()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    assert w.events == []
+
+
+def test_ignore_and_params_false_leave_the_buffers_unchecked():
+    for options in (dict(ignore="1.running_*"), dict(params=False)):
+        model = _float16_batchnorm()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with nanfast.watch(model, opt, headroom=None, **options) as w:
+            _train(model, opt, _batches(bad=0, n=1))
+        assert w.events == [], options
+        assert torch.isinf(model[1].running_var).any()  # what the check would have found
+
+
+def test_a_batchnorm_added_after_watch_is_checked_from_the_next_step():
+    model = nn.Sequential(nn.Linear(10, 10)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, action="skip", headroom=None) as w:
+        _train(model, opt, _batches(bad=-1, n=1))
+        model.append(nn.BatchNorm1d(10).half())  # a head swapped in: listed at the next step's start
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            _train(model, opt, _batches(bad=0, n=1))
+    assert [(e.phase, e.name) for e in w.events] == [("buffer", "1.running_var")]
+    assert torch.isfinite(model[1].running_var).all()
+
+
+def test_an_evaluation_forward_reads_no_buffer():
+    model = _float16_batchnorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, headroom=None) as w:
+        _train(model, opt, _batches(bad=-1, n=1))
+        model[1].running_var.fill_(float("inf"))  # as a bad step left it (with action="warn")
+        model.eval()
+        with torch.no_grad():
+            model(_batches(bad=-1, n=1)[0])
+    assert w.events == []  # eval mode writes no buffer: what the training step left was its to report
