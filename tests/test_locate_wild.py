@@ -4,6 +4,7 @@ backward a real ResNet), a backward fault under torch.func (per-sample gradients
 jacrev), a backward node judged whatever hooks it has, a buffer written row by row, non-finite
 exponents, complex32, and a dump path that cannot be written."""
 
+import copy
 import inspect
 import warnings
 
@@ -283,3 +284,23 @@ def test_a_sparse_input_is_read_not_taken_for_finite():
     # Said in words, as of a dense log1p, of the values the sparse tensor holds (it had no diagnosis).
     assert finder.findings[0].diagnosis == ("log1p at the edge of its domain: 1 of 2 elements of `self.values()` "
                                             "is <= -1 (min -1, max -1)")
+
+
+def test_a_running_variance_past_float16s_max_is_found_where_batch_norm_writes_it():
+    """pytorch/pytorch#115500: a float16 batch whose variance passes 65504 makes BatchNorm's running_var
+    +inf while its output, the loss and the gradients stay finite. locate checked only what ops return,
+    and a training batch norm writes its running statistics without returning them: nothing was found."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.BatchNorm1d(10)).half()
+    fresh = copy.deepcopy(model)
+    x = (torch.rand(8, 10, generator=torch.Generator().manual_seed(1)) * 60000.0).half()
+    finder = run(lambda: model(x).float().pow(2).mean().backward())  # the statistics' overflow
+    (finding,) = finder.findings
+    assert (finding.kind, finding.op, finding.where.lineno) == (
+        "producer", "aten.native_batch_norm.default", line_of("# the statistics' overflow"))
+    assert [(o.name, o.posinf) for o in finding.outputs if o.posinf] == [("running_var", 10)]
+    assert finding.diagnosis.startswith("the batch's variance (largest ")
+    assert finding.diagnosis.endswith("passes float16's largest finite value 65504: 10 of 10 elements of "
+                                      "`running_var` are +inf")
+    assert run(lambda: fresh(x / 100).float().pow(2).mean().backward()).findings == []  # a healthy batch
+    assert torch.isfinite(fresh[1].running_var).all()

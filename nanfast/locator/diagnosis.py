@@ -259,6 +259,22 @@ def _impossible_alignments(args: Args, outputs: list[torch.Tensor]) -> Optional[
             f"{repeats} repeated) but its input length is {t_in}{more}")
 
 
+def _running_variance_overflow(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    """A training batch norm whose running_var (its last checked output, written in place: NOTE: [writes
+    an op does not return]) became +inf from a batch variance past its dtype's largest value."""
+    x, running_var = _tensor(args, "input"), outputs[-1] if len(outputs) == 5 else None
+    if x is None or running_var is None or x.is_complex() or not x.dtype.is_floating_point:
+        return None
+    n = _count(running_var == math.inf)
+    if not n:
+        return None
+    dims = [d for d in range(x.dim()) if d != 1]
+    variance = x.double().var(dim=dims).max().item()
+    dtype = str(running_var.dtype).removeprefix("torch.")
+    return (f"the batch's variance (largest {variance:.4g}) passes {dtype}'s largest finite value "
+            f"{torch.finfo(running_var.dtype).max:.6g}: {_of(n, running_var)} of `running_var` {_are(n)} +inf")
+
+
 def _constant_rows_without_eps(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     x, shape, eps = _tensor(args, "input"), args.get("normalized_shape"), args.get("eps")
     if x is None or eps != 0 or not isinstance(shape, (list, tuple)) or not shape or x.is_complex():
@@ -354,7 +370,7 @@ DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "mean": _mean_of_nothing,
     "_ctc_loss": _impossible_alignments,
     "_to_copy": _cast_overflow,
-    "native_layer_norm": _constant_rows_without_eps,
+    "native_layer_norm": _constant_rows_without_eps, "native_batch_norm": _running_variance_overflow,
     "std": _no_degrees_of_freedom, "var": _no_degrees_of_freedom, "std_mean": _no_degrees_of_freedom,
     "var_mean": _no_degrees_of_freedom,
     "_native_multi_head_attention": _fully_masked_keys, "_transformer_encoder_layer_fwd": _fully_masked_keys,

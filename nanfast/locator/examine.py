@@ -21,8 +21,8 @@ from .values import (_at_dtype_limit, _counts, _dense, _scalar_nonfinite, _scala
 
 def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: list[tuple[str, Any]],
             before: dict[int, torch.Tensor], raw: list[torch.Tensor], outputs: list[torch.Tensor],
-            producer: Producer, source: Optional[SourceLine], backward_source: Optional[SourceLine] = None
-            ) -> tuple[Optional[tuple[LocateFinding, Optional[dict]]], bool]:
+            producer: Producer, source: Optional[SourceLine], backward_source: Optional[SourceLine] = None,
+            unreturned: tuple[str, ...] = ()) -> tuple[Optional[tuple[LocateFinding, Optional[dict]]], bool]:
     """Judges an op whose outputs hold NaN/inf.
 
     Args:
@@ -31,9 +31,12 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         info: the op's schema facts.
         named: the op's arguments as (name, value).
         before: pre-op copies of the arguments it reads and overwrites, by id.
-        raw: its checked outputs as returned; outputs: their values.
+        raw: its checked outputs as returned, then the arguments it wrote without returning them;
+            outputs: their values.
         producer: the op as a Producer; source: the user's line it ran at (in backward: the line that
             called backward); backward_source: in backward, the Python code autograd called that ran it.
+        unreturned: the names of those written arguments (a training batch norm's "running_var"), which
+            name them in the finding.
     Returns:
         (its finding with the arguments to dump, or None for propagation; whether its outputs'
         non-finite values descend from a finding, this one's or an input's: True, or the OffPath of a
@@ -135,7 +138,9 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     if kind == "input":
         for i in dirty:  # report a dirty tensor once, at its first consumer
             provenance.set_producer(inputs[i][2], _OUTSIDE)
-    names = ["out"] if len(outputs) == 1 else [f"out[{k}]" for k in range(len(outputs))]
+    returned = len(outputs) - len(unreturned)
+    names = ["out"] if returned == 1 else [f"out[{k}]" for k in range(returned)]
+    names += unreturned
     output_infos = [info_of(values_label(n, r), t, c, None) for n, r, t, c in zip(names, raw, outputs, out_counts)]
     repro = (_repro(info.name, named, before, info.out_args)
              if dump_wanted else None)

@@ -106,6 +106,7 @@ class _LocateMode(TorchDispatchMode):
             self._backward_root(args[0])
 
         raw, outputs = _outputs(info, out, args, kwargs)
+        unreturned = _unreturned_writes(info, args, kwargs, raw)
         if not self.off_path.graph_seen:
             self.off_path.saw(_on_path(args, kwargs))
         if not outputs:
@@ -123,6 +124,8 @@ class _LocateMode(TorchDispatchMode):
         else:  # a backward op's line is its node's forward line; the frame walk waits for a finding
             producer = Producer(info.name, "backward", type(node).__name__, forward_source(node))
         judged_raw, judged = _judged(info, out, raw, outputs)
+        # What it wrote without returning it is judged as its output (NOTE: [writes an op does not return]).
+        judged_raw, judged = judged_raw + [t for _, t, _ in unreturned], judged + [v for _, _, v in unreturned]
         nonfinite = _any_nonfinite(judged)
         tainted = False
         if nonfinite:
@@ -130,7 +133,7 @@ class _LocateMode(TorchDispatchMode):
             code, source = backward_lines() if producer.phase == "backward" else (None, producer.source)
             finding, tainted = examine(self.provenance, self.owner._dump_path_for_next() is not None, info,
                                        _named_args(info, args, kwargs), before, judged_raw, judged, producer, source,
-                                       code)
+                                       code, tuple(name for name, _, _ in unreturned))
             if finding is None:
                 if isinstance(tainted, OffPath) and on_path:
                     self._matters([tainted])  # it enters the gradient path
@@ -146,7 +149,8 @@ class _LocateMode(TorchDispatchMode):
         if info.read_write_args or info.out_args:
             for t in outputs:
                 self.provenance.record_write(t, producer, nonfinite, tainted)
-            self._record_unreturned_writes(info, args, kwargs, raw, producer, tainted)
+            for _, _, values in unreturned:  # a sparse tensor's storage is its values'
+                self.provenance.record_write(values, producer, _any_nonfinite([values]), tainted)
         else:
             self.provenance.record_outputs(outputs, producer, tainted)
         return out
@@ -219,19 +223,6 @@ class _LocateMode(TorchDispatchMode):
             if isinstance(taint, OffPath):
                 self.off_path.matters(taint)
 
-    def _record_unreturned_writes(self, info: _OpInfo, args: tuple, kwargs: dict, raw: list, producer: Producer,
-                                  tainted: bool) -> None:
-        """Records the writes of the arguments an op overwrites without returning them (a training
-        BatchNorm's running statistics): left unrecorded, the NaN a dirty batch put into them was taken
-        for data from outside where backward's native_batch_norm_backward read them, a false `input`
-        finding per BatchNorm (nine on a ResNet-18 with one NaN weight)."""
-        returned = {id(t) for t in raw}
-        written = [t for name, value in _named_args(info, args, kwargs) if name in info.read_write_args
-                   for t in _tensors_in(value) if id(t) not in returned and _values(t) is not None]
-        for t in written:
-            values = _values(t)  # a sparse tensor's storage is its values'
-            self.provenance.record_write(values, producer, _any_nonfinite([values]), tainted)
-
 
 def _implicit_gradient() -> bool:
     """Whether the ones_like running now is autograd's implicit gradient of a scalar backward() was called
@@ -254,6 +245,22 @@ def _subclass_first(types: tuple) -> bool:
     tensors are read here, through their values (_values)."""
     return any(t is not torch.Tensor and t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
                and not issubclass(t, _JAGGED) for t in types)
+
+
+# NOTE: [writes an op does not return]
+# A training batch norm writes its running statistics in place without returning them. Left
+# unrecorded, the NaN a dirty batch put into them was taken for data from outside where backward's
+# native_batch_norm_backward read them, a false `input` finding per BatchNorm (nine on a ResNet-18 with
+# one NaN weight); left unjudged, a float16 batch whose variance passed 65504 made running_var +inf
+# with every output finite, and locate found nothing (pytorch/pytorch#115500; a probe, session 51). So
+# they are the op's outputs too, named by their arguments.
+def _unreturned_writes(info: _OpInfo, args: tuple, kwargs: dict, raw: list) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The arguments an op writes without returning them, as (argument name, tensor, its values)."""
+    if not info.read_write_args or not raw:
+        return []
+    returned = {id(t) for t in raw}
+    return [(name, t, values) for name, value in _named_args(info, args, kwargs) if name in info.read_write_args
+            for t in _tensors_in(value) if id(t) not in returned for values in (_values(t),) if values is not None]
 
 
 def _judged(info: _OpInfo, out: Any, raw: list, outputs: list) -> tuple[list, list[torch.Tensor]]:
