@@ -3,6 +3,9 @@ the watch would, or is refused or warned about in words that say what is wrong."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -292,6 +295,24 @@ def test_event_warnings_leave_no_text_in_the_warning_registry():
             optimizer.step()
     assert len(w.events) == 20
     assert [k for k in registry if k != "version"] == []
+
+
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_event_warnings_work_in_code_run_without_a_file(how):
+    """In `python -c`, a script piped to stdin or a REPL, __main__'s loader is BuiltinImporter: an event's
+    warning raised ImportError ("'__main__' is not a built-in module") out of optimizer.step(), so
+    action="warn" and "skip" stopped the run they were meant to keep going."""
+    code = ("import torch, nanfast\n"
+            "m = torch.nn.Linear(2, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "with nanfast.watch(m, o, action='skip') as w:\n"
+            "    x = torch.randn(1, 2); x[0, 0] = float('nan'); m(x).sum().backward(); o.step()\n"
+            "print('skipped', w.skipped_steps)\n")
+    args, stdin = ([sys.executable, "-c", code], None) if how == "-c" else ([sys.executable, "-"], code)
+    done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "skipped 1"
+    assert "RuntimeWarning: nanfast.watch: step 0: the input batch is dirty" in done.stderr
 
 
 def test_hooks_of_modules_swapped_out_are_not_kept():

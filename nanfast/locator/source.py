@@ -137,8 +137,11 @@ def warn_at_user_line(message: str, category: type[Warning]) -> None:
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
         return
+    # No module_globals (warnings.warn passes none either): with them the line's source is asked of the
+    # module's loader, and __main__'s in a REPL, `python -c` or a script piped to stdin is BuiltinImporter,
+    # which raised ImportError out of optimizer.step() at every warning event (a probe, session 51).
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"), registry={}, module_globals=frame.f_globals)
+                           module=frame.f_globals.get("__name__"), registry={})
 
 
 def _first_user_frame(frame) -> tuple:
