@@ -304,3 +304,34 @@ def test_a_running_variance_past_float16s_max_is_found_where_batch_norm_writes_i
                                       "`running_var` are +inf")
     assert run(lambda: fresh(x / 100).float().pow(2).mean().backward()).findings == []  # a healthy batch
     assert torch.isfinite(fresh[1].running_var).all()
+
+
+def _masked_log_softmax(vector, mask):
+    """AllenNLP's masked_log_softmax: an additive mask made as log(mask), -inf where the mask is 0."""
+    vector = vector + mask.float().log()
+    return torch.nn.functional.log_softmax(vector, dim=-1)  # the row masked whole
+
+
+def test_the_log_of_a_mask_is_intended_and_a_row_masked_whole_is_found_at_its_softmax():
+    """allenai/allennlp#890: masked_log_softmax gives NaN for a row whose mask is all 0. locate blamed
+    log(0) of the mask, on healthy batches too, and took the log_softmax's NaN for propagation."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 1)
+    x = torch.randn(4, 6, 5)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[:, 4:] = False  # padding
+    targets = torch.zeros(4, dtype=torch.long)
+
+    def step(mask):
+        torch.nn.functional.nll_loss(_masked_log_softmax(lin(x).squeeze(-1), mask), targets).backward()
+
+    assert run(lambda: step(mask)).findings == []  # a healthy batch
+    empty = mask.clone()
+    empty[2] = False  # an empty passage: every candidate masked
+    finding = run(lambda: step(empty)).findings[0]
+    assert (finding.kind, finding.op, finding.where.lineno) == (
+        "producer", "aten._log_softmax.default", line_of("# the row masked whole"))
+    assert finding.diagnosis == "row 2 of 4 along dim 1 is fully masked (every entry -inf): softmax of it is 0/0"
+    # 0s and 1s an op computed are no mask: the log of a softmax saturated to one-hot is the producer.
+    saturated = run(lambda: torch.softmax(torch.tensor([[1000.0, 0.0, 0.0]]), -1).log()).findings
+    assert [(f.kind, f.op) for f in saturated] == [("producer", "aten.log.default")]

@@ -100,6 +100,8 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
         # (huggingface/transformers#17437): an infinite mask's inf, intended. Its output is recorded as
         # such a mask's: a later op that makes NaN of it (a row masked whole) is the producer.
         return None, False
+    if out_inf and not (out_nan or tensor_nan or tensor_inf or numbers) and _logs_a_mask(info.name, inputs, provenance):
+        return None, False  # see NOTE: [the log of a 0/1 mask]
     if out_inf and not (tensor_nan or tensor_inf or numbers):
         kind, reason = "producer", "made non-finite values from finite inputs"
     elif tainted and not dirty:
@@ -166,6 +168,30 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     held_reach_outputs()
     return (finding, repro), True
 
+
+
+# NOTE: [the log of a 0/1 mask]
+# `scores + mask.float().log()` is how AllenNLP's masked_log_softmax, and code written after it, makes an
+# additive mask: log(0) = -inf where the mask is 0 (allenai/allennlp#890). Judged as any log of zeros,
+# it stopped every healthy batch at the log, and the NaN of a row masked whole was then propagation, so
+# the log_softmax that made it, and its diagnosis, went unreported (a probe, session 51). So a log whose
+# input holds only exact 0s and 1s that came from outside locate or from a cast (`.float()`, `.to()` of a
+# bool or integer mask) makes intended infinities, as a masking op does. One of 0s and 1s that an op
+# computed (a softmax saturated to one-hot) is no mask: its log is still the producer.
+_LOG_PACKETS = frozenset(("log", "log_"))  # the idiom's (a log2 or log10 of a mask is no one's)
+_MASK_CASTS = frozenset(("aten._to_copy.default",))
+
+
+def _logs_a_mask(op: str, inputs: list, provenance: Provenance) -> bool:
+    """Whether op is a log of a 0/1 mask (see the NOTE above), from its inputs as examine lists them."""
+    if op.split(".")[1] not in _LOG_PACKETS or len(inputs) != 1 or inputs[0][1] is None:
+        return False
+    _, values, live, _ = inputs[0]
+    if not bool(((values == 0) | (values == 1)).all()):
+        return False
+    record = provenance.record(live) if live is not None else None
+    producer = record[1] if record is not None else _OUTSIDE
+    return producer is _OUTSIDE or producer.op in _MASK_CASTS
 
 
 # NOTE: [a non-finite value backward is called on]
