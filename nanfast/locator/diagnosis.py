@@ -124,12 +124,14 @@ def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     base, exponent = _tensor(args, "self"), args.get("exponent")
     if base is None or base.is_complex() or not isinstance(exponent, (int, float)) or not math.isfinite(exponent):
         return None  # a NaN or inf exponent is the finding itself (kind "scalar")
+    # Shown to 12 digits: pow's backward raises to `exponent - 1`, which for 2.2 is 1.2000000000000002.
     if exponent < 0 and _count(base == 0):
         zeros = _count(base == 0)
-        return f"pow of 0 to the negative exponent {exponent}: {_of(zeros, base)} of `self` {_are(zeros)} 0"
+        return f"pow of 0 to the negative exponent {exponent:.12g}: {_of(zeros, base)} of `self` {_are(zeros)} 0"
     if exponent != int(exponent) and _count(base < 0):
         n = _count(base < 0)
-        return f"pow of negative values to the fractional exponent {exponent}: {_of(n, base)} of `self` are < 0"
+        return (f"pow of negative values to the fractional exponent {exponent:.12g}: {_of(n, base)} of `self` "
+                "are < 0")
     return _overflow("pow")(args, outputs)
 
 
