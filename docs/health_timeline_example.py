@@ -6,7 +6,8 @@ going wrong on purpose, each caught by the watch as it happens:
 - step 180: the learning rate set 30x too high for one step: the loss and gradient norm jump at the
   next step, more than 10x their running medians: an event of kind "spike";
 - throughout: the inputs' scale drifts upwards (an unnormalised feature), so the first layer's float16
-  output creeps towards float16's largest finite value: events of kind "headroom" at 25%, 50%, 90%.
+  output creeps towards float16's largest finite value: events of kind "headroom" as it crosses 25% and
+  50% (the run ends before 90%).
 
 The records are the watch's own (streamed by `log_to=`). Run from the repository root:
 
