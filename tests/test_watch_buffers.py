@@ -139,3 +139,17 @@ def test_an_evaluation_forward_reads_no_buffer():
         with torch.no_grad():
             model(_batches(bad=-1, n=1)[0])
     assert w.events == []  # eval mode writes no buffer: what the training step left was its to report
+
+
+@pytest.mark.filterwarnings("ignore:nanfast.watch. 4 trainable parameter")  # the lazy ones, not in the optimizer
+def test_a_lazy_batchnorm_is_checked_once_its_first_forward_made_its_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10), nn.LazyBatchNorm1d(), nn.Linear(10, 1)).half()
+    assert isinstance(model[1].running_var, torch.nn.parameter.UninitializedBuffer)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    with nanfast.watch(model, opt, action="skip", headroom=None) as w:
+        _train(model, opt, _batches(bad=-1, n=1))  # materializes the buffers
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            _train(model, opt, _batches(bad=0, n=1))
+    # (named by its class when the watch listed it)
+    assert [(e.phase, e.name, e.module_class) for e in w.events] == [("buffer", "1.running_var", "LazyBatchNorm1d")]

@@ -48,16 +48,20 @@ class WrittenBuffers:
 
     def relist(self) -> None:
         """Lists the buffers as the model's modules hold them now, leaving out those that hold NaN or inf
-        now (read once) and those `ignore` names."""
+        now (read once) and those `ignore` names. A lazy module's buffer, uninitialized until its first
+        forward, is listed and read once it is a tensor."""
         listed = [(module, name, f"{prefix}.{name}" if prefix else name, buffer)
                   for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
-                  for name, buffer in module._buffers.items() if _checked(buffer)]
+                  for name, buffer in module._buffers.items()
+                  if _checked(buffer) or isinstance(buffer, torch.nn.parameter.UninitializedBuffer)]
         sites = [self._site(full, type(module).__name__) for module, _, full, _ in listed]
         kept = [i for i, site in enumerate(sites) if not site.ignored]
-        if kept:
-            buffers = [listed[i][3] for i in kept]
+        read = [i for i in kept if _checked(listed[i][3])]
+        if read:
+            buffers = [listed[i][3] for i in read]
             counts, _, _ = _C.stats_on(buffers, buffers[0].device)
-            kept = [i for i, row in zip(kept, counts.tolist()) if not any(row)]
+            intended = {i for i, row in zip(read, counts.tolist()) if any(row)}
+            kept = [i for i in kept if i not in intended]
         self._sites = [sites[i] for i in kept]
         self._slots = _C.BufferSlots([listed[i][0] for i in kept], [listed[i][1] for i in kept]) if kept else None
 
