@@ -43,9 +43,9 @@ def test_a_float16_batchnorm_whose_running_var_overflows_is_named_and_skipped():
         with nanfast.watch(model, opt, action="skip", headroom=None) as w:
             _train(model, opt, batches)
     (event,) = w.events
-    assert (event.step, event.phase, event.name, event.module_class) == (2, "buffer", "1.running_var", "BatchNorm1d")
+    assert (event.step, event.phase, event.name) == (2, "buffer", "1.running_var")
     assert (event.nan, event.posinf, event.neginf) == (0, 10, 0)
-    assert "buffer 1.running_var (BatchNorm1d)" in event.summary()
+    assert "non-finite values first appeared in the buffer 1.running_var after the forward" in event.summary()
     assert w.skipped_steps == 1
     # As if the bad batch never came: the statistics and weights of a run without it.
     _train(reference, ref_opt, batches[:2] + batches[3:])
@@ -60,7 +60,7 @@ def test_a_raising_watch_names_the_buffer_and_puts_it_back():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanfast.watch(model, opt, headroom=None):
         _train(model, opt, _batches(bad=-1, n=2))
-        with pytest.raises(nanfast.NonFiniteError, match=r"buffer 1\.running_var \(BatchNorm1d\)"):
+        with pytest.raises(nanfast.NonFiniteError, match=r"buffer 1\.running_var after the forward"):
             _train(model, opt, _batches(bad=0, n=1))
     assert torch.isfinite(model[1].running_var).all()
 
@@ -151,5 +151,27 @@ def test_a_lazy_batchnorm_is_checked_once_its_first_forward_made_its_buffers():
         _train(model, opt, _batches(bad=-1, n=1))  # materializes the buffers
         with pytest.warns(RuntimeWarning, match="skipped"):
             _train(model, opt, _batches(bad=0, n=1))
-    # (named by its class when the watch listed it)
-    assert [(e.phase, e.name, e.module_class) for e in w.events] == [("buffer", "1.running_var", "LazyBatchNorm1d")]
+    assert [(e.phase, e.name) for e in w.events] == [("buffer", "1.running_var")]
+
+
+def test_a_float16_buffer_near_its_max_gets_a_headroom_warning_naming_it():
+    model = _float16_batchnorm()
+    model[1].running_var.fill_(30000.0)  # 0.9 of it after the next forward: 41% of float16's max
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match="headroom|float16's max"):
+        with nanfast.watch(model, opt, headroom=(0.25,)) as w:
+            _train(model, opt, _batches(bad=-1, n=1))
+    assert [(e.kind, e.phase, e.name) for e in w.events] == [("headroom", "buffer", "1.running_var")]
+    assert w.events[0].detail.startswith("buffer 1.running_var after the forward at 41% of float16's max")
+
+
+def test_each_microbatch_of_an_accumulated_step_is_named():
+    model = _float16_batchnorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, action="skip", headroom=None) as w:
+        opt.zero_grad()
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            for x in _batches(bad=1, n=2):
+                model(x).float().pow(2).mean().backward()
+            opt.step()
+    assert [(p.phase, p.name, p.microbatch) for p in w.events[0].places] == [("buffer", "1.running_var", 1)]

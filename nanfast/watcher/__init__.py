@@ -29,7 +29,7 @@ from .hooks import Hooks
 from .install import Installation, weakly_bound
 from .inputs import walked_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
-                      checks, fused_records, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
+                      checks, fused_records, ignored, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
                       typed_options, unknown_options, validate)
 from .owned_hook import remove_inert_hooks
 from .profile import Profile
@@ -149,7 +149,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._root = self._site("", type(model).__name__)
         self._input = self._site("input", "")
         # The buffers a training forward may write, checked after it (NOTE: [Buffers a forward writes]).
-        self._written = WrittenBuffers(model, self._site) if params else None
+        self._written = WrittenBuffers(model, functools.partial(ignored, self.ignore)) if params else None
         self._handles: list = []
         self._retire: Optional[weakref.finalize] = None  # set by _install
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules with hooks (NOTE: [A model changed after watch()])

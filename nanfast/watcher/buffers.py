@@ -17,13 +17,16 @@ from .. import _C
 # running_var +inf, the watch silent, and model.eval() then output the bias alone (pytorch/pytorch#115500;
 # a probe, session 51). Those writes bump no version counter (pytorch/pytorch#13402), so which buffers
 # a forward wrote is not known without reading them: after each training-mode forward of the model
-# every floating-point buffer of its modules is read, a record of its own, phase "buffer", named by the
-# buffer ("buffer 1.running_var (BatchNorm1d)"); a skip puts such buffers back as for any bad step (NOTE:
-# [What a step writes besides the update]). Buffers that already held NaN or inf when they were listed (a
-# float causal mask's -inf, a quantization observer's +inf/-inf bounds before its first forward) are
-# intended, not checked; so are those `ignore` names. An evaluation forward (eval mode) writes none.
-# Listing reads the buffers once: at watch(), and at the first step after the model gained a module or
-# buffer (NOTE: [A model changed after watch()]). The reads follow the `params` check (the model's state).
+# every floating-point buffer of its modules is read, in one record of phase "buffer" whose rows are
+# named by the buffers (its slot's site is the tuple of their names, as the pass's parameter rows are
+# named: "buffer 1.running_var after the forward"); a skip puts such buffers back as for any bad step
+# (NOTE: [What a step writes besides the update]). One record, not one per buffer: on ResNet-18's 40
+# buffers a record each cost ~380 us of host time per forward, one ~30 us. Buffers that already held
+# NaN or inf when they were listed (a float causal mask's -inf, a quantization observer's +inf/-inf
+# bounds before its first forward) are intended, not checked; so are those `ignore` names. An
+# evaluation forward (eval mode) writes none. Listing reads the buffers once: at watch(), and at the
+# first step after the model gained a module or buffer (NOTE: [A model changed after watch()]). The reads
+# follow the `params` check (the model's state).
 
 
 def _checked(t: Any) -> bool:
@@ -34,16 +37,15 @@ def _checked(t: Any) -> bool:
 
 class WrittenBuffers:
     """The model's floating-point buffers as checked after its training forwards (see NOTE: [Buffers a
-    forward writes]): each one's site, and the buffers read in one loop (`_C.BufferSlots`)."""
+    forward writes]): their names, and the buffers read in one loop (`_C.BufferSlots`)."""
 
-    def __init__(self, model: torch.nn.Module, site: Callable[[str, str], Any]):
+    def __init__(self, model: torch.nn.Module, ignored: Callable[[str], bool]):
         """Args:
             model: the watched model.
-            site: makes the recording place of a buffer from its name and its module's class (the watch's
-                `_site`, which also says whether `ignore` names it)."""
+            ignored: whether `ignore` names a buffer (by its qualified name)."""
         self._model = model
-        self._site = site
-        self._sites: list[Any] = []
+        self._ignored = ignored
+        self._names: tuple[str, ...] = ()
         self._slots: Optional[Any] = None
 
     def relist(self) -> None:
@@ -54,22 +56,26 @@ class WrittenBuffers:
                   for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
                   for name, buffer in module._buffers.items()
                   if _checked(buffer) or isinstance(buffer, torch.nn.parameter.UninitializedBuffer)]
-        sites = [self._site(full, type(module).__name__) for module, _, full, _ in listed]
-        kept = [i for i, site in enumerate(sites) if not site.ignored]
+        kept = [i for i, (_, _, full, _) in enumerate(listed) if not self._ignored(full)]
         read = [i for i in kept if _checked(listed[i][3])]
         if read:
             buffers = [listed[i][3] for i in read]
             counts, _, _ = _C.stats_on(buffers, buffers[0].device)
             intended = {i for i, row in zip(read, counts.tolist()) if any(row)}
             kept = [i for i in kept if i not in intended]
-        self._sites = [sites[i] for i in kept]
+        self._names = tuple(listed[i][2] for i in kept)
         self._slots = _C.BufferSlots([listed[i][0] for i in kept], [listed[i][1] for i in kept]) if kept else None
 
     def record(self, record: Callable[[str, Any, int, list], None]) -> None:
-        """Records each listed buffer as its module holds it now (one re-assigned to something the
-        recorder does not read is left out), through the watch's `_record`."""
+        """Records the listed buffers as the modules hold them now (one re-assigned to something the
+        recorder does not read, or still uninitialized, left out), through the watch's `_record`."""
         if self._slots is None:
             return
-        for site, buffer in zip(self._sites, self._slots.state()[0]):
-            if _checked(buffer):
-                record("buffer", site, 1, [buffer])
+        buffers = self._slots.state()[0]
+        tensors = _C.plain_floating_tensors(buffers)  # all of them, as almost always: the names as listed
+        if tensors is not None and len(tensors) == len(self._names):
+            record("buffer", self._names, 1, tensors)
+            return
+        kept = [(name, buffer) for name, buffer in zip(self._names, buffers) if _checked(buffer)]
+        if kept:
+            record("buffer", tuple(name for name, _ in kept), 1, [buffer for _, buffer in kept])

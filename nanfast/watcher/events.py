@@ -60,7 +60,7 @@ class Place(NonfiniteCounts):
             "param": f"parameter {self.name}",
             "input": "the input batch",
             "forward": f"output of {module}",
-            "buffer": f"buffer {self.name} ({self.module_class}) after the forward",
+            "buffer": f"buffer {self.name} after the forward",
             "loss_value": f"value of {self.name!r} passed to Watch.loss",
             "loss": f"gradient of the loss w.r.t. the output of {module}",
             "backward": f"gradient flowing out of {module} in backward",

@@ -169,6 +169,7 @@ class Headroom:
         keys: list = []
         parts: list[torch.Tensor] = []
         input_rows: dict[int, int] = {}  # input slot -> its rows (every row of a record is in `limited`)
+        named_rows: dict[int, int] = {}  # buffers' slot -> the index of its row seen last
         if absmax is not None:
             for slot, limit in limited:
                 phase, site, call, microbatch = step_slots[slot]
@@ -176,7 +177,12 @@ class Headroom:
                 if phase == "input":  # its entry is named if it warns (see NOTE: [Naming the input's entries])
                     row = (slot, microbatch, input_rows.get(slot, 0))
                     input_rows[slot] = row[2] + 1
-                keys.append(((phase, site.name, site.module_class, call), limit, phase in _SCALED_PHASES, row)
+                if isinstance(site, tuple):  # a row per named buffer (NOTE: [Buffers a forward writes])
+                    index = named_rows[slot] = named_rows.get(slot, -1) + 1
+                    name, module_class = site[index], ""
+                else:
+                    name, module_class = site.name, site.module_class
+                keys.append(((phase, name, module_class, call), limit, phase in _SCALED_PHASES, row)
                             if limit else None)
             parts.append(absmax)
         if fused is not None and any(fused.limits):

@@ -284,10 +284,10 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
     for phase, label, call, microbatch, n, slot in read.slots():
         if scaler_skipped and phase in _SCALED_PHASES:
             pass
-        elif isinstance(label, tuple):  # one row per named parameter or gradient
+        elif isinstance(label, tuple):  # one row per named parameter, gradient or buffer
             for name, (nan, posinf, neginf) in zip(label, rows[i:i + n]):
                 if _reported(nan, posinf, neginf, nan_only):
-                    found.append(Place(phase, name, "", int(nan), int(posinf), int(neginf)))
+                    found.append(Place(phase, name, "", int(nan), int(posinf), int(neginf), call, microbatch))
         else:
             nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
             if _reported(nan, posinf, neginf, nan_only):
