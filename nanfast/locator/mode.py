@@ -254,7 +254,8 @@ def _subclass_first(types: tuple) -> bool:
 # one NaN weight); left unjudged, a float16 batch whose variance passed 65504 made running_var +inf
 # with every output finite, and locate found nothing (pytorch/pytorch#115500; a probe, session 51). So
 # they are the op's outputs too, named by their arguments.
-def _unreturned_writes(info: _OpInfo, args: tuple, kwargs: dict, raw: list) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _unreturned_writes(info: _OpInfo, args: tuple, kwargs: dict,
+                       raw: list) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The arguments an op writes without returning them, as (argument name, tensor, its values)."""
     if not info.read_write_args or not raw:
         return []

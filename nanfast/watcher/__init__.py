@@ -29,8 +29,8 @@ from .hooks import Hooks
 from .install import Installation, weakly_bound
 from .inputs import walked_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
-                      checks, fused_records, ignored, patterns, results_device, rollback_options, stepped_optimizer, steps_option,
-                      typed_options, unknown_options, validate)
+                      checks, fused_records, ignored, patterns, results_device, rollback_options, stepped_optimizer,
+                      steps_option, typed_options, unknown_options, validate)
 from .owned_hook import remove_inert_hooks
 from .profile import Profile
 from .readings import Readings
