@@ -175,3 +175,90 @@ def test_each_microbatch_of_an_accumulated_step_is_named():
                 model(x).float().pow(2).mean().backward()
             opt.step()
     assert [(p.phase, p.name, p.microbatch) for p in w.events[0].places] == [("buffer", "1.running_var", 1)]
+
+
+class CachedMask(nn.Module):
+    """A causal mask cached in a buffer by the first forward, an empty placeholder before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(10, 10)
+        self.register_buffer("mask", torch.empty(0), persistent=False)
+
+    def forward(self, x):
+        n = x.shape[1]
+        if self.mask.shape[-1] < n:
+            self.mask = torch.full((n, n), float("-inf")).triu(1)
+        return (self.q(x) @ x.transpose(1, 2) + self.mask[:n, :n]).softmax(-1) @ x
+
+
+def test_a_mask_cached_in_a_buffer_after_watch_may_hold_minus_inf():
+    """The placeholder was finite when listed, so its -inf mask read as a fault: every step skipped and the
+    model never trained (a probe)."""
+    model = CachedMask()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, action="skip") as w:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(2, 5, 10)).pow(2).mean().backward()
+            opt.step()
+    assert w.events == [] and w.skipped_steps == 0
+
+
+def test_a_compiled_forwards_buffers_are_read_at_the_steps_end():
+    """A compiled forward runs none of the watch's hooks: the overflowed running_var went unseen."""
+    model = _float16_batchnorm()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        with nanfast.watch(compiled, opt, action="skip", headroom=None) as w:
+            _train(compiled, opt, _batches(bad=1, n=3))
+    assert [(e.step, e.phase, e.name, e.forward_unchecked) for e in w.events] == [(1, "buffer", "1.running_var", True)]
+    assert torch.isfinite(model[1].running_var).all()
+
+
+def test_a_batchnorm_adapted_in_train_mode_under_an_eval_model_is_read():
+    model = _float16_batchnorm().eval()
+    model[1].train()  # test-time adaptation: only the BatchNorm updates its statistics
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, action="skip", headroom=None) as w:
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            _train(model, opt, _batches(bad=0, n=1))
+    assert [(e.phase, e.name) for e in w.events] == [("buffer", "1.running_var")]
+    assert torch.isfinite(model[1].running_var).all()
+
+
+def test_a_buffer_a_bad_step_left_non_finite_stays_checked_when_the_model_changes():
+    """Listed again after the model gained a module, a running_var a bad step had made +inf (with
+    action="warn") was judged intended and never reported again."""
+    model = _float16_batchnorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(RuntimeWarning, match="running_var"):
+        with nanfast.watch(model, opt, action="warn", headroom=None) as w:
+            _train(model, opt, _batches(bad=0, n=1))
+            model.append(nn.Identity())  # listed again at the next step
+            _train(model, opt, _batches(bad=-1, n=1))
+    assert [(e.step, e.name) for e in w.events] == [(0, "1.running_var"), (1, "1.running_var")]
+
+
+class FilledLater(nn.Module):
+    """A buffer registered as None, given a tensor by the forward (an assignment to a name it has)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("last", None)
+
+    def forward(self, x):
+        self.last = x.mean(0).detach() * 1e39  # float32 overflow: +inf
+        return self.lin(x)
+
+
+def test_a_buffer_registered_as_none_is_read_once_it_holds_a_tensor():
+    model = FilledLater()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanfast.NonFiniteError, match="buffer last after the forward"):
+        with nanfast.watch(model, opt):
+            opt.zero_grad()
+            model(torch.rand(2, 4) + 1).sum().backward()
+            opt.step()

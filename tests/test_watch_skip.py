@@ -694,3 +694,31 @@ def test_skip_under_a_gradscaler_restores_buffers_too(fused):
     (state, scale), (reference, _) = run(good[:1] + [dirty(9)] + good[1:], True), run(good, False)
     assert scale == 0.5  # the scaler halved its scale for the NaN gradients: not undone (documented)
     assert_same_state(state, reference)  # scales are powers of two: unscaled gradients are the same
+
+
+class ExpandedBuffer(torch.nn.Module):
+    """A buffer made by expand(): its rows share memory, so nothing can write it in place."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+        self.register_buffer("pos", torch.zeros(1, 8, dtype=dtype).expand(4, 8))
+
+    def forward(self, x):
+        return self.lin(x + self.pos[: x.shape[0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_a_skip_with_an_expanded_buffer_skips(dtype):
+    """Copying the snapshot back into it raised out of optimizer.step() ("more than one element of the
+    written-to tensor refers to a single memory location"): a probe, session 51."""
+    torch.manual_seed(0)
+    model = ExpandedBuffer(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        with nanfast.watch(model, opt, action="skip") as w:
+            for i in range(3):
+                opt.zero_grad()
+                (model(torch.randn(4, 8)).pow(2).mean() * (float("nan") if i == 1 else 1.0)).backward()
+                opt.step()
+    assert w.skipped_steps == 1

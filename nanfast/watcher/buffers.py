@@ -4,29 +4,36 @@ forward writes])."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from .. import _C
+from ..intended import is_mask_name
 
 # NOTE: [Buffers a forward writes]
 # BatchNorm's training forward updates running_mean and running_var in place while its output, made
 # from the batch's own statistics, stays finite: a float16 batch whose variance passes 65504 left
 # running_var +inf, the watch silent, and model.eval() then output the bias alone (pytorch/pytorch#115500;
 # a probe, session 51). Those writes bump no version counter (pytorch/pytorch#13402), so which buffers
-# a forward wrote is not known without reading them: after each training-mode forward of the model
-# every floating-point buffer of its modules is read, in one record of phase "buffer" whose rows are
+# a forward wrote is not known without reading them: after each forward in which a module holding
+# buffers is in training mode (the model, or a BatchNorm adapted under an eval-mode model), every
+# floating-point buffer of the model's modules is read, in one record of phase "buffer" whose rows are
 # named by the buffers (its slot's site is the tuple of their names, as the pass's parameter rows are
 # named: "buffer 1.running_var after the forward"); a skip puts such buffers back as for any bad step
-# (NOTE: [What a step writes besides the update]). One record, not one per buffer: on ResNet-18's 40
-# buffers a record each cost ~380 us of host time per forward, one ~30 us. Buffers that already held
-# NaN or inf when they were listed (a float causal mask's -inf, a quantization observer's +inf/-inf
-# bounds before its first forward) are intended, not checked; so are those `ignore` names. An
-# evaluation forward (eval mode) writes none. Listing reads the buffers once: at watch(), and at the
-# first step after the model gained a module or buffer (NOTE: [A model changed after watch()]). The reads
-# follow the `params` check (the model's state).
+# (NOTE: [What a step writes besides the update]). A compiled forward runs no hook: its buffers are
+# read at the step's end. One record, not one per buffer: on ResNet-18's 40 buffers a record each cost
+# ~380 us of host time per forward, one ~30 us.
+# Intended infinities: a buffer that held NaN or inf when first listed (a float causal mask's -inf, a
+# quantization observer's +inf/-inf bounds before its first forward) is not checked, judged once per
+# name (a buffer a bad step made +inf stays checked when the model gains a module and the buffers are
+# listed again); a buffer named as a mask (NOTE: [Additive masks]) may hold -inf whenever, as a mask
+# cached in a buffer by the first forward (an empty placeholder before it) does; `ignore` names others.
+# The slots are listed at watch() and at the first step after the model gained a module or buffer
+# (NOTE: [A model changed after watch()]), a slot empty then (None, a lazy module's uninitialized
+# buffer) included: it is read once it holds a tensor. The reads follow the `params` check.
 
 
 def _checked(t: Any) -> bool:
@@ -37,7 +44,8 @@ def _checked(t: Any) -> bool:
 
 class WrittenBuffers:
     """The model's floating-point buffers as checked after its training forwards (see NOTE: [Buffers a
-    forward writes]): their names, and the buffers read in one loop (`_C.BufferSlots`)."""
+    forward writes]): their slots, read in one loop (`_C.BufferSlots`), and the names of the rows the
+    last record made."""
 
     def __init__(self, model: torch.nn.Module, ignored: Callable[[str], bool]):
         """Args:
@@ -45,37 +53,42 @@ class WrittenBuffers:
             ignored: whether `ignore` names a buffer (by its qualified name)."""
         self._model = model
         self._ignored = ignored
-        self._names: tuple[str, ...] = ()
+        self._intended: dict[str, bool] = {}  # name -> held NaN/inf when first listed (judged once)
+        self._names: tuple[str, ...] = ()  # each slot's
+        self._owners: tuple[torch.nn.Module, ...] = ()  # the modules holding the slots, each once
         self._slots: Optional[Any] = None
+        self._seen: list = []  # each slot's tensor at the last record
+        self._rows: tuple = ((), (), ())  # that record's row names, mask rows, slot of each row
 
     def relist(self) -> None:
-        """Lists the buffers as the model's modules hold them now, leaving out those that hold NaN or inf
-        now (read once) and those `ignore` names. A lazy module's buffer, uninitialized until its first
-        forward, is listed and read once it is a tensor."""
+        """Lists the model's buffer slots as its modules hold them now, but those `ignore` names and those
+        holding NaN or inf when first listed (read once)."""
         listed = [(module, name, f"{prefix}.{name}" if prefix else name, buffer)
                   for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
-                  for name, buffer in module._buffers.items()
-                  if _checked(buffer) or isinstance(buffer, torch.nn.parameter.UninitializedBuffer)]
-        kept = [i for i, (_, _, full, _) in enumerate(listed) if not self._ignored(full)]
-        read = [i for i in kept if _checked(listed[i][3])]
-        if read:
-            buffers = [listed[i][3] for i in read]
-            counts, _, _ = _C.stats_on(buffers, buffers[0].device)
-            intended = {i for i, row in zip(read, counts.tolist()) if any(row)}
-            kept = [i for i in kept if i not in intended]
-        self._names = tuple(listed[i][2] for i in kept)
-        self._slots = _C.BufferSlots([listed[i][0] for i in kept], [listed[i][1] for i in kept]) if kept else None
+                  for name, buffer in module._buffers.items()]
+        kept = [entry for entry in listed if not self._ignored(entry[2])]
+        new = [entry for entry in kept if entry[2] not in self._intended and _checked(entry[3])]
+        if new:
+            counts, _, _ = _C.stats_on([entry[3] for entry in new], new[0][3].device)
+            self._intended.update((entry[2], any(row)) for entry, row in zip(new, counts.tolist()))
+        kept = [entry for entry in kept if not self._intended.get(entry[2], False)]
+        self._names = tuple(entry[2] for entry in kept)
+        self._owners = tuple({id(entry[0]): entry[0] for entry in kept}.values())
+        self._slots = _C.BufferSlots([entry[0] for entry in kept], [entry[1] for entry in kept]) if kept else None
+        self._seen = []
 
-    def record(self, record: Callable[[str, Any, int, list], None]) -> None:
-        """Records the listed buffers as the modules hold them now (one re-assigned to something the
-        recorder does not read, or still uninitialized, left out), through the watch's `_record`."""
-        if self._slots is None:
+    def record(self, record: Callable[..., None]) -> None:
+        """Records the slots' buffers as the modules hold them now (those empty, or holding what the
+        recorder does not read, left out) through the watch's `_record`, if a module holding them is in
+        training mode."""
+        if self._slots is None or not (self._model.training or any(m.training for m in self._owners)):
             return
         buffers = self._slots.state()[0]
-        tensors = _C.plain_floating_tensors(buffers)  # all of them, as almost always: the names as listed
-        if tensors is not None and len(tensors) == len(self._names):
-            record("buffer", self._names, 1, tensors)
-            return
-        kept = [(name, buffer) for name, buffer in zip(self._names, buffers) if _checked(buffer)]
-        if kept:
-            record("buffer", tuple(name for name, _ in kept), 1, [buffer for _, buffer in kept])
+        if len(buffers) != len(self._seen) or not all(map(operator.is_, buffers, self._seen)):
+            self._seen = buffers  # a slot re-assigned since the last record (or none yet): its rows again
+            slots = [i for i, buffer in enumerate(buffers) if _checked(buffer)]
+            names = tuple(self._names[i] for i in slots)
+            self._rows = (names, tuple(row for row, name in enumerate(names) if is_mask_name(name)), slots)
+        names, masks, slots = self._rows
+        if names:
+            record("buffer", names, 1, buffers if len(slots) == len(buffers) else [buffers[i] for i in slots], masks)

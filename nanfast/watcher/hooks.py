@@ -260,7 +260,7 @@ class Hooks:
                         self._step.outputs[first] = output_layout(output)  # see NOTE: [Naming the output's fields]
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_grads(output, "loss", self._root, self._root.calls)
-            if self._written is not None and model.training:
+            if self._written is not None:
                 self._written.record(self._record)  # see NOTE: [Buffers a forward writes]
             self._forget_last()
         if self.optimizer is None and not torch.is_grad_enabled() and not self._steps.training:

@@ -72,8 +72,11 @@ def _same_kind(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
 
 def _copyable(t: Optional[torch.Tensor]) -> bool:
     """A plain dense tensor (a DTensor or other subclass would need its own twin: left out, so a change
-    to it shows as `missed`)."""
-    return type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
+    to it shows as `missed`) that can be written in place: one whose elements share memory (a buffer made
+    by expand()) cannot, so no step changes it, and copying it back raised out of a skip (a probe,
+    session 51)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type != "meta" and not t.is_inference()
+            and torch._debug_has_internal_overlap(t) != 1)
 
 
 # NOTE: [What a step writes besides the update]

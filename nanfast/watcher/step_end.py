@@ -168,6 +168,8 @@ class StepEnd:
             # The scale this step's loss was multiplied by, a tensor on the device (get_scale() would sync).
             scale = getattr(self.scaler, "_scale", None)
             groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
+            if self._written is not None and fused_pass and not evaluation and self._step.forwards == 0:
+                self._written.record(self._record)  # a compiled forward's (NOTE: [Buffers a forward writes])
             recorded, recorded_slots, absmax, limited = self._recorder.take()
             read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
