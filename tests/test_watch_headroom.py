@@ -401,3 +401,26 @@ def test_an_input_entry_near_the_max_is_named(keyword):
     (event,) = w.events
     assert (event.kind, event.first.phase, [e.name for e in event.first.entries]) == ("headroom", "input", ["offsets"])
     assert event.detail.startswith("the input batch (offsets) at 60% of bfloat16's max")
+
+
+def test_a_place_that_went_non_finite_gets_no_headroom_warning_in_that_step():
+    """pytorch/pytorch#115500: a float16 Linear whose output overflowed to +inf was also warned of as
+    "output of 0 (Linear) at 97% of float16's max" (its finite values) in the step the event reported it
+    (a probe, session 51). Other places' warnings stay (the input's)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.BatchNorm1d(10), torch.nn.Linear(10, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+    model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanfast.watch(model, opt, action="skip") as w:
+            for scale in (1.0, 1.0, 30000.0):
+                opt.zero_grad()
+                model((torch.rand(8, 10, generator=g) * scale).half()).float().pow(2).mean().backward()
+                opt.step()
+    nonfinite = [e for e in w.events if e.kind == "nonfinite"]
+    assert [(e.phase, e.name) for e in nonfinite] == [("forward", "0")]
+    assert [(e.phase, e.name) for e in w.events if e.kind == "headroom"] == [("input", "input")]
