@@ -186,3 +186,21 @@ def test_a_backward_finding_gets_its_diagnosis():
     finding = raised.value.report
     assert (finding.op, finding.node) == ("aten.div.Tensor", "SqrtBackward0")
     assert "divides by exact zeros: 1 of 2 elements of the divisor `other` is 0" in finding.diagnosis
+
+
+@pytest.mark.parametrize("run, op, words", [
+    # pytorch/pytorch#18287: cos of +inf padding
+    (lambda: torch.cos(torch.tensor([1.0, INF])), "aten.cos.default",
+     "cos of infinite values: 1 of 2 elements of `self` is infinite"),
+    # pytorch/pytorch#49844: binary_cross_entropy_with_logits of a -inf logit with target 0
+    (lambda: F.binary_cross_entropy_with_logits(torch.tensor([-INF, 1.0]), torch.tensor([0.0, 1.0])),
+     "aten.binary_cross_entropy_with_logits.default",
+     "binary_cross_entropy_with_logits of infinite values: 1 of 2 elements of `self` is infinite"),
+], ids=["cos", "bce_with_logits"])
+def test_nan_an_op_makes_of_infinities_names_the_inputs_holding_them(run, op, words):
+    """Ops with no pattern of their own said only "made NaN from inputs without NaN" (a probe, session 51)."""
+    with pytest.raises(nanfast.NonFiniteError) as raised:
+        with nanfast.locate():
+            run()
+    finding = raised.value.report
+    assert (finding.op, finding.reason, finding.diagnosis) == (op, "made NaN from inputs without NaN", words)

@@ -141,7 +141,8 @@ def test_an_inf_times_zero_in_a_half_matmul_is_not_called_an_overflow():
     a = torch.tensor([[float("inf"), 1.0]], dtype=torch.float16)  # from outside: an allowed inf
     b = torch.tensor([[0.0], [1.0]], dtype=torch.float16)
     finding = run(lambda: a @ b, action="raise").finding
-    assert (finding.kind, finding.op) == ("producer", "aten.mm.default") and finding.diagnosis is None
+    assert (finding.kind, finding.op) == ("producer", "aten.mm.default")
+    assert finding.diagnosis == "mm of infinite values: 1 of 2 elements of `self` is infinite"  # no overflow
 
 
 def test_a_complex32_overflow_is_found_where_it_happens():

@@ -395,4 +395,19 @@ def diagnose(op: str, args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     """
     packet = op.split(".")[1] if op.count(".") >= 2 else op
     entry = DIAGNOSES.get(packet)
-    return entry(args, outputs) if entry is not None else None
+    found = entry(args, outputs) if entry is not None else None
+    return found if found is not None else _nan_of_infinities(packet, args, outputs)
+
+
+def _nan_of_infinities(packet: str, args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
+    """Any op with no pattern of its own that made NaN where its tensor inputs hold infinities but no NaN:
+    cos(inf), binary_cross_entropy_with_logits of a -inf logit (pytorch/pytorch#18287, #49844: said only
+    "made NaN from inputs without NaN", a probe, session 51). Names the inputs holding them."""
+    if not any(_count(torch.isnan(o)) for o in outputs if o.layout == torch.strided and not o.is_meta):
+        return None
+    tensors = [(name, t) for name, value in args.items() for t in (_tensor(args, name),) if t is not None]
+    if any(_count(torch.isnan(t)) for _, t in tensors):
+        return None
+    held = [(name, t, _count(torch.isinf(t))) for name, t in tensors]
+    named = [f"{_of(n, t)} of `{name}` {_are(n)} infinite" for name, t, n in held if n]
+    return f"{packet} of infinite values: {'; '.join(named)}" if named else None
