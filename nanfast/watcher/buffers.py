@@ -12,6 +12,7 @@ import torch
 
 from .. import _C
 from ..intended import is_mask_name
+from .restore import buffer_slots
 
 # NOTE: [Buffers a forward writes]
 # BatchNorm's training forward updates running_mean and running_var in place while its output, made
@@ -63,9 +64,7 @@ class WrittenBuffers:
     def relist(self) -> None:
         """Lists the model's buffer slots as its modules hold them now, but those `ignore` names and those
         holding NaN or inf when first listed (read once)."""
-        listed = [(module, name, f"{prefix}.{name}" if prefix else name, buffer)
-                  for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
-                  for name, buffer in module._buffers.items()]
+        listed = [(module, name, full, module._buffers[name]) for module, name, full in buffer_slots(self._model)]
         kept = [entry for entry in listed if not self._ignored(entry[2])]
         new = [entry for entry in kept if entry[2] not in self._intended and _checked(entry[3])]
         if new:

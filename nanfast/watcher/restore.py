@@ -97,6 +97,14 @@ def rewritten_in_forward(model: torch.nn.Module) -> list[torch.nn.Module]:
             and m.max_norm is not None and type(m.weight) is torch.nn.Parameter and _copyable(m.weight.data)]
 
 
+def buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+    """Every buffer slot of `model`'s eager modules (a TorchScript submodule's buffers are no dict's
+    entries) as (module, name in it, qualified name), an empty one (None) included."""
+    return [(module, name, f"{prefix}.{name}" if prefix else name)
+            for prefix, module in model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
+            for name in module._buffers]
+
+
 # Buffers of at most this many bytes are copied at every step whatever their dtype (see BufferUndo).
 _ALWAYS_COPIED_BYTES = 65536
 
@@ -147,10 +155,7 @@ class BufferUndo:
                          for name in module._buffers.keys()]
         self._scripted_found: list[Optional[torch.Tensor]] = []  # each as the step found it
         self._scripted_twins: Optional[Twins] = None
-        self._slots: list[tuple[torch.nn.Module, str, str]] = [
-            (module, name, f"{prefix}.{name}" if prefix else name)
-            for prefix, module in self._model.named_modules() if not isinstance(module, torch.jit.ScriptModule)
-            for name in module._buffers]
+        self._slots = buffer_slots(self._model)
         # The walks over them at each step's start and end, in C++ (see NOTE: [Buffers read in one loop]).
         self._buffers = _C.BufferSlots([module for module, _, _ in self._slots], [name for _, name, _ in self._slots])
         self._copied: Optional[set[int]] = None  # slots seen changing; None: all (until the first step ends)
