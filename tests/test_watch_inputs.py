@@ -1,7 +1,8 @@
 """A dirty input batch is named by its entries, as the forward's arguments call them (NOTE: [Naming the
 input's entries]): positional and keyword arguments, *args, nested lists and dicts, several dirty
 entries, a later microbatch, a lagged read; and a layout that cannot name its rows names nothing. The
-model's own output is named by its fields (NOTE: [Naming the output's fields])."""
+model's own output, and the loss's gradient w.r.t. it, are named by its fields (NOTE: [Naming the output's
+fields])."""
 
 from __future__ import annotations
 
@@ -158,6 +159,46 @@ def test_the_models_output_is_named_by_its_fields(sync):
         assert (first.phase, first.name, first.entries) == ("forward", "", (InputEntry(field, 1, 0, 0),))
         assert f"first appeared in the output of <model> (WithLoss): {field} (nan=1, +inf=0, -inf=0)" \
             in w.events[0].summary()
+
+
+class Siamese(torch.nn.Module):
+    """One encoder applied to two inputs, its two outputs returned as a tuple or a dict
+    (adambielski/siamese-triplet#18: a contrastive loss's NaN gradient, reported on one of them)."""
+
+    def __init__(self, as_dict=False):
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 3)
+        self.as_dict = as_dict
+
+    def forward(self, a, b):
+        out = (self.encoder(a), self.encoder(b))
+        return {"left": out[0], "right": out[1]} if self.as_dict else out
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_the_gradient_wrt_an_output_field_is_named(sync):
+    """The gradients of the loss w.r.t. the model's outputs were one slot: a NaN in the second output's
+    gradient was "gradient of the loss w.r.t. the output of <model>" without saying which output (two such
+    places, indistinguishable, when both were dirty)."""
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    for model, field in ((Siamese(), "[1]"), (Siamese(as_dict=True), "right")):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.warns(RuntimeWarning, match="non-finite"), \
+                nanfast.watch(model, optimizer, action="warn", sync=sync) as w:
+            out = model(a, b)
+            left, right = out if isinstance(out, tuple) else (out["left"], out["right"])
+            (left.sum() + (right * torch.full_like(right, NAN)).sum().nan_to_num()).backward()
+            optimizer.step()
+        first = w.events[0].first
+        assert (first.phase, first.name, first.entries) == ("loss", "", (InputEntry(field, 6, 0, 0),))
+        assert (f"first appeared in the gradient of the loss w.r.t. the output of <model> (Siamese): {field} "
+                "(nan=6, +inf=0, -inf=0)") in w.events[0].summary()
+    model = Scaled()  # a bare tensor's gradient names no field, as before
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="non-finite"), nanfast.watch(model, optimizer, action="warn", sync=sync) as w:
+        (model(a) * NAN).sum().backward()
+        optimizer.step()
+    assert (w.events[0].first.phase, w.events[0].first.entries) == ("loss", ())
 
 
 class Wrapper(torch.nn.Module):

@@ -15,7 +15,7 @@ from ..recompute import recomputation
 from ..report import NonFiniteError
 from . import agree, scaler_hook
 from .forwards import Forward
-from .inputs import input_tensors, mask_rows, output_layout, walked_tensors
+from .inputs import Layout, input_tensors, mask_rows, output_layout, walked_tensors
 from .options import SKIPPING
 
 
@@ -78,6 +78,22 @@ class Hooks:
         # outputs. Leaves have no node (their gradients are the parameters', phase grad); the hooks go
         # with the graph. The recorder places them (C++ pre-hooks, see NOTE: [The watch's recorder]).
         self._hooks.hook_grads(obj, phase, site, call)
+
+    def _hook_output_grads(self, output: Any) -> None:
+        """Places the checks of the gradients of the loss w.r.t. the model's output (phase loss): a bare
+        tensor's in one slot, each floating tensor of another output in a slot of its own, named by its
+        field (NOTE: [Naming the output's fields]). The gradients arrive one by one, each its own record:
+        a Siamese model's two outputs in one slot were reported as one place, without saying which output
+        held the NaN (adambielski/siamese-triplet#18, a probe, session 51)."""
+        if isinstance(output, torch.Tensor):
+            self._hook_grads(output, "loss", self._root, self._root.calls)
+            return
+        tensors, layout = walked_tensors(output)
+        for tensor, node in zip(tensors, layout.nodes):
+            slot = len(self._step.slots)  # the id of the slot hook_grads makes, if it makes one
+            self._hook_grads(tensor, "loss", self._root, self._root.calls)
+            if len(self._step.slots) > slot:
+                self._step.outputs[slot] = Layout(nodes=[node])
 
     def loss(self, value: torch.Tensor, name: str = "loss") -> torch.Tensor:
         """Checks the loss value itself (phase loss_value), in the step's one read: a loss can be NaN
@@ -259,7 +275,7 @@ class Hooks:
                     if len(self._step.slots) > first and first not in self._step.outputs:  # a tuple: no walk yet
                         self._step.outputs[first] = output_layout(output)  # see NOTE: [Naming the output's fields]
                 if torch.is_grad_enabled() and not self._root.ignored:
-                    self._hook_grads(output, "loss", self._root, self._root.calls)
+                    self._hook_output_grads(output)
             if self._written is not None:
                 self._written.record(self._record)  # see NOTE: [Buffers a forward writes]
             self._forget_last()

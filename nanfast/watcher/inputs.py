@@ -96,7 +96,10 @@ def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
     # torchvision detector's RoIHeads' dict of losses. The layout of an output is kept, without its
     # tensors, by the record's slot id until the step is read: for a submodule where the C++ hooks walk
     # it anyway (a dict, a dataclass: not a tensor or a tuple of them, which cost no Python call), for
-    # the model itself whenever it is not a bare tensor (once per forward).
+    # the model itself whenever it is not a bare tensor (once per forward). The gradients of the loss
+    # w.r.t. the model's output take one slot per floating tensor, each slot's layout that tensor's node
+    # (Hooks._hook_output_grads): "w.r.t. the output of <model>" did not say which output of a Siamese
+    # model's tuple had the NaN gradient.
     if layout is None or layout.nodes is None or len(layout.nodes) != rows:
         return None
     return [_tree.path_of(_tree.path_steps(node), brackets=True) for node in layout.nodes]

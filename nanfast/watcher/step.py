@@ -294,7 +294,7 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
                 entries = ()
                 if phase == "input":
                     entries = _dirty_entries(entry_names(read.inputs.get(microbatch), n, forward), rows[i:i + n], nan_only)
-                elif phase == "forward":
+                elif phase in ("forward", "loss"):  # a field of an output, or the gradient w.r.t. it
                     entries = _dirty_entries(output_names(read.outputs.get(slot), n), rows[i:i + n], nan_only)
                 found.append(Place(phase, label.name, label.module_class, nan, posinf, neginf, call, microbatch,
                                    entries))
