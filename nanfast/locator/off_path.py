@@ -30,9 +30,12 @@ __all__ = ["OffPath", "OffPathFindings"]
 #   - the region ends normally while a storage it tainted is still alive (kept, returned: the caller
 #     will see it).
 # Otherwise (every tainted value was dropped: cast to an integer, not selected, freed) it is a note in
-# `.masked`, as a masked backward finding is. Under no_grad (inference), or in a region where nothing
-# requires grad (ops on plain tensors), every finding is reported at its op, as before: there is no
-# gradient path to be off.
+# `.masked`, as a masked backward finding is. Under no_grad (inference) every finding is reported at its
+# op, as before: there is no gradient path to be off. A finding in grad mode before any op has read a
+# tensor that requires grad is held too: a frozen encoder runs its whole forward before the first
+# trained parameter is read, and T5's log(0) there stopped every healthy step of a T5 whose encoder was
+# frozen (a probe, session 52). If the region ends without ever reading one (ops on plain tensors in grad
+# mode), nothing was off a gradient path: its held findings are all reported then, as at their ops.
 
 
 class OffPath:
@@ -73,12 +76,12 @@ class OffPathFindings:
         self.graph_seen = self.graph_seen or on_path
 
     def holds(self, kind: str, phase: str, on_path: bool) -> bool:
-        """Whether a finding is held: a forward producer or scalar off the gradient path of a region that
-        has one (an op reading a tensor that requires grad ran, in grad mode; this op, in grad mode too,
-        reads none). A forward that activation checkpointing runs again in backward ("recompute"), or
+        """Whether a finding is held: a forward producer or scalar off the gradient path (an op that, in
+        grad mode, reads no tensor requiring grad; whether the region has a gradient path at all is
+        judged when it ends: see close()). A forward that activation checkpointing runs again in backward ("recompute"), or
         runs first under no_grad (use_reentrant=True), is such a forward too: T5's relative-position
         log(0), held without checkpointing, stopped every checkpointed T5 step (a probe, session 44)."""
-        return (phase in ("forward", "recompute") and kind in ("producer", "scalar") and self.graph_seen
+        return (phase in ("forward", "recompute") and kind in ("producer", "scalar")
                 and not on_path  # an optimizer's update (no_grad) is reported at its op
                 and (torch.is_grad_enabled() or in_reentrant_first_forward()))
 
@@ -110,7 +113,8 @@ class OffPathFindings:
 
     def close(self, report_alive: bool) -> None:
         """The region ends: a finding whose values are still alive is reported (`report_alive`: the region
-        ended normally), the others are notes."""
+        ended normally), the others are notes; in a region that never read a tensor requiring grad,
+        every one is reported."""
         held, self._held = self._held, []
         for h in held:
-            self.settle(h, report=report_alive and h.alive())
+            self.settle(h, report=not self.graph_seen or (report_alive and h.alive()))

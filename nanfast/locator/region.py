@@ -94,7 +94,8 @@ def locate(*, action: str = "raise", dump: Optional[Union[str, os.PathLike]] = N
     makes NaN/inf from inputs that held none (see LocateFinding), or the first to consume NaN that came
     from outside (dirty data). Use as ``with nanfast.locate():`` or as a decorator ``@nanfast.locate()``.
 
-    action="raise" (default) raises NonFiniteError(finding) at that op, with the op's report as message;
+    action="raise" (default) raises NonFiniteError(finding) at that op (a forward op off the gradient
+    path: once its value matters; see docs/locate.md), with the op's report as message;
     action="record" runs on and collects every finding in ``.findings``. An op inside a backward node is
     reported only if the node returns a non-finite gradient from finite ones (else it goes to ``.masked``:
     torch masks 0/0 in norms, std, atan2, ...); ``finding.diagnosis`` says the pattern in words where
