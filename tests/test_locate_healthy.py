@@ -367,3 +367,22 @@ def test_a_row_masked_whole_at_the_dtypes_limit_is_found_where_it_becomes_nan():
     with nanfast.locate(action="record") as region:
         model(x, mask, clamp=False)
     assert [f.op for f in region.findings][:1] == ["aten._softmax.default"]
+
+
+def test_an_overflow_beside_a_mask_at_the_dtypes_limit_is_found_at_its_op():
+    """Scores masked with finfo.min, then divided by a small temperature: the division overflows an
+    unmasked score too. Every inf the op made was taken for the mask's, and the softmax after it was
+    blamed (a probe, session 52). Only infinities where an input holds the limit are the mask's."""
+    scores = torch.tensor([[4000.0, 1.0, 2.0], [1.0, 2.0, 3.0]], dtype=torch.half, requires_grad=True)
+    mask = torch.tensor([[False, False, True], [False, False, True]])
+    with nanfast.locate(action="record") as region:
+        s = scores.masked_fill(mask, torch.finfo(torch.half).min)
+        s = s / 0.05  # <temperature>
+        F.softmax(s, dim=-1).sum().backward()
+    first = region.findings[0]
+    assert (first.op, first.kind) == ("aten.div.Tensor", "producer"), first.summary()
+    assert "<temperature>" in open(first.source.filename).read().splitlines()[first.source.lineno - 1]
+    assert "`other` 0.05 give a result past 65504" in first.diagnosis
+    with nanfast.locate(action="record") as region:  # only the masked scores overflow: the mask's, silent
+        (scores.detach().clamp(max=100).masked_fill(mask, torch.finfo(torch.half).min) / 0.05).softmax(-1)
+    assert region.findings == []

@@ -80,10 +80,10 @@ def _divisor_zero(divisor: str) -> Callable:
 def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     divisor = args.get("other")
     if isinstance(divisor, (int, float)):
-        return "divides by the number 0" if divisor == 0 else None
+        return "divides by the number 0" if divisor == 0 else _quotient_overflow("div", _dividing(args), outputs)
     text = _divisor_zero("other")(args, outputs)
     if text is None:
-        return None
+        return _quotient_overflow("div", _dividing(args), outputs)
     zeros = divisor == 0
     numerator = _tensor(args, "self")
     if numerator is not None and not numerator.is_complex():
@@ -94,12 +94,51 @@ def _division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     return text
 
 
+def _dividing(args: Args) -> list[tuple[str, Any]]:
+    return [("self", args.get("self")), ("other", args.get("other"))]
+
+
 def _reciprocal_of_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     x = _tensor(args, "self")
     if x is None or x.is_complex():
         return None
     n = _count(x == 0)
-    return f"1/x of exact zeros: {_of(n, x)} of `self` {_are(n)} 0" if n else None
+    return f"1/x of exact zeros: {_of(n, x)} of `self` {_are(n)} 0" if n else _quotient_overflow("1/x", [("self", x)], outputs)
+
+
+def _smallest_magnitude(t: torch.Tensor) -> Optional[float]:
+    """The smallest non-zero |x| of the finite values of a real tensor; None for none."""
+    magnitudes = t.abs()
+    magnitudes = magnitudes[(magnitudes > 0) & torch.isfinite(magnitudes)]
+    return float(magnitudes.min()) if magnitudes.numel() else None
+
+
+def _past_the_limit(operands: str, out: torch.Tensor, name: str) -> Optional[str]:
+    """The overflow sentence: `operands` give a result past the most `out`'s dtype holds; None without inf."""
+    inf = _count(torch.isinf(out))
+    return (f"{out.dtype} overflow in {name}: {operands} give a result past {torch.finfo(out.dtype).max:.6g}, "
+            f"the most {out.dtype} holds ({_of(inf, out)} are ±inf)") if inf else None
+
+
+def _quotient_overflow(name: str, operands: list[tuple[str, Any]], outputs: list[torch.Tensor]) -> Optional[str]:
+    """A finite quotient past the dtype's largest value: a divisor tiny but not zero (scores over a small
+    temperature in float16, 1/x of a subnormal). `operands`: (name, value) of the numerator, if any, then
+    of the divisor, whose smallest magnitude is what overflows."""
+    if not outputs or not outputs[0].is_floating_point():
+        return None
+    parts = []
+    for i, (key, value) in enumerate(operands):
+        smallest = i == len(operands) - 1
+        if isinstance(value, torch.Tensor):
+            if value.is_complex() or value.numel() == 0 or not bool(torch.isfinite(value).all()):
+                return None  # an infinity it was given: no overflow
+            magnitude = _smallest_magnitude(value) if smallest else finite_absmax(value)
+            if magnitude is None:
+                return None
+            parts.append(f"`{key}` {'min' if smallest else 'max'} |x| {magnitude:.6g}")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(f"`{key}` {value:.6g}")
+    return _past_the_limit(", ".join(parts), outputs[0], name)
 
 
 def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str) -> Callable:
@@ -122,6 +161,8 @@ def _domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str)
 
 def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     base, exponent = _tensor(args, "self"), args.get("exponent")
+    if isinstance(exponent, torch.Tensor):
+        return _pow_tensor_domain(base, _tensor(args, "exponent"), args, outputs)
     if base is None or base.is_complex() or not isinstance(exponent, (int, float)) or not math.isfinite(exponent):
         return None  # a NaN or inf exponent is the finding itself (kind "scalar")
     # Shown to 12 digits: pow's backward raises to `exponent - 1`, which for 2.2 is 1.2000000000000002.
@@ -132,7 +173,31 @@ def _pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
         n = _count(base < 0)
         return (f"pow of negative values to the fractional exponent {exponent:.12g}: {_of(n, base)} of `self` "
                 "are < 0")
+    if exponent < 0 and outputs and outputs[0].is_floating_point() and bool(torch.isfinite(base).all()):
+        smallest = _smallest_magnitude(base)  # a negative exponent overflows from the smallest base
+        return None if smallest is None else _past_the_limit(
+            f"`self` min |x| {smallest:.6g}, `exponent` {exponent:.12g}", outputs[0], "pow")
     return _overflow("pow")(args, outputs)
+
+
+def _pow_tensor_domain(base: Optional[torch.Tensor], exponent: Optional[torch.Tensor], args: Args,
+                       outputs: list[torch.Tensor]) -> Optional[str]:
+    """pow with a tensor exponent: 0 to a negative exponent, a negative base to a fractional one, counted
+    over the result's elements (the two broadcast)."""
+    if base is None or exponent is None or base.is_complex() or exponent.is_complex():
+        return None
+    if not bool(torch.isfinite(exponent).all()):
+        return None
+    base, exponent = torch.broadcast_tensors(base, exponent)
+    n = _count((base == 0) & (exponent < 0))
+    if n:
+        return f"pow of 0 to negative exponents: at {_of(n, base)} of the result `self` is 0 and `exponent` < 0"
+    if exponent.is_floating_point():
+        n = _count((base < 0) & (exponent != exponent.round()))
+        if n:
+            return (f"pow of negative values to fractional exponents: at {_of(n, base)} of the result `self` is "
+                    "< 0 and `exponent` is not a whole number")
+    return None if bool((exponent < 0).any()) else _overflow("pow")(args, outputs)
 
 
 def _overflow(name: str) -> Callable:
@@ -154,11 +219,7 @@ def _overflow(name: str) -> Callable:
                     operands.append(f"`{key}` max |x| {largest:.6g}")
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 operands.append(f"`{key}` {value:.6g}")
-        inf = _count(torch.isinf(out))
-        if not inf or not operands:
-            return None
-        return (f"{out.dtype} overflow in {name}: {', '.join(operands)} give a result past "
-                f"{torch.finfo(out.dtype).max:.6g}, the most {out.dtype} holds ({_of(inf, out)} are ±inf)")
+        return _past_the_limit(", ".join(operands), out, name) if operands else None
 
     return diagnose_overflow
 
@@ -349,11 +410,11 @@ def _cast_overflow(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     return f"cast overflow: the largest |x| {largest:.6g} exceeds {limit:.6g}, the most {outputs[0].dtype} holds"
 
 
-# The table: ATen op (overload packet) -> diagnosis. Each returns a sentence, or None when the op's
-# inputs do not show its pattern.
+# The table: ATen op (overload packet; an in-place one is looked up as its out-of-place form) -> diagnosis.
+# Each returns a sentence, or None when the op's inputs do not show its pattern.
 DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "_softmax": _fully_masked_rows, "_log_softmax": _fully_masked_rows,
-    "div": _division_by_zero, "div_": _division_by_zero, "reciprocal": _reciprocal_of_zero,
+    "div": _division_by_zero, "reciprocal": _reciprocal_of_zero,
     "log": _domain("log", lambda x: x <= 0, "<= 0"), "log2": _domain("log2", lambda x: x <= 0, "<= 0"),
     "log10": _domain("log10", lambda x: x <= 0, "<= 0"),
     "log1p": _domain("log1p", lambda x: x <= -1, "<= -1"),
@@ -362,11 +423,10 @@ DIAGNOSES: dict[str, Callable[[Args, list[torch.Tensor]], Optional[str]]] = {
     "asin": _domain("asin", lambda x: x.abs() > 1, "outside [-1, 1]"),
     "atanh": _domain("atanh", lambda x: x.abs() >= 1, "outside (-1, 1)"),
     "pow": _pow_domain,
-    **{packet: _first(_overflow(packet.rstrip("_")), _inf_arithmetic(packet.rstrip("_")))
-       for packet in ("add", "add_", "sub", "sub_", "mul", "mul_")},
+    **{packet: _first(_overflow(packet), _inf_arithmetic(packet)) for packet in ("add", "sub", "mul")},
     "sum": _overflow("sum"), "xlogy": _xlogy_at_zero,
-    "addcdiv": _divisor_zero("tensor2"), "addcdiv_": _divisor_zero("tensor2"),
-    "exp": _exp_overflow(1.0), "exp_": _exp_overflow(1.0), "expm1": _exp_overflow(1.0),
+    "addcdiv": _divisor_zero("tensor2"),
+    "exp": _exp_overflow(1.0), "expm1": _exp_overflow(1.0),
     "exp2": _exp_overflow(math.log(2.0)),
     "nll_loss_forward": _loss_over_nothing, "nll_loss2d_forward": _loss_over_nothing,
     "mean": _mean_of_nothing,
@@ -394,7 +454,8 @@ def diagnose(op: str, args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
         A sentence, or None.
     """
     packet = op.split(".")[1] if op.count(".") >= 2 else op
-    entry = DIAGNOSES.get(packet)
+    # An in-place op (log_, div_) is diagnosed as its out-of-place form: `args` hold what it read.
+    entry = DIAGNOSES.get(packet) or DIAGNOSES.get(packet.removesuffix("_"))
     found = entry(args, outputs) if entry is not None else None
     return found if found is not None else _nan_of_infinities(packet, args, outputs)
 

@@ -93,7 +93,7 @@ def examine(provenance: Provenance, dump_wanted: bool, info: _OpInfo, named: lis
     dirty = [i for i, c in in_counts.items() if c[0] and provenance.from_outside(inputs[i][2])]
 
     if (out_inf and not (out_nan or tensor_nan or tensor_inf or numbers)
-            and _at_dtype_limit([inputs[i][1] for i in checked], [v for _, v in named], {t.dtype for t in outputs})):
+            and _at_dtype_limit([inputs[i][1] for i in checked], [v for _, v in named], outputs, info.pointwise)):
         # NOTE: [a mask at the dtype's limit]
         # Code that masks with torch.finfo(dtype).min rather than -inf (transformers' attention masks)
         # overflows to -inf where a masked score is negative in float16, and clamps it back right after

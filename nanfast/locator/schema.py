@@ -61,6 +61,7 @@ class _OpInfo:
     masking: bool  # in MASKING_OPS
     masked_when: Optional[str]  # its flag in _MASKED_WHEN
     workspace: frozenset[int]  # its outputs in _WORKSPACE_OUTPUTS
+    pointwise: bool  # torch.Tag.pointwise: an output element reads the inputs' elements at its index
 
 
 _op_info_cache: dict[Any, _OpInfo] = {}
@@ -80,7 +81,7 @@ def _op_info(func) -> _OpInfo:
             out_args |= written
         info = _OpInfo(str(func), skip, tuple(a.name for a in schema.arguments), frozenset(out_args),
                        frozenset(written - out_args), packet in MASKING_OPS, _MASKED_WHEN.get(packet),
-                       _WORKSPACE_OUTPUTS.get(packet, frozenset()))
+                       _WORKSPACE_OUTPUTS.get(packet, frozenset()), torch.Tag.pointwise in func.tags)
         _op_info_cache[func] = info
     return info
 

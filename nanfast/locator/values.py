@@ -134,12 +134,29 @@ def _scalar_nonfinite(value: Any) -> tuple[bool, bool]:
     return nan, inf
 
 
-def _at_dtype_limit(inputs: list[Optional[torch.Tensor]], numbers: list[Any], dtypes: set[torch.dtype]) -> bool:
-    """Whether an input tensor holds its dtype's largest finite magnitude, or a number argument is that of
-    one of `dtypes` (the outputs'): the value code writes in place of -inf as a mask (see NOTE: [a mask at
-    the dtype's limit] in examine.py)."""
-    for t in inputs:
-        if t is not None and t.is_floating_point() and bool((t.abs() == torch.finfo(t.dtype).max).any()):
-            return True
-    limits = {torch.finfo(d).max for d in dtypes if d.is_floating_point}
-    return any(isinstance(v, float) and abs(v) in limits for v in numbers)
+def _at_dtype_limit(inputs: list[Optional[torch.Tensor]], numbers: list[Any], outputs: list[torch.Tensor],
+                    pointwise: bool) -> bool:
+    """Whether the infinities of `outputs` can be a mask's: an input tensor holds its dtype's largest
+    finite magnitude, or a number argument is that of the outputs' dtype: the value code writes in place
+    of -inf as a mask (see NOTE: [a mask at the dtype's limit] in examine.py). For a pointwise op, only
+    if every infinite element of the outputs lies where an input holds such a value (broadcast): scores
+    masked with finfo.min, then divided by a temperature that overflows an unmasked one, made that
+    overflow look intended (a probe, session 52)."""
+    limits = {torch.finfo(t.dtype).max for t in outputs if t.is_floating_point()}
+    if any(isinstance(v, float) and abs(v) in limits for v in numbers):
+        return True
+    masks = [t.abs() == torch.finfo(t.dtype).max for t in inputs if t is not None and t.is_floating_point()]
+    masks = [m for m in masks if bool(m.any())]
+    if not masks or not pointwise:
+        return bool(masks)
+    for out in outputs:
+        infinite = torch.isinf(out)
+        at_mask = torch.zeros_like(infinite)
+        for m in masks:
+            try:
+                at_mask |= m if m.shape == out.shape else torch.broadcast_to(m, out.shape)
+            except RuntimeError:  # an input the output does not broadcast from: judged as a non-pointwise op's
+                return True
+        if bool((infinite & ~at_mask).any()):
+            return False
+    return True
