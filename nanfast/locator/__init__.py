@@ -6,7 +6,7 @@ say where it ran, what its inputs were and which ops made them (tfdbg's workflow
 The rooms: region.py (the context manager), mode.py (the TorchDispatchMode), examine.py (judging an op),
 provenance.py (who wrote each storage), findings.py (what is reported), schema.py and values.py (what
 an op is and what its tensors hold), source.py (the user's line), node_verdict.py (backward nodes),
-diagnosis.py (patterns in words), replay.py (dumps), step.py (re-running a training step)."""
+diagnosis/ (patterns in words), replay.py (dumps), step.py (re-running a training step)."""
 
 from .findings import LocateFinding, Producer, TensorInfo
 from .region import Locate, locate
