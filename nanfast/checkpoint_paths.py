@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Optional, Union
 
@@ -35,14 +36,17 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
             names, next to it.
 
     Returns:
-        The paths, sorted for a directory, in the index's order for an index; or the FileScan of `path`
-        when it names none: a directory with no checkpoint file ("refused"), an index that is not one
-        ("unreadable")."""
+        The paths, sorted for a directory, in the index's order for an index, and after them the FileScan
+        ("unreadable") of each folder under a directory that could not be listed; or the FileScan of
+        `path` when it names none: a directory with no checkpoint file ("refused"), an index that is not
+        one ("unreadable")."""
+    path = _without_extra_separators(path)
     if is_dcp_directory(path):  # one checkpoint, read as a whole (NOTE: [Distributed checkpoints])
         return [path]
     if os.path.isdir(path):
         files: set[str] = set()
-        for folder, names in _folders(path, files):
+        unlisted: list[FileScan] = []
+        for folder, names in _folders(path, files, unlisted):
             # Every entry named as a checkpoint but a directory: one that cannot be read (a dangling link, a
             # FIFO) is then reported, never left out; and the shards an index in it names, so that a missing
             # one is reported too.
@@ -50,12 +54,15 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
                          if name.endswith(CHECKPOINT_SUFFIXES) and not os.path.isdir(full := os.path.join(folder, name)))
             # torch.save files named otherwise (accelerate's random_states_0.pkl and custom_checkpoint_0.pkl,
             # which hold tensors: left out, a directory was called clean without them)
-            files.update(full for name in names if is_torch_save(full := os.path.join(folder, name)))
+            # (or that cannot be opened: reported as not read, never left out)
+            files.update(full for name in names if _torch_save_or_closed(full := os.path.join(folder, name)))
             for name in names:
                 if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(folder, name)), list):
                     files.update(shards)
-        return sorted(files) or FileScan(path, "refused", error="a directory with no checkpoint file in it or its "
-                                         f"subdirectories (*{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
+        if files or unlisted:
+            return [*sorted(files), *unlisted]
+        return FileScan(path, "refused", error="a directory with no checkpoint file in it or its "
+                        f"subdirectories (*{', *'.join(CHECKPOINT_SUFFIXES)}): nothing was checked")
     if path.endswith(".index.json") and os.path.isfile(path):
         return _index_shards(path)
     return [path]
@@ -67,7 +74,7 @@ def _index_shards(path: str) -> Union[list[str], FileScan]:
     try:
         with open(path, encoding="utf-8") as f:
             shards = dict.fromkeys(json.load(f)["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:  # (JSON nested deep)
         return FileScan(path, "unreadable", error=f"not a sharded checkpoint's index (a JSON object with a "
                                                   f"\"weight_map\"): {type(e).__name__}: {first_sentence(e)}")
     if not shards or not all(isinstance(shard, str) for shard in shards):
@@ -84,12 +91,34 @@ def _index_shards(path: str) -> Union[list[str], FileScan]:
 def indexes_of(path: str) -> list[str]:
     """The sharded checkpoints' indexes (*.index.json) `path` names: itself, or those in a directory and
     its subdirectories."""
+    path = _without_extra_separators(path)
     if path.endswith(".index.json") and os.path.isfile(path):
         return [path]
     if os.path.isdir(path) and not is_dcp_directory(path):
-        return sorted(os.path.join(folder, name) for folder, names in _folders(path, set())
+        return sorted(os.path.join(folder, name) for folder, names in _folders(path, set(), [])
                       for name in names if name.endswith(".index.json"))
     return []
+
+
+def _without_extra_separators(path: str) -> str:
+    """`path` without repeated or trailing separators: a directory given as DIR// listed DIR//x beside the
+    DIR/x its index names, read each shard twice, and compared no shard with the index (a probe, session
+    52). Not normpath: "link/.." is left to the system to resolve."""
+    collapsed = re.sub(r"/{2,}", "/", path)
+    return collapsed.rstrip("/") or collapsed
+
+
+def _torch_save_or_closed(path: str) -> bool:
+    """Whether `path` is a torch.save file (is_torch_save), or a regular file that cannot be opened, which
+    the scan then reports as not read."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError:
+        return True
+    return is_torch_save(path)
 
 
 # NOTE: [A directory's subdirectories]
@@ -97,11 +126,16 @@ def indexes_of(path: str) -> list[str]:
 # that read the top folder only said "clean" (exit 0) while checkpoint-4/optimizer.pt held inf (a probe,
 # session 45). So a directory is read with every folder under it; a distributed checkpoint among them is
 # one checkpoint, read whole; links to directories are not followed (a loop, or a tree elsewhere).
-def _folders(path: str, checkpoints: set[str]) -> Iterator[tuple[str, list[str]]]:
+def _folders(path: str, checkpoints: set[str], unlisted: list[FileScan]) -> Iterator[tuple[str, list[str]]]:
     """Each folder of the tree at directory `path` (itself first, then its subdirectories, sorted) with
     the names of its entries that are not directories (links to directories are left out); the
-    distributed checkpoints found under it are added to `checkpoints` instead of entered."""
-    for folder, subfolders, names in os.walk(path):
+    distributed checkpoints found under it are added to `checkpoints` instead of entered, and a folder
+    that cannot be listed to `unlisted` as its FileScan (a subdirectory without read permission was
+    skipped unsaid, and the scan said clean: a probe, session 52)."""
+    def unreadable(e: OSError) -> None:
+        unlisted.append(FileScan(e.filename or path, "unreadable", error=f"a folder that could not be listed: {e}"))
+
+    for folder, subfolders, names in os.walk(path, onerror=unreadable):
         subfolders.sort()
         for name in list(subfolders):
             full = os.path.join(folder, name)

@@ -318,3 +318,106 @@ def test_a_safetensors_entry_torch_cannot_read_is_named_and_the_others_are_check
     code, out = run_scan(capsys, path)
     assert code == 2 and "1 not checked: 'b' (it could not be read (SafetensorError: Dtype not understood" in out
     assert "a     (1,)   float32    1" in out
+
+
+# A probe of the scan (stop 52): each of these was "clean" (exit 0), read a tensor twice, or stopped the
+# scan with a traceback.
+
+def test_a_folder_or_a_file_that_cannot_be_opened_is_reported_not_read(capsys, tmp_path, monkeypatch):
+    """os.walk drops the folders it cannot list: a checkpoint-500/ without read permission was skipped,
+    and the directory scanned clean; a file named otherwise (accelerate's *.pkl) that could not be opened
+    was left out as no torch.save file. (Permissions are simulated: the suite may run as root.)"""
+    import os
+
+    from nanfast import checkpoint_paths
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "model.pt")
+    (tmp_path / "checkpoint-500").mkdir()
+    torch.save({"w": torch.tensor([NAN])}, tmp_path / "checkpoint-500" / "optimizer.pt")
+    (tmp_path / "random_states_0.pkl").write_bytes(b"\0" * 64)
+    scandir, real_open = os.scandir, open
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(("checkpoint-500", "random_states_0.pkl")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return (scandir if not args and not kwargs else real_open)(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    monkeypatch.setattr(checkpoint_paths, "open", denied, raising=False)
+    code, out = run_scan(capsys, tmp_path)
+    assert code == 2 and "model.pt: 1 tensor, 3 elements: clean" in out
+    assert "checkpoint-500: unreadable: a folder that could not be listed: [Errno 13] Permission denied" in out
+    assert "random_states_0.pkl: unreadable" in out
+
+
+def test_distributed_chunks_that_overlap_do_not_tile_their_tensor(capsys, tmp_path):
+    """Chunks [0:4] and [2:6] of an [8] tensor: as many elements in all, but 6 and 7 stored nowhere (DCP's
+    load leaves them as the target held them)."""
+    code, out = run_scan(capsys, _dcp_of_two_chunks(tmp_path, "overlap", [0, 2], [0, 2]))
+    assert code == 2 and "in chunks of 8 in all that do not tile it: some of it is stored nowhere, or twice" in out
+
+
+def test_npz_members_are_read_by_their_names_in_the_zip(capsys, tmp_path):
+    """numpy's keys drop ".npy": of members "w" and "w.npy" both keys read "w", and the NaN in "w.npy" was
+    never read; a member with no numpy header (damaged, or a torch.save file renamed .npz) came back as
+    bytes and was skipped: "no tensors in it", exit 0."""
+    import io
+
+    def npy(values):
+        buffer = io.BytesIO()
+        np.save(buffer, np.array(values, dtype=np.float32))
+        return buffer.getvalue()
+
+    shadowed = tmp_path / "shadowed.npz"
+    with zipfile.ZipFile(shadowed, "w") as z:
+        z.writestr("w", npy([1.0, 2.0]))
+        z.writestr("w.npy", npy([1.0, NAN]))
+    code, out = run_scan(capsys, shadowed)
+    assert code == 1 and "2 tensors, 4 elements" in out and "w.npy  (2,)" in out
+    damaged = tmp_path / "damaged.npz"
+    with zipfile.ZipFile(damaged, "w") as z:
+        z.writestr("w.npy", b"\0" + npy([NAN])[1:])
+    code, out = run_scan(capsys, damaged)
+    assert code == 2 and "'w' (it is not a .npy array (no numpy header): not read)" in out
+
+
+def test_an_index_nested_too_deep_for_the_json_reader_is_unreadable(capsys, tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("[" * 100_000 + "]" * 100_000)
+    torch.save({"w": torch.tensor([NAN])}, tmp_path / "other.pt")
+    code, out = run_scan(capsys, tmp_path)  # the directory's other files are still read
+    assert code == 2 and "not a sharded checkpoint's index" in out and "RecursionError" in out
+    assert "other.pt: 1 tensor, 1 elements: 1 of them hold non-finite values" in out
+
+
+def test_names_the_output_cannot_encode_are_escaped(capsys, tmp_path):
+    """A tensor named with a lone surrogate stopped the table with a UnicodeEncodeError and no report."""
+    path = tmp_path / "surrogate.pt"
+    torch.save({"layer\ud800.weight": torch.tensor([NAN, 1.0])}, path)
+    code, out = run_scan(capsys, path)
+    assert code == 1 and "layer\\ud800.weight" in out
+
+
+def test_json_output_is_strict_json(capsys, tmp_path):
+    """The norm of finite float64 values past its range was printed as Infinity, which JSON has not."""
+    path = tmp_path / "huge.pt"
+    torch.save({"w": torch.tensor([NAN, 1.7e308, 1.7e308], dtype=torch.float64)}, path)
+    code, out = run_scan(capsys, "--json", path)
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON output")
+
+    report = json.loads(out, parse_constant=refuse)
+    assert code == 1 and report["files"][0]["bad"][0]["norm"] is None
+
+
+def test_a_directory_given_with_extra_separators_reads_each_shard_once(capsys, tmp_path):
+    """DIR// listed DIR//x beside the DIR/x its index names: each shard was read twice, and the index was
+    compared with none of them (a tensor it lists that no shard holds went unsaid)."""
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00001.safetensors", "ghost": "model-00001-of-00001.safetensors"}}))
+    code, out = run_scan(capsys, f"{tmp_path}//")
+    assert code == 2 and out.count("model-00001-of-00001.safetensors: 1 tensor") == 1
+    assert "'ghost' (listed in the index for model-00001-of-00001.safetensors, which does not hold it)" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from ..checkpoint_paths import checkpoint_files, index_gaps, indexes_of
 from ..progress import byte_progress
@@ -29,13 +30,13 @@ def _size(path: str) -> int:
 def _scan_all(args: list[str]) -> list[FileScan]:
     found = [checkpoint_files(arg) for arg in args]
     scans = []
-    with byte_progress(sum(_size(p) for files in found if isinstance(files, list) for p in files),
+    with byte_progress(sum(_size(p) for files in found if isinstance(files, list) for p in files if isinstance(p, str)),
                        desc="nanfast scan") as bar:
         for files in found:
             if isinstance(files, FileScan):  # names no file to read
                 scans.append(files)
-            else:
-                scans += [_scan_one(path, bar) for path in files]
+            else:  # (a folder that could not be listed is its FileScan)
+                scans += [path if isinstance(path, FileScan) else _scan_one(path, bar) for path in files]
     by_path = {s.path: s for s in scans}
     for index in dict.fromkeys(i for arg in args for i in indexes_of(arg)):
         gaps = index_gaps(index, by_path)
@@ -62,8 +63,18 @@ def run(args: argparse.Namespace) -> int:
     scans = _scan_all(args.files)
     code = exit_code(scans)
     if args.json:
-        print(json.dumps({"files": [s.to_dict() for s in scans], "exit_code": code}, indent=2))
+        # Strict JSON: a norm past float64's range (of finite values) is null, as in the health timeline.
+        loose = json.dumps({"files": [s.to_dict() for s in scans], "exit_code": code})
+        _print(json.dumps(json.loads(loose, parse_constant=lambda _: None), indent=2, allow_nan=False))
     else:
         for s in scans:
-            print(format_scan(s))
+            _print(format_scan(s))
     return code
+
+
+def _print(text: str) -> None:
+    """Prints `text`, with what the output's encoding cannot write (a file name's undecodable bytes, a
+    tensor name holding a lone surrogate) escaped: it stopped the scan with a UnicodeEncodeError and no
+    report (a probe, session 52)."""
+    encoding = sys.stdout.encoding or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding))

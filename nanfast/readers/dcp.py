@@ -139,10 +139,29 @@ def dcp_items(path: str, only: Optional[str] = None) -> Iterator[tuple[str, Any]
                        NotRead(f"its {METADATA} describes {'this chunk' if several else 'it'} but says where no data "
                                "of it is stored"))
         size = getattr(entry, "size", None)
-        if size is not None and fqn not in unread and sum(math.prod(c.sizes) for c in described_chunks) != math.prod(size):
+        if size is not None and fqn not in unread and not _tiles(described_chunks, tuple(size)):
             yield fqn, NotRead(f"its {METADATA} describes a tensor of {math.prod(size)} elements {list(size)} in chunks "
-                               f"of {sum(math.prod(c.sizes) for c in described_chunks)} in all: some of it is stored "
-                               "nowhere, or twice")
+                               f"of {sum(math.prod(c.sizes) for c in described_chunks)} in all that do not tile it: "
+                               "some of it is stored nowhere, or twice")
+
+
+def _tiles(chunks: Any, size: tuple[int, ...]) -> bool:
+    """Whether `chunks` (boxes: offsets, sizes) cover a tensor of `size` exactly: each inside it, no two
+    overlapping, their elements as many as its. Equal totals alone passed chunks [0:4] and [2:6] of an [8]
+    tensor, elements 6 and 7 stored nowhere, and the scan said clean (a probe, session 52)."""
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
+    if any(len(o) != len(size) or len(n) != len(size) or any(a < 0 or a + k > d for a, k, d in zip(o, n, size))
+           for o, n in boxes):
+        return False
+    # A sweep along dim 0: each box is compared with the boxes whose rows it shares (one per rank of a
+    # row-sharded tensor, not every pair of a thousand ranks' chunks).
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for o, n in sorted(b for b in boxes if math.prod(b[1]) and size):
+        active = [(o2, n2) for o2, n2 in active if o2[0] + n2[0] > o[0]]
+        if any(all(a1 < a2 + k2 and a2 < a1 + k1 for a1, k1, a2, k2 in zip(o, n, o2, n2)) for o2, n2 in active):
+            return False
+        active.append((o, n))
+    return sum(math.prod(n) for _, n in boxes) == math.prod(size)
 
 
 def _as_described(item: Any, described: Any, index: Any) -> Any:

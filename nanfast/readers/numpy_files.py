@@ -28,21 +28,27 @@ def numpy_file_arrays(path: str) -> Iterator[tuple[str, Any]]:
         yield os.path.basename(path), loaded
         return
     # Each member is read whole, inflated: one larger than the memory available is not (a 14 MB file
-    # inflating to 3.7 GB was read whole: a probe, session 44).
+    # inflating to 3.7 GB was read whole: a probe, session 44). Members are read by their names in the
+    # zip, not by numpy's keys, which drop ".npy": of members "w" and "w.npy" both keys read "w", and
+    # "w.npy" (with a NaN) was never read (a probe, session 52).
     sizes = {record.filename: record.file_size for record in zip_directory(path) or ()}
     available = zip_records.available_memory()
     with loaded:
-        for name in loaded.files:
-            size = sizes.get(f"{name}.npy", sizes.get(name, 0))
+        for member, size in sizes.items():
+            key = member.removesuffix(".npy")
+            name = key if key == member or key not in sizes else member
             if available is not None and size > available:
                 yield name, NotRead(f"it inflates to {mib(size)}, more than the {mib(available)} of memory available")
                 continue
             try:
-                array = loaded[name]
+                array = loaded[member]
             except ValueError as e:
                 if not _holds_objects(e):
                     raise
                 yield name, NotRead(_OBJECTS)
+                continue
+            if isinstance(array, bytes):  # numpy hands a member that is no .npy array over as its bytes
+                yield name, NotRead("it is not a .npy array (no numpy header): not read")
                 continue
             yield name, array
 
