@@ -19,6 +19,7 @@ import torch
 from ._tree import named_leaves
 from .check import SPARSE_LAYOUTS, check_all, may_hold_values, stored_values, values_tensor
 from .ops import reads_dtype
+from .overlapping_views import overlapping_view_entry, reads_faster_by_storage
 from .readers import NotRead, Refused, Unreadable, first_sentence, openable_path, require_regular_file
 from .readers.dcp import METADATA, dcp_items, dcp_shard, is_dcp_directory
 from .readers.numpy_files import is_numpy, numpy_file_arrays
@@ -203,6 +204,12 @@ def scan_file(path: str, on_checked: Optional[Callable[[int], None]] = None) -> 
             readable = _readable(name, t, leaf)
             if isinstance(readable, str):
                 not_checked.append((name, readable))
+                continue
+            if reads_faster_by_storage(readable[1]):  # NOTE: [Views that name their elements many times]
+                if chunk:  # checked first: entries stay in the file's order
+                    _check(chunk, entries, not_checked)
+                chunk, chunk_bytes = [], 0
+                entries.append(overlapping_view_entry(*readable))
                 continue
             chunk.append(readable)
             chunk_bytes += readable[1].numel() * readable[1].element_size()

@@ -421,3 +421,53 @@ def test_a_directory_given_with_extra_separators_reads_each_shard_once(capsys, t
     code, out = run_scan(capsys, f"{tmp_path}//")
     assert code == 2 and out.count("model-00001-of-00001.safetensors: 1 tensor") == 1
     assert "'ghost' (listed in the index for model-00001-of-00001.safetensors, which does not hold it)" in out
+
+
+def test_an_overlapping_view_is_read_in_time_proportional_to_its_storage(capsys, tmp_path):
+    """A 7 KB file of a view of 10^12 elements (shape (256,) * 5, strides (1,) * 5 over 1280 floats): the
+    scan read every element, for hours. Its counts are the view's, with multiplicity: the NaN at storage
+    element 7 is held by as many indices as sum to 7."""
+    storage = torch.zeros(5 * 256)
+    storage[7] = NAN
+    path = tmp_path / "window.pt"
+    torch.save({"w": storage.as_strided((256,) * 5, (1,) * 5)}, path)
+    code, out = scan_within(capsys, path, seconds=60)
+    held = sum(1 for a in range(8) for b in range(8 - a) for c in range(8 - a - b) for d in range(8 - a - b - c)
+               if 7 - a - b - c - d >= 0)  # indices (a, b, c, d, e) of sum 7
+    assert code == 1 and "1,099,511,627,776 elements" in out
+    assert f"  w     (256, 256, 256, 256, 256)  float32  {held}" in out, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int32])
+def test_overlapping_views_are_counted_as_their_elements(dtype):
+    """overlapping_view_entry against a float64 reference over the view's elements, on random views of
+    random data holding NaN and infinities (broadcast dimensions among them)."""
+    import math
+    import random
+
+    from nanfast.overlapping_views import overlapping_view_entry, reads_faster_by_storage
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    faster = 0
+    for _ in range(150):
+        sizes = [rng.randint(1, 6) for _ in range(rng.randint(1, 5))]
+        strides = [rng.choice([0, 1, 1, 2, 3, 5]) for _ in sizes]
+        offset = rng.randint(0, 3)
+        span = 1 + sum((s - 1) * k for s, k in zip(sizes, strides))
+        base = (torch.randn(offset + span + 2, dtype=torch.float64) * 10.0 ** rng.randint(-3, 3) * 100).to(dtype)
+        if dtype.is_floating_point:
+            for _ in range(rng.randint(0, 3)):
+                base[rng.randrange(len(base))] = rng.choice([NAN, float("inf"), -float("inf")])
+        view = base.as_strided(sizes, strides, offset)
+        faster += reads_faster_by_storage(view)
+        entry = overlapping_view_entry("v", view)
+        values = view.double().contiguous()
+        finite = values[torch.isfinite(values)].abs()
+        top = float(finite.max()) if finite.numel() else 0.0
+        norm = top * math.sqrt(float(((finite / top) ** 2).sum())) if top else 0.0
+        assert (entry.nan, entry.posinf, entry.neginf) == (int(values.isnan().sum()), int(values.isposinf().sum()),
+                                                           int(values.isneginf().sum()))
+        assert entry.absmax == top and math.isclose(entry.norm, norm, rel_tol=1e-12), (sizes, strides)
+        assert (entry.numel, entry.shape) == (view.numel(), tuple(sizes))
+    assert faster > 10  # the scan's path was taken by many of them
