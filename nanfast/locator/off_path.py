@@ -78,9 +78,10 @@ class OffPathFindings:
     def holds(self, kind: str, phase: str, on_path: bool) -> bool:
         """Whether a finding is held: a forward producer or scalar off the gradient path (an op that, in
         grad mode, reads no tensor requiring grad; whether the region has a gradient path at all is
-        judged when it ends: see close()). A forward that activation checkpointing runs again in backward ("recompute"), or
-        runs first under no_grad (use_reentrant=True), is such a forward too: T5's relative-position
-        log(0), held without checkpointing, stopped every checkpointed T5 step (a probe, session 44)."""
+        judged when it ends: see close()). A forward that activation checkpointing runs again in
+        backward ("recompute"), or runs first under no_grad (use_reentrant=True), is such a forward too:
+        T5's relative-position log(0), held without checkpointing, stopped every checkpointed T5 step (a
+        probe, session 44)."""
         return (phase in ("forward", "recompute") and kind in ("producer", "scalar")
                 and not on_path  # an optimizer's update (no_grad) is reported at its op
                 and (torch.is_grad_enabled() or in_reentrant_first_forward()))
