@@ -105,8 +105,12 @@ def _call(op, tensors: Sequence[torch.Tensor], api: str, on_nested):
     """op(tensors); once the op has refused them, a clear error naming the bad entry, or, where
     some are nested tensors (which the kernels do not take), on_nested(op, tensors)."""
     first = tensors[0]
-    if isinstance(first, torch.Tensor) and first.is_meta and not _in_fake_mode():
-        raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
+    if isinstance(first, torch.Tensor) and (first.is_meta or unreadable_subclass(first)) and not _in_fake_mode():
+        if first.is_meta:
+            raise ValueError(f"{api}: entry 0 is a meta tensor: it has no values to check")
+        # A FakeTensor outside its mode runs the op through its own dispatch: fake results, no error (a
+        # probe, session 52). Others of them beside it make the op refuse the list.
+        _diagnose(tensors, api)
     try:
         return op(tensors)
     except (RuntimeError, TypeError, AssertionError):  # AssertionError: fake mode's, for a real tensor beside fakes

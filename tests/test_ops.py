@@ -879,6 +879,21 @@ def test_fake_tensors_give_fake_outputs():
     assert flag.shape == () and flag.dtype == torch.bool
 
 
+@pytest.mark.parametrize("api,fn", API)
+def test_a_fake_tensor_outside_its_mode_is_refused(api, fn):
+    """Alone (or first), a FakeTensor that escaped its mode ran the op through its own dispatch and gave
+    fake results, which failed later with an error that named neither nanfast nor the entry (a probe,
+    session 52); beside a real tensor first, the op refused it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.full((3,), float("nan"))
+    for entries, bad in (([fake], 0), ([fake, torch.ones(2)], 0), ([torch.ones(2), fake], 1)):
+        with pytest.raises((ValueError, TypeError)) as e:
+            fn(entries)
+        assert api in str(e.value) and names_entry(str(e.value), bad) and "FakeTensor" in str(e.value)
+
+
 # --- More than 2^31 elements (last in the file: frees its 2 GiB when the module ends) -------------
 
 
