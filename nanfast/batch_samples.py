@@ -61,9 +61,13 @@ def _index_vector(value: Any) -> Optional[torch.Tensor]:
 # So a field is in the sample of its position in a list or tuple only where the batch shows that list
 # to hold samples: a list of records (dicts or dataclasses), or of tensors, beside a list of the same
 # length or beside a tensor with one row per entry, or a list beside such a list of records; entries
-# whose tensors all have one number of rows look batched and are not taken for samples (a review, session 45: a detection
-# batch whose images all hold as many boxes falls back to rows too). Elsewhere, as before, a sample is
-# an index along the field's first dimension.
+# whose tensors all have one number of rows look batched and are not taken for samples (a review, session 45),
+# unless that number differs from the batch size their sibling shows (a [B] tensor's rows, or a list's
+# entries' rows): batched fields side by side share one batch size, so two sequences of 5 steps beside 2
+# labels, or images of 3 channels beside targets of 1 box each, are samples (their time step, channel or
+# box was named as the sample: a probe, session 52). Only entries whose rows equal the batch size stay
+# ambiguous, and are taken for batched fields. Elsewhere, as before, a sample is an index along the
+# field's first dimension.
 def list_sample(batch: Any, steps: list) -> Optional[int]:
     """The sample a field belongs to by its position in a list of samples (see the NOTE), or None."""
     for position, sequence, siblings in positions_on(batch, steps):
@@ -76,9 +80,26 @@ def _pair_of_samples(sequence: Any, sibling: Any) -> bool:
     """Whether `sequence` and `sibling`, side by side in a batch, show `sequence` to hold one entry per
     sample (see NOTE: [Samples as list items])."""
     if isinstance(sibling, torch.Tensor):
-        return _sample_records(sequence) and sibling.dim() > 0 and sibling.shape[0] == len(sequence)
-    return (_sequence(sibling) and len(sibling) == len(sequence)
-            and (_sample_records(sequence) or _sample_records(sibling)))
+        return (sibling.dim() > 0 and sibling.shape[0] == len(sequence)
+                and (_sample_records(sequence) or _row_counts(sequence) not in (None, {sibling.shape[0]})))
+    if not (_sequence(sibling) and len(sibling) == len(sequence)):
+        return False
+    rows, sibling_rows = _row_counts(sequence), _row_counts(sibling)
+    return (_sample_records(sequence) or _sample_records(sibling)
+            or (rows is not None and sibling_rows is not None and rows != sibling_rows))
+
+
+def _row_counts(value: Any) -> Optional[set]:
+    """The numbers of rows (None for a 0-dim tensor) of the tensors of a list or tuple of tensors or of
+    records; None for another value."""
+    if _sequence(value) and all(isinstance(v, torch.Tensor) for v in value):
+        tensors = value
+    elif _records(value):
+        tensors = [t for record in value for t in (record.values() if isinstance(record, Mapping) else vars(record).values())
+                   if isinstance(t, torch.Tensor)]
+    else:
+        return None
+    return {t.shape[0] if t.dim() else None for t in tensors}
 
 
 def _sample_records(value: Any) -> bool:
@@ -88,15 +109,8 @@ def _sample_records(value: Any) -> bool:
     by side; [x, y] beside 2 labels), where one sample's boxes, labels or time steps vary in number from
     sample to sample (variable-length sequences a collate_fn leaves in a list: a NaN at time step 4 of
     sequence 1 was "sample 4 of field 'seqs[1]'", a probe, session 50)."""
-    if _sequence(value) and all(isinstance(v, torch.Tensor) for v in value):
-        tensors = value
-    elif _records(value):
-        tensors = [t for record in value for t in (record.values() if isinstance(record, Mapping) else vars(record).values())
-                   if isinstance(t, torch.Tensor)]
-    else:
-        return False
-    rows = {t.shape[0] if t.dim() else None for t in tensors}
-    return len(value) < 2 or len(rows) != 1 or None in rows
+    rows = _row_counts(value)
+    return rows is not None and (len(value) < 2 or len(rows) != 1 or None in rows)
 
 
 def _sequence(value: Any) -> bool:

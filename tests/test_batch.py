@@ -393,7 +393,24 @@ def test_variable_length_sequences_left_in_a_list_beside_their_labels_are_sample
     # Reference: the sequences holding NaN, one by one.
     assert [i for i, s in enumerate(seqs) if not torch.isfinite(s).all()] == [1]
     assert [(f.path, f.samples) for f in report.bad] == [("seqs[1]", (1,))] and report.samples == [1]
-    x, y = torch.ones(4, 3), torch.zeros(4)
-    x[2, 1] = INF
+    x, y = torch.ones(2, 3), torch.zeros(2)  # rows as many as the labels: the batch's size
+    x[1, 1] = INF
     report = nanfast.check_batch({"xy": [x, y], "labels": torch.tensor([0, 1])}, raise_on_nonfinite=False)
-    assert [(f.path, f.samples) for f in report.bad] == [("xy[0]", (2,))]
+    assert [(f.path, f.samples) for f in report.bad] == [("xy[0]", (1,))]
+
+
+def test_samples_in_a_list_are_told_by_the_batch_size_even_when_their_rows_agree():
+    """Entries of one number of rows were taken for batched fields whatever their siblings showed: two
+    sequences of 5 steps beside 2 labels, a NaN at step 4 of sequence 1, were "sample 4" (past the batch);
+    a detection batch (tuple(zip(*batch))) whose images have 3 channels and whose targets have 1 box each
+    named the channel or the box as the sample (a probe, session 52). Batched fields share one batch size."""
+    seqs = [torch.ones(5, 3), torch.ones(5, 3)]
+    seqs[1][4, 0] = NAN
+    report = nanfast.check_batch({"seqs": seqs, "labels": torch.tensor([0, 1])}, raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("seqs[1]", (1,))] and report.samples == [1]
+    images = (torch.rand(3, 8, 8), torch.rand(3, 8, 8))
+    targets = tuple({"boxes": torch.rand(1, 4), "labels": torch.tensor([1])} for _ in range(2))
+    targets[1]["boxes"][0, 2] = NAN
+    images[1][2, 0, 0] = INF
+    report = nanfast.check_batch((images, targets), raise_on_nonfinite=False)
+    assert [(f.path, f.samples) for f in report.bad] == [("[0][1]", (1,)), ("[1][1].boxes", (1,))]
