@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -29,10 +29,10 @@ def divisor_zero(divisor: str) -> Callable:
 def division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     divisor = args.get("other")
     if isinstance(divisor, (int, float)):
-        return "divides by the number 0" if divisor == 0 else _quotient_overflow("div", _dividing(args), outputs)
+        return "divides by the number 0" if divisor == 0 else _QUOTIENT_OVERFLOW(args, outputs)
     text = divisor_zero("other")(args, outputs)
     if text is None:
-        return _quotient_overflow("div", _dividing(args), outputs)
+        return _QUOTIENT_OVERFLOW(args, outputs)
     zeros = divisor == 0
     numerator = tensor_arg(args, "self")
     if numerator is not None and not numerator.is_complex():
@@ -43,10 +43,6 @@ def division_by_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     return text
 
 
-def _dividing(args: Args) -> list[tuple[str, Any]]:
-    return [("self", args.get("self")), ("other", args.get("other"))]
-
-
 def reciprocal_of_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
     x = tensor_arg(args, "self")
     if x is None or x.is_complex():
@@ -54,7 +50,7 @@ def reciprocal_of_zero(args: Args, outputs: list[torch.Tensor]) -> Optional[str]
     n = count(x == 0)
     if n:
         return f"1/x of exact zeros: {elements_of(n, x)} of `self` {is_are(n)} 0"
-    return _quotient_overflow("1/x", [("self", x)], outputs)
+    return _RECIPROCAL_OVERFLOW(args, outputs)
 
 
 def _smallest_magnitude(t: torch.Tensor) -> Optional[float]:
@@ -62,34 +58,6 @@ def _smallest_magnitude(t: torch.Tensor) -> Optional[float]:
     magnitudes = t.abs()
     magnitudes = magnitudes[(magnitudes > 0) & torch.isfinite(magnitudes)]
     return float(magnitudes.min()) if magnitudes.numel() else None
-
-
-def _past_the_limit(operands: str, out: torch.Tensor, name: str) -> Optional[str]:
-    """The overflow sentence: `operands` give a result past the most `out`'s dtype holds; None without inf."""
-    inf = count(torch.isinf(out))
-    return (f"{out.dtype} overflow in {name}: {operands} give a result past {torch.finfo(out.dtype).max:.6g}, "
-            f"the most {out.dtype} holds ({elements_of(inf, out)} are ±inf)") if inf else None
-
-
-def _quotient_overflow(name: str, operands: list[tuple[str, Any]], outputs: list[torch.Tensor]) -> Optional[str]:
-    """A finite quotient past the dtype's largest value: a divisor tiny but not zero (scores over a small
-    temperature in float16, 1/x of a subnormal). `operands`: (name, value) of the numerator, if any, then
-    of the divisor, whose smallest magnitude is what overflows."""
-    if not outputs or not outputs[0].is_floating_point():
-        return None
-    parts = []
-    for i, (key, value) in enumerate(operands):
-        smallest = i == len(operands) - 1
-        if isinstance(value, torch.Tensor):
-            if value.is_complex() or value.numel() == 0 or not bool(torch.isfinite(value).all()):
-                return None  # an infinity it was given: no overflow
-            magnitude = _smallest_magnitude(value) if smallest else finite_absmax(value)
-            if magnitude is None:
-                return None
-            parts.append(f"`{key}` {'min' if smallest else 'max'} |x| {magnitude:.6g}")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            parts.append(f"`{key}` {value:.6g}")
-    return _past_the_limit(", ".join(parts), outputs[0], name)
 
 
 def domain(name: str, below: Callable[[torch.Tensor], torch.Tensor], edge: str) -> Callable:
@@ -125,10 +93,8 @@ def pow_domain(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
         n = count(base < 0)
         return (f"pow of negative values to the fractional exponent {exponent:.12g}: {elements_of(n, base)} of `self` "
                 "are < 0")
-    if exponent < 0 and outputs and outputs[0].is_floating_point() and bool(torch.isfinite(base).all()):
-        smallest = _smallest_magnitude(base)  # a negative exponent overflows from the smallest base
-        return None if smallest is None else _past_the_limit(
-            f"`self` min |x| {smallest:.6g}, `exponent` {exponent:.12g}", outputs[0], "pow")
+    if exponent < 0:  # a negative exponent overflows from the smallest base
+        return overflow("pow", smallest=("self",))(args, outputs)
     return overflow("pow")(args, outputs)
 
 
@@ -152,9 +118,12 @@ def _pow_tensor_domain(base: Optional[torch.Tensor], exponent: Optional[torch.Te
     return None if bool((exponent < 0).any()) else overflow("pow")(args, outputs)
 
 
-def overflow(name: str) -> Callable:
-    """Finite operands whose sum, difference, product or power passes the largest finite value of the
-    result's dtype (a float16 residual stream, ConvNeXt's `(x - u).pow(2)` in float16)."""
+def overflow(name: str, smallest: tuple[str, ...] = ()) -> Callable:
+    """Finite operands whose sum, difference, product, power or quotient passes the largest finite value of
+    the result's dtype (a float16 residual stream, ConvNeXt's `(x - u).pow(2)` in float16, scores over a
+    temperature of 0.05). Each tensor operand is said by its largest |x|, but those named in `smallest`,
+    which overflow the result where they are small (a divisor, a base to a negative exponent), by their
+    smallest non-zero |x|."""
     def diagnose_overflow(args: Args, outputs: list[torch.Tensor]) -> Optional[str]:
         if not outputs or not outputs[0].is_floating_point():
             return None
@@ -166,14 +135,22 @@ def overflow(name: str) -> Callable:
             if t is not None and not t.is_complex() and t.numel():
                 if not bool(torch.isfinite(t).all()):
                     return None  # an infinity it was given: no overflow (0 * inf, inf - inf: inf_arithmetic)
-                largest = finite_absmax(t)
-                if largest is not None:
-                    operands.append(f"`{key}` max |x| {largest:.6g}")
+                magnitude = _smallest_magnitude(t) if key in smallest else finite_absmax(t)
+                if magnitude is not None:
+                    operands.append(f"`{key}` {'min' if key in smallest else 'max'} |x| {magnitude:.6g}")
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 operands.append(f"`{key}` {value:.6g}")
-        return _past_the_limit(", ".join(operands), out, name) if operands else None
+        inf = count(torch.isinf(out))
+        if not inf or not operands:
+            return None
+        return (f"{out.dtype} overflow in {name}: {', '.join(operands)} give a result past "
+                f"{torch.finfo(out.dtype).max:.6g}, the most {out.dtype} holds ({elements_of(inf, out)} are ±inf)")
 
     return diagnose_overflow
+
+
+_QUOTIENT_OVERFLOW = overflow("div", smallest=("other",))  # a divisor tiny but not zero
+_RECIPROCAL_OVERFLOW = overflow("1/x", smallest=("self",))  # 1/x of a subnormal
 
 
 def inf_arithmetic(name: str) -> Callable:
