@@ -55,7 +55,7 @@ def checkpoint_files(path: str) -> Union[list[str], FileScan]:
             # torch.save files named otherwise (accelerate's random_states_0.pkl and custom_checkpoint_0.pkl,
             # which hold tensors: left out, a directory was called clean without them)
             # (or that cannot be opened: reported as not read, never left out)
-            files.update(full for name in names if _torch_save_or_closed(full := os.path.join(folder, name)))
+            files.update(full for name in names if is_torch_save(full := os.path.join(folder, name), unopened=True))
             for name in names:
                 if name.endswith(".index.json") and isinstance(shards := _index_shards(os.path.join(folder, name)), list):
                     files.update(shards)
@@ -106,19 +106,6 @@ def _without_extra_separators(path: str) -> str:
     52). Not normpath: "link/.." is left to the system to resolve."""
     collapsed = re.sub(r"/{2,}", "/", path)
     return collapsed.rstrip("/") or collapsed
-
-
-def _torch_save_or_closed(path: str) -> bool:
-    """Whether `path` is a torch.save file (is_torch_save), or a regular file that cannot be opened, which
-    the scan then reports as not read."""
-    if not os.path.isfile(path):
-        return False
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError:
-        return True
-    return is_torch_save(path)
 
 
 # NOTE: [A directory's subdirectories]

@@ -329,7 +329,7 @@ def test_a_folder_or_a_file_that_cannot_be_opened_is_reported_not_read(capsys, t
     was left out as no torch.save file. (Permissions are simulated: the suite may run as root.)"""
     import os
 
-    from nanfast import checkpoint_paths
+    from nanfast.readers import torch_save
 
     torch.save({"w": torch.ones(3)}, tmp_path / "model.pt")
     (tmp_path / "checkpoint-500").mkdir()
@@ -343,7 +343,7 @@ def test_a_folder_or_a_file_that_cannot_be_opened_is_reported_not_read(capsys, t
         return (scandir if not args and not kwargs else real_open)(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "scandir", denied)
-    monkeypatch.setattr(checkpoint_paths, "open", denied, raising=False)
+    monkeypatch.setattr(torch_save, "open", denied, raising=False)
     code, out = run_scan(capsys, tmp_path)
     assert code == 2 and "model.pt: 1 tensor, 3 elements: clean" in out
     assert "checkpoint-500: unreadable: a folder that could not be listed: [Errno 13] Permission denied" in out

@@ -92,17 +92,18 @@ def _not_a_checkpoint(path: str) -> str:
             "torch.save and .safetensors files (nothing was checked)")
 
 
-def is_torch_save(path: str) -> bool:
+def is_torch_save(path: str, unopened: bool = False) -> bool:
     """Whether `path` is a regular file that begins as a torch.save file does, whatever its name (a zip
     whose first record is <folder>/data.pkl, or the legacy format's magic number): a directory's
-    accelerate `random_states_0.pkl` and `custom_checkpoint_0.pkl` are torch.save files."""
+    accelerate `random_states_0.pkl` and `custom_checkpoint_0.pkl` are torch.save files. A regular file
+    that cannot be opened is `unopened` (a directory's scan reports it as not read, never leaves it out)."""
+    if not os.path.isfile(path):
+        return False
     try:
-        if not os.path.isfile(path):
-            return False
         with open(path, "rb") as f:
             head = f.read(30 + 256)
     except OSError:
-        return False
+        return unopened
     if head.startswith(b"PK\x03\x04") and len(head) >= 30:
         name_length = int.from_bytes(head[26:28], "little")
         name = head[30:30 + name_length]
