@@ -154,7 +154,7 @@ def _at_dtype_limit(inputs: list[Optional[torch.Tensor]], numbers: list[Any], ou
         at_mask = torch.zeros_like(infinite)
         for m in masks:
             try:
-                at_mask |= m if m.shape == out.shape else torch.broadcast_to(m, out.shape)
+                at_mask |= torch.broadcast_to(m, out.shape)
             except RuntimeError:  # an input the output does not broadcast from: judged as a non-pointwise op's
                 return True
         if bool((infinite & ~at_mask).any()):
