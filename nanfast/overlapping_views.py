@@ -58,7 +58,8 @@ def _multiplicities(span: int, dims: list[tuple[int, int]]) -> torch.Tensor:
         padded[:span] = counts
         prefix = padded.view(rows, stride).cumsum(0)
         boxed = prefix.clone()
-        boxed[size:] -= prefix[:-size] if size < rows else prefix[:0]
+        if size < rows:
+            boxed[size:] -= prefix[:-size]
         counts = boxed.view(-1)[:span]
     return counts
 
@@ -81,9 +82,10 @@ def overlapping_view_entry(name: str, t: torch.Tensor) -> Entry:
     held = weights > 0
     nan, posinf, neginf = (int(weights[held & test(values)].sum()) for test in (torch.isnan, torch.isposinf,
                                                                                     torch.isneginf))
-    finite = values[held & torch.isfinite(values)].abs()
+    held_finite = held & torch.isfinite(values)
+    finite = values[held_finite].abs()
     absmax = float(finite.max()) if finite.numel() else 0.0
-    weights = weights[held & torch.isfinite(values)].double()
+    weights = weights[held_finite].double()
     norm = absmax * math.sqrt(float((weights * (finite / absmax) ** 2).sum())) if absmax else 0.0
     return Entry(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), str(t.device), t.numel(), nan, posinf,
                  neginf, norm, absmax)
