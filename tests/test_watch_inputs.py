@@ -11,7 +11,7 @@ import torch
 
 import nanfast
 from nanfast.watcher.events import InputEntry
-from nanfast.watcher.inputs import Layout, entry_names, input_tensors, output_layout, output_names
+from nanfast.watcher.inputs import Layout, entry_names, input_tensors, output_names, walked_tensors
 
 NAN = float("nan")
 INF = float("inf")
@@ -247,8 +247,8 @@ def test_a_submodules_output_is_named_by_its_fields():
 
 def test_an_output_layout_names_only_rows_it_matches():
     logits, loss = torch.zeros(2), torch.zeros(())
-    assert output_layout(logits) is None and output_names(None, 1) is None
-    layout = output_layout({"logits": logits, "ids": torch.zeros(2, dtype=torch.long), "past": [(loss, loss)]})
+    assert output_names(None, 1) is None
+    layout = walked_tensors({"logits": logits, "ids": torch.zeros(2, dtype=torch.long), "past": [(loss, loss)]})[1]
     assert output_names(layout, 3) == ["logits", "past[0][0]", "past[0][1]"] and output_names(layout, 2) is None
 
 

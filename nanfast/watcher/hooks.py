@@ -5,7 +5,7 @@ Where the hooks go is install.py's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -15,7 +15,7 @@ from ..recompute import recomputation
 from ..report import NonFiniteError
 from . import agree, scaler_hook
 from .forwards import Forward
-from .inputs import Layout, input_tensors, mask_rows, output_layout, walked_tensors
+from .inputs import Layout, input_tensors, mask_rows, walked_tensors
 from .options import SKIPPING
 
 
@@ -79,16 +79,17 @@ class Hooks:
         # with the graph. The recorder places them (C++ pre-hooks, see NOTE: [The watch's recorder]).
         self._hooks.hook_grads(obj, phase, site, call)
 
-    def _hook_output_grads(self, output: Any) -> None:
+    def _hook_output_grads(self, output: Any, walked: Optional[tuple[list[torch.Tensor], Layout]]) -> None:
         """Places the checks of the gradients of the loss w.r.t. the model's output (phase loss): a bare
         tensor's in one slot, each floating tensor of another output in a slot of its own, named by its
         field (NOTE: [Naming the output's fields]). The gradients arrive one by one, each its own record:
         a Siamese model's two outputs in one slot were reported as one place, without saying which output
-        held the NaN (adambielski/siamese-triplet#18, a probe, session 51)."""
+        held the NaN (adambielski/siamese-triplet#18, a probe, session 51). `walked`: the output's
+        walked_tensors() if the forward's check walked it already, else None."""
         if isinstance(output, torch.Tensor):
             self._hook_grads(output, "loss", self._root, self._root.calls)
             return
-        tensors, layout = walked_tensors(output)
+        tensors, layout = walked if walked is not None else walked_tensors(output)
         for tensor, node in zip(tensors, layout.nodes):
             slot = len(self._step.slots)  # the id of the slot hook_grads makes, if it makes one
             self._hook_grads(tensor, "loss", self._root, self._root.calls)
@@ -270,12 +271,15 @@ class Hooks:
         if self._active:
             if self._check_loss:
                 first = len(self._step.slots)  # the id of its record's slot, if it makes one
+                walked = None  # a tuple's tensors and layout, walked once for its names and its gradients
                 if self._hooks.check_output("forward", self._root, output):
                     self._step.output_checked = True
-                    if len(self._step.slots) > first and first not in self._step.outputs:  # a tuple: no walk yet
-                        self._step.outputs[first] = output_layout(output)  # see NOTE: [Naming the output's fields]
+                    if (len(self._step.slots) > first and first not in self._step.outputs
+                            and not isinstance(output, torch.Tensor)):  # a tuple: no walk yet (a tensor: no names)
+                        walked = walked_tensors(output)
+                        self._step.outputs[first] = walked[1]  # see NOTE: [Naming the output's fields]
                 if torch.is_grad_enabled() and not self._root.ignored:
-                    self._hook_output_grads(output)
+                    self._hook_output_grads(output, walked)
             if self._written is not None:
                 self._written.record(self._record)  # see NOTE: [Buffers a forward writes]
             self._forget_last()

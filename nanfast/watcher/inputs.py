@@ -76,18 +76,9 @@ def walked_tensors(obj: Any) -> tuple[list[torch.Tensor], Layout]:
     return tensors, Layout(nodes=nodes)
 
 
-def output_layout(output: Any) -> Optional[Layout]:
-    """Where each floating tensor of a module's output came from, to name the fields of a dirty one
-    (NOTE: [Naming the output's fields]); None for a bare tensor, which has nothing to name.
-
-    Args:
-        output: what the module's forward returned."""
-    return None if isinstance(output, torch.Tensor) else walked_tensors(output)[1]
-
-
 def output_names(layout: Optional[Layout], rows: int) -> Optional[list[str]]:
     """The names of the `rows` tensors of the record of a module's output ("loss", "logits", "[1]"), from
-    its `layout` (output_layout, or the C++ hooks' walk), or None when the layout cannot name them."""
+    its `layout` (walked_tensors' second part, from the watch's or the C++ hooks' walk), or None when the layout cannot name them."""
     # NOTE: [Naming the output's fields]
     # A HF model computes its loss inside its forward (a functional cross-entropy, no module): a NaN loss
     # (every label ignore_index) first appears in the model's output, which is a dict of the loss, the
