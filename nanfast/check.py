@@ -61,14 +61,19 @@ def _collect(obj: Any, grads: bool) -> tuple[list[tuple[str, torch.Tensor]], lis
                         "optimizer, a Tensor, or a container of tensors (mapping, list, tuple, dataclass) such as a "
                         "state_dict or a batch")
     pairs, unchecked = [], []
-    seen: dict[str, int] = {}
+    taken: set[str] = set()
     for name, leaf in leaves:
         t = values_tensor(leaf)
         if t is not None:
             # Two entries of one name (a key "a.b" beside a["b"]; pairs named alike) stay two entries:
-            # the later ones are numbered, so that Report.norms keeps them all.
-            seen[name] = count = seen.get(name, 0) + 1
-            pairs.append((name if count == 1 else f"{name} (#{count})", t))
+            # the later ones are numbered, so that Report.norms keeps them all; by the first number no
+            # entry has (a key may itself be named "a.b (#2)").
+            unique, count = name, 1
+            while unique in taken:
+                count += 1
+                unique = f"{name} (#{count})"
+            taken.add(unique)
+            pairs.append((unique, t))
         elif may_hold_values(leaf):
             unchecked.append(name or f"the object ({type(leaf).__name__})")  # obj itself, its own code raised
     return pairs, unchecked

@@ -198,6 +198,17 @@ def test_entries_of_one_name_are_all_kept():
     assert nested.norms == {"a.b": 2.0, "a.b (#2)": 2.0} and len(nested.entries) == 2
 
 
+def test_a_number_given_to_an_entry_of_one_name_is_one_no_other_entry_has():
+    """A key that is itself named "a (#2)" beside two entries "a": the second "a" was named "a (#2)" too,
+    and Report.norms kept one of the two (session 50's note, left until session 53)."""
+    report = nanfast.check_all([("a", torch.ones(1)), ("a (#2)", torch.tensor([NAN, 2.0])), ("a", torch.full((1,), 3.0))],
+                               raise_on_nonfinite=False)
+    assert [e.name for e in report.entries] == ["a", "a (#2)", "a (#3)"]
+    assert report.norms == {"a": 1.0, "a (#2)": 2.0, "a (#3)": 3.0} and [e.name for e in report.bad] == ["a (#2)"]
+    later = nanfast.check_all([("a", torch.ones(1)), ("a", torch.ones(1)), ("a (#2)", torch.ones(1))])
+    assert [e.name for e in later.entries] == ["a", "a (#2)", "a (#2) (#2)"] and len(later.norms) == 3
+
+
 def test_a_dataclass_field_never_set_is_listed_alone_and_its_other_fields_are_checked():
     """The whole dataclass was listed as not checked, its NaN field called nothing."""
     pair = _unset_field()
