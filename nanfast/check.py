@@ -202,7 +202,7 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
             hold no values to check; other objects are listed in `Report.unchecked`. A container inside
             itself is walked once (a container shared by two entries, at each). Entries that would
             share a name (two pairs named alike; a key "a.b" beside a["b"]) keep it with a number
-            after the first: "a.b (#2)".
+            after the first: "a.b (#2)", the first number that makes a name no entry has.
         grads: check the .grad of a Module's parameters (or of a Tensor).
         raise_on_nonfinite: raise NonFiniteError if anything is non-finite.
 
