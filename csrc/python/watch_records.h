@@ -118,9 +118,13 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // producer, or the first microbatch for the second's dirty batch (a probe, session 42). A record keeps
 // its tensors' versions; at the flush, a tensor changed since its record that a later record of the
 // flush holds at its current version counts there only: its row in the earlier record is zeroed. One
-// changed with no later record keeps its count (BatchNorm's output, which an unhooked ReLU(inplace=True)
-// rewrites: that record is the only one, and ReLU keeps NaN and +inf), as does one whose values a
-// later op made finite (what a fused watch gives up).
+// changed with no later record keeps its NaN and +inf (BatchNorm's output, which an unhooked
+// ReLU(inplace=True) rewrites: that record is the only one, and ReLU keeps NaN and +inf), but not its
+// -inf, nor its headroom: -inf is what code writes on purpose into a module's output after it returned
+// (attention scores `masked_fill_(pad, -inf)`, a policy's illegal actions' logits), and the fused watch
+// blamed the healthy module for it (a probe, session 53). A -inf the module did make, rewritten in place
+// before the flush, is named where it reaches the next check. A value a later op made finite is not
+// seen (what a fused watch gives up).
 inline int64_t version_of(const at::Tensor& t) {
   return t.is_inference() ? -1 : static_cast<int64_t>(t._version());  // an inference tensor keeps none
 }
@@ -326,9 +330,12 @@ struct Records {
         const at::Tensor& t = d->tensors[k];
         const int64_t now = version_of(t);
         const std::pair<const c10::TensorImpl*, int64_t> current{t.unsafeGetTensorImpl(), now};
-        if (d->versions[k] != now && std::find(later.begin(), later.end(), current) != later.end()) {
-          zero_row(entries[d->entry], static_cast<int64_t>(k));
+        if (d->versions[k] == now) {
+          continue;
         }
+        // Counted where a later record holds it as it is; else its -inf are a later op's (see the NOTE).
+        const bool counted_later = std::find(later.begin(), later.end(), current) != later.end();
+        zero_counts(entries[d->entry], static_cast<int64_t>(k), counted_later ? 0 : 2);
       }
       for (size_t k = 0; k < d->tensors.size(); ++k) {
         later.emplace_back(d->tensors[k].unsafeGetTensorImpl(), d->versions[k]);
@@ -336,12 +343,13 @@ struct Records {
     }
   }
 
-  // Row `k` of a filled record counts nothing, and needs no headroom.
-  static void zero_row(Entry& entry, int64_t k) {
+  // Row `k` of a filled record counts nothing from column `from` on (0: nothing at all; 2: no -inf),
+  // and needs no headroom.
+  static void zero_counts(Entry& entry, int64_t k, int64_t from) {
     if (entry.counts.defined()) {
-      entry.counts.select(0, entry.row + k).zero_();
+      entry.counts.select(0, entry.row + k).narrow(0, from, 3 - from).zero_();
     } else {
-      std::fill_n(entry.host.begin() + 3 * k, 3, 0);
+      std::fill_n(entry.host.begin() + 3 * k + from, 3 - from, 0);
     }
     if (!entry.limits.empty()) {
       entry.limits[k] = 0.0;
