@@ -154,6 +154,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
     _validate(pairs)
     bad: list[tuple[int, BadField]] = []  # with the field's position, to report in batch order
     masks: list[tuple[int, BadField]] = []
+    known_lists: dict = {}  # list_sample's, kept over the fields (the batch, and so the ids, alive)
     for indices in group_by_device([t for _, t in pairs]).values():
         names, tensors = [pairs[i][0] for i in indices], [stored_values(pairs[i][1]) for i in indices]
         # nested tensors are read through their components
@@ -163,7 +164,7 @@ def check_batch(batch: Any, *, raise_on_nonfinite: bool = True) -> BatchReport:
             if nan or posinf or neginf:
                 path, t = pairs[i]
                 mask = is_additive_mask(path, nan, posinf, neginf)  # see NOTE: [Additive masks]
-                sample = None if mask else list_sample(batch, path_steps(nodes[i]))
+                sample = None if mask else list_sample(batch, path_steps(nodes[i]), known_lists)
                 samples = () if mask else (sample,) if sample is not None else bad_samples(
                     t, packed_samples(path, container_of(batch, nodes[i])))
                 (masks if mask else bad).append((i, BadField(path, shape_of(t), str(t.dtype).removeprefix("torch."),

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from ._tree import positions_on
+from ._tree import named_leaves, positions_on
 from .ops import any_nonfinite
 
 
@@ -66,14 +66,41 @@ def _index_vector(value: Any) -> Optional[torch.Tensor]:
 # entries' rows): batched fields side by side share one batch size, so two sequences of 5 steps beside 2
 # labels, or images of 3 channels beside targets of 1 box each, are samples (their time step, channel or
 # box was named as the sample: a probe, session 52). Only entries whose rows equal the batch size stay
-# ambiguous, and are taken for batched fields. Elsewhere, as before, a sample is an index along the
-# field's first dimension.
-def list_sample(batch: Any, steps: list) -> Optional[int]:
-    """The sample a field belongs to by its position in a list of samples (see the NOTE), or None."""
+# ambiguous, and are taken for batched fields. A list needs no sibling where it is a plain list of a
+# dataset's samples (collate_fn=lambda b: b), where the channel or the box was named as the sample (a
+# probe, session 53): entries of one layout (their leaves' paths, and which leaves are tensors), one of
+# which shows what one sample holds and a batch does not: tensors of different numbers of rows, or a
+# 0-dim tensor beside a tensor with rows (an image's 3 channels beside its boxes, or beside its label).
+# The batches of a CombinedLoader share their batch's size inside each; images beside targets
+# (tuple(zip(*b))) differ in layout. Elsewhere, as before, a sample is an index along the field's first
+# dimension.
+def list_sample(batch: Any, steps: list, known: dict) -> Optional[int]:
+    """The sample a field belongs to by its position in a list of samples (see the NOTE), or None.
+    `known`: id of a list -> whether it is a list of a dataset's samples, kept over one batch's fields."""
     for position, sequence, siblings in positions_on(batch, steps):
-        if _sequence(sequence) and any(_pair_of_samples(sequence, s) for s in siblings):
+        if not _sequence(sequence):
+            continue
+        if id(sequence) not in known:
+            known[id(sequence)] = _dataset_samples(sequence)
+        if known[id(sequence)] or any(_pair_of_samples(sequence, s) for s in siblings):
             return position
     return None
+
+
+def _dataset_samples(sequence: Any) -> bool:
+    """Whether `sequence` is a plain list of a dataset's samples (see the NOTE)."""
+    layout, one_samples = None, False
+    for entry in sequence:
+        if isinstance(entry, torch.Tensor):
+            return False
+        items = list(named_leaves(entry))
+        entry_layout = [(path, isinstance(leaf, torch.Tensor)) for path, leaf in items]
+        if layout not in (None, entry_layout):
+            return False
+        layout = entry_layout
+        rows = {t.shape[0] if t.dim() else None for _, t in items if isinstance(t, torch.Tensor)}
+        one_samples = one_samples or len(rows) > 1
+    return one_samples
 
 
 def _pair_of_samples(sequence: Any, sibling: Any) -> bool:

@@ -414,3 +414,34 @@ def test_samples_in_a_list_are_told_by_the_batch_size_even_when_their_rows_agree
     images[1][2, 0, 0] = INF
     report = nanfast.check_batch((images, targets), raise_on_nonfinite=False)
     assert [(f.path, f.samples) for f in report.bad] == [("[0][1]", (1,)), ("[1][1].boxes", (1,))]
+
+
+@pytest.mark.parametrize("record", ["tuple", "dict", "dataclass"])
+def test_a_plain_list_of_the_datasets_samples_names_the_sample(record):
+    """collate_fn=lambda b: b leaves the batch a plain list of the dataset's samples, with no sibling
+    to show it: a NaN pixel of image 2 was "sample 0" (its channel) and a NaN box of image 1 "sample 0"
+    (the box row), though their paths start at the right one (a probe, session 53). An entry holding an
+    image's 3 channels beside its boxes, or a sample's label (a 0-dim tensor), is one sample's."""
+    @dataclasses.dataclass
+    class Sample:
+        image: torch.Tensor
+        target: dict
+
+    def as_record(sample):
+        image, target = sample
+        return {"tuple": sample, "dict": {"image": image, **target}, "dataclass": Sample(image, target)}[record]
+
+    dataset = _DetectionDataset(bad_box=(1,), bad_pixel=(2,))
+    batch = next(iter(torch.utils.data.DataLoader([as_record(dataset[i]) for i in range(4)], batch_size=4,
+                                                  collate_fn=lambda b: b)))
+    assert isinstance(batch, list) and len(batch) == 4
+    report = nanfast.check_batch(batch, raise_on_nonfinite=False)
+    # Reference: the samples whose tensors hold NaN, one by one.
+    expected = [i for i in range(4) if any(not torch.isfinite(t).all() for t in (dataset[i][0], *dataset[i][1].values()))]
+    assert expected == [1, 2] and report.samples == expected
+    assert sorted(f.samples for f in report.bad) == [(1,), (2,)]
+    # A classification dataset's samples: an image and a 0-dim label each.
+    samples = [{"image": torch.rand(3, 4, 4), "label": torch.tensor(i)} for i in range(3)]
+    samples[2]["image"][1, 0, 0] = INF
+    assert [(f.path, f.samples) for f in nanfast.check_batch(samples, raise_on_nonfinite=False).bad] == [
+        ("[2].image", (2,))]
