@@ -230,7 +230,7 @@ def check_all(obj: Any, *, grads: bool = False, raise_on_nonfinite: bool = True)
         s = naming_entries(stats, [pairs[i][0] for i in indices], [local[i] for i in indices], "nanfast.check_all")
         # One transfer per device: counts are exact in float64 up to 2^53.
         rows = torch.cat([s.counts.double(), s.norm[:, None], s.absmax[:, None]], dim=1)
-        rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows).tolist()
+        rows = distributed.globalize_rows([pairs[i][1] for i in indices], rows, [pairs[i][0] for i in indices]).tolist()
         for i, (nan, posinf, neginf, norm, absmax) in zip(indices, rows):
             name, t = pairs[i]
             entries[i] = Entry(name, _nested.shape(t), str(t.dtype).removeprefix("torch."), str(device),

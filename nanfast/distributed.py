@@ -5,6 +5,7 @@ over their mesh, so that counts and norms are those of the full tensor."""
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import sys
 from collections.abc import Sequence
@@ -128,18 +129,92 @@ def _resolve_partial(t: Any) -> Any:
     return t
 
 
-def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (float64 [len(tensors), 5]: nan, +inf, -inf, norm, absmax of each tensor's local part)
-    with the rows of DTensor entries replaced by those of the full DTensor. Collectives: two per
-    process group involved, in the order the tensors come (the same on every rank); none when no entry
-    is a DTensor."""
+def _groups_of(tensors: Sequence[torch.Tensor]) -> dict[Any, list[int]]:
+    """The process groups the DTensor entries of `tensors` are sharded over, each with the positions of
+    its entries, both in the order the tensors come."""
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         if is_dtensor(t):
             for d in _reduce_dims(t):
                 groups.setdefault(t.device_mesh.get_group(d), []).append(i)
+    return groups
+
+
+# NOTE: [Ranks that pass different DTensors]
+# The reductions add rows by position: they are right only where every rank of a group passes the same
+# DTensors in the same order. A rank that listed its entries in another order (a dict built from a set;
+# {"a", "b"} on one rank, {"b", "a"} on another) made check_all put one entry's NaN in another's row and
+# name it there, on every rank, silently; with entries of different numbers, the reductions' sizes
+# disagree (a probe, session 53). So check_all, which reads its rows anyway, first agrees on a
+# fingerprint of each group's entries (names, shapes, dtypes, placements): the MAX all-reduce of [h, -h]
+# gives h and -h back only where every rank's h is the same; every rank of a group that disagrees
+# gathers the ranks' entries and raises, naming the first that differs. any_nonfinite, which makes no
+# host read, carries a fingerprint of its entries as a set (order does not change a flag) in its one
+# all-reduce, and says "non-finite" where the ranks' sets differ: a rank's shard it was not given was
+# not read, and a check that could not look never says finite. stats, which makes no host read either
+# and whose rows are by position, cannot tell: every rank must pass the same DTensors in the same order
+# (check_all tells which differ). Every rank of a group must take part: a rank that passes no DTensor
+# sharded over it waits in none of its collectives, and the others wait for it until the process
+# group's timeout.
+def _fingerprint(described: list) -> float:
+    """A 52-bit hash of `described` (the same on every process, unlike hash()), exact in float64."""
+    digest = hashlib.blake2b(repr(described).encode(), digest_size=8).digest()
+    return float(int.from_bytes(digest, "little") >> 12)
+
+
+def _describe(tensors: Sequence[torch.Tensor], indices: list[int], names: Optional[Sequence[str]] = None) -> list:
+    """Each entry at `indices`: its name (if `names`), shape, dtype and placements."""
+    return [((names[i],) if names is not None else ()) + (tuple(tensors[i].shape), str(tensors[i].dtype).removeprefix(
+        "torch."), str(tensors[i].placements)) for i in indices]
+
+
+def _agreement(described: list, device: torch.device) -> torch.Tensor:
+    """The [h, -h] of `described` to all-reduce with MAX over a group: it comes back [h, -h] where every
+    rank's h is the same."""
+    h = _fingerprint(described)
+    return torch.tensor([h, -h], dtype=torch.float64, device=device)
+
+
+def _agree_on_entries(tensors: Sequence[torch.Tensor], names: Sequence[str], indices: list[int], group: Any,
+                      device: torch.device) -> None:
+    """Raises ValueError on every rank of `group` unless every rank passes the same DTensor entries
+    there, naming the first that differs (see NOTE: [Ranks that pass different DTensors])."""
+    described = _describe(tensors, indices, names)
+    agreed = _agreement(described, device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    h, minus_h = agreed.tolist()
+    if h == -minus_h:
+        return
+    every = gather_objects(described, group)
+    ranks = dist.get_process_group_ranks(group)
+    k = next(k for k in range(max(map(len, every))) if len({repr(e[k:k + 1]) for e in every}) > 1)
+    listed = "; ".join(f"rank {rank}: " + (f"{e[k][0]!r} {e[k][1]} {e[k][2]} {e[k][3]}" if k < len(e) else "none")
+                       for rank, e in zip(ranks, every))
+    raise ValueError(f"nanfast.check_all: the ranks pass different DTensor entries (every rank of a mesh must pass "
+                     f"the same DTensors in the same order); DTensor entry {k} sharded over the process group of "
+                     f"ranks {ranks} is: {listed}")
+
+
+def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor,
+                   names: Optional[Sequence[str]] = None) -> torch.Tensor:
+    """`rows` (float64 [len(tensors), 5]: nan, +inf, -inf, norm, absmax of each tensor's local part)
+    with the rows of DTensor entries replaced by those of the full DTensor. Collectives: two per
+    process group involved (three with `names`), in the order the tensors come (the same on every
+    rank); none when no entry is a DTensor.
+
+    Args:
+        tensors, rows: the entries and their local rows.
+        names: check_all's names of the entries: the ranks first agree on them (one host read).
+
+    Raises:
+        ValueError: with `names`, the ranks of a group pass different DTensor entries (see NOTE: [Ranks
+            that pass different DTensors]), naming the first."""
+    groups = _groups_of(tensors)
     if not groups:
         return rows
+    if names is not None:
+        for group, indices in groups.items():
+            _agree_on_entries(tensors, names, indices, group, rows.device)
     rows = rows.clone()
     local_norm = rows[:, NORM].clone()
     for group, indices in groups.items():
@@ -164,16 +239,15 @@ def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor) -> torch
 
 def globalize_flag(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tensor:
     """`flag` (0-dim bool: any non-finite value in the local parts of `tensors`) made true on every rank
-    of the meshes the DTensor entries are sharded over when it is true on one: one MAX all-reduce per
-    process group."""
-    groups = {}
-    for t in tensors:
-        if is_dtensor(t):
-            for d in _reduce_dims(t):
-                groups.setdefault(t.device_mesh.get_group(d), None)
+    of the meshes the DTensor entries are sharded over when it is true on one, or when the ranks pass
+    different sets of DTensor entries there (see NOTE: [Ranks that pass different DTensors]): one MAX
+    all-reduce per process group, no host read."""
+    groups = _groups_of(tensors)
     if not groups:
         return flag
-    value = flag.to(torch.int32).reshape(1)
-    for group in groups:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return value[0].bool()
+    value = flag.to(torch.float64).reshape(1)
+    for group, indices in groups.items():
+        agreed = torch.cat([value, _agreement(sorted(_describe(tensors, indices)), flag.device)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        value = torch.maximum(agreed[:1], (agreed[1] != -agreed[2]).to(torch.float64))
+    return value[0] > 0

@@ -116,6 +116,35 @@ def dtensor_placements(rank, mesh):
     }
 
 
+def dtensor_entries_that_differ_by_rank(rank, mesh):
+    """Ranks that list their DTensor entries differently (a probe, session 53): in another order, rank 0
+    {"a", "b"} and rank 1 {"b", "a"}, with a NaN in rank 1's shard of a (rank 0 said the NaN was in b),
+    and with an entry one rank leaves out (the reductions' sizes differed)."""
+    api = nanfast.distributed.dtensor_api()
+    a_full = torch.zeros(6, 3)
+    a_full[5, 0] = float("nan")  # rows 3-5 are rank 1's shard
+    a = api.distribute_tensor(a_full, mesh, [api.Shard(0)])
+    b = api.distribute_tensor(torch.ones(6, 3), mesh, [api.Shard(0)])
+    order = {"a": a, "b": b} if rank == 0 else {"b": b, "a": a}
+
+    def error(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    return {
+        "same": [(e.name, e.nan) for e in nanfast.check_all({"a": a, "b": b}, raise_on_nonfinite=False).entries],
+        "reordered": error(lambda: nanfast.check_all(order, raise_on_nonfinite=False)),
+        "left_out": error(lambda: nanfast.check_all({"a": a, "b": b} if rank == 0 else {"a": a},
+                                                    raise_on_nonfinite=False)),
+        "any_reordered": nanfast.any_nonfinite(list(order.values())).item(),
+        "any_clean_left_out": nanfast.any_nonfinite([b, b] if rank == 0 else [b]).item(),
+        "any_clean": nanfast.any_nonfinite([b, b]).item(),
+    }
+
+
 def _params_equal_across_ranks(net: torch.nn.Module) -> bool:
     """Whether every rank holds the same parameters (an all_gather: every rank calls it)."""
     flat = torch.cat([p.detach().flatten() for p in net.parameters()])
@@ -556,7 +585,7 @@ def ddp_abandoned_dirty_batch_on_one_rank(rank, mesh):
     return {"raised": [step for step, _ in raised], "dropped": dropped,
             "params_equal_across_ranks": _params_equal_across_ranks(net)}
 
-SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
+SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, dtensor_entries_that_differ_by_rank, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
@@ -687,6 +716,20 @@ def test_dtensor_placements_and_float64_range(ranks):
         assert r["any_clean"] is False
         assert r["any_flagged"] is True  # only rank 0's shard holds NaN: both ranks see it
         assert r["stats_counts"] == [[0, 0, 1], [1, 0, 0]]
+
+
+def test_ranks_that_pass_different_dtensor_entries_are_told_never_given_a_wrong_answer(ranks):
+    """check_all adds the ranks' rows by position: entries in another order on one rank put a's NaN in
+    b's row on every rank, silently (NOTE: [Ranks that pass different DTensors]). Now every rank raises,
+    naming the first entry that differs and what each rank passed there; any_nonfinite, whose flag
+    order cannot change, says non-finite where a rank left an entry out (its shard was not read)."""
+    results = _results(ranks, dtensor_entries_that_differ_by_rank)
+    for r in results:
+        assert r["same"] == [("a", 1), ("b", 0)]  # the reference: every rank passing one order
+        assert "different DTensor entries" in r["reordered"] and "DTensor entry 0" in r["reordered"]
+        assert "rank 0: 'a' (6, 3)" in r["reordered"] and "rank 1: 'b' (6, 3)" in r["reordered"]
+        assert "DTensor entry 1" in r["left_out"] and "rank 0: 'b'" in r["left_out"] and "rank 1: none" in r["left_out"]
+        assert r["any_reordered"] is True and r["any_clean_left_out"] is True and r["any_clean"] is False
 
 
 def test_ddp_watch_ranks_skip_together(ranks):
