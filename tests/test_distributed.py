@@ -145,6 +145,26 @@ def dtensor_entries_that_differ_by_rank(rank, mesh):
     }
 
 
+def watch_on_one_rank_only(rank, mesh):
+    """A watch made on rank 0 only (documented: every rank must run it): its first step waited in the
+    flag's all-reduce until the group's timeout and failed with gloo's "Timed out waiting 3000ms for recv
+    operation to complete", naming no cause (a probe, session 53). Over a group of its own with a short
+    timeout, so that the broken group is not the one the other scenarios use."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=3))
+    if rank != 0:
+        return None
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with nanfast.watch(model, optimizer, process_group=group):
+            optimizer.zero_grad()
+            model(torch.randn(2, 3)).sum().backward()
+            optimizer.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def _params_equal_across_ranks(net: torch.nn.Module) -> bool:
     """Whether every rank holds the same parameters (an all_gather: every rank calls it)."""
     flat = torch.cat([p.detach().flatten() for p in net.parameters()])
@@ -585,7 +605,8 @@ def ddp_abandoned_dirty_batch_on_one_rank(rank, mesh):
     return {"raised": [step for step, _ in raised], "dropped": dropped,
             "params_equal_across_ranks": _params_equal_across_ranks(net)}
 
-SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, dtensor_entries_that_differ_by_rank, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
+SCENARIOS = [fsdp2_check_all, fsdp2_grads, dtensor_placements, dtensor_entries_that_differ_by_rank,
+             watch_on_one_rank_only, ddp_watch_skip, ddp_watch_raise, ddp_watch_lagged,
              ddp_watch_rollback, ddp_skip_a_rank_cannot_undo, ddp_lagged_skip_a_rank_cannot_undo,
              ddp_rollback_after_one_rank_routed, fsdp2_watch_skip,
              fsdp2_dcp_save, tensor_parallel_watch, ddp_spike_skip, ddp_spike_raise,
@@ -730,6 +751,13 @@ def test_ranks_that_pass_different_dtensor_entries_are_told_never_given_a_wrong_
         assert "rank 0: 'a' (6, 3)" in r["reordered"] and "rank 1: 'b' (6, 3)" in r["reordered"]
         assert "DTensor entry 1" in r["left_out"] and "rank 0: 'b'" in r["left_out"] and "rank 1: none" in r["left_out"]
         assert r["any_reordered"] is True and r["any_clean_left_out"] is True and r["any_clean"] is False
+
+
+def test_a_watch_on_one_rank_only_fails_saying_why(ranks):
+    rank0, rank1 = _results(ranks, watch_on_one_rank_only)
+    assert rank1 is None
+    assert "did not agree on step 0's verdict" in rank0 and "Every rank of the process group must run the watch" in rank0
+    assert "Timed out" in rank0  # gloo's own message kept
 
 
 def test_ddp_watch_ranks_skip_together(ranks):

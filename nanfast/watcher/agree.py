@@ -31,10 +31,22 @@ def with_other_ranks(process_group: Optional[Any]) -> bool:
 
 def wait(read: Read) -> None:
     """Waits for the flag's all-reduce (on NCCL this orders the stream after it; the host waits at the
-    read that follows, the one it makes anyway)."""
-    if read.agreeing is not None:
-        read.agreeing.wait()
-        read.agreeing = None
+    read that follows, the one it makes anyway).
+
+    Raises:
+        RuntimeError: the all-reduce failed (on gloo, its timeout: a rank that runs no watch, or fewer
+            steps, never joined it), saying so; gloo's own message names no cause."""
+    if read.agreeing is None:
+        return
+    agreeing, read.agreeing = read.agreeing, None
+    try:
+        agreeing.wait()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"nanfast.watch: the ranks did not agree on step {read.step}'s verdict ({e}). Every rank of the "
+            "process group must run the watch and step with it together: a watch made on some ranks only, or a "
+            "rank that made fewer steps (uneven batches), leaves the others waiting in this all-reduce until "
+            "the group's timeout") from e
 
 
 def any_rank(value: bool, process_group: Optional[Any]) -> bool:
