@@ -168,11 +168,18 @@ def _describe(tensors: Sequence[torch.Tensor], indices: list[int], names: Option
         "torch."), str(tensors[i].placements)) for i in indices]
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, without a host sync: torch.tensor(..., device=cuda) copies with
+    non_blocking=False, which waits for the stream; from pageable memory a non-blocking copy is staged
+    at once, so the list may go."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _agreement(described: list, device: torch.device) -> torch.Tensor:
     """The [h, -h] of `described` to all-reduce with MAX over a group: it comes back [h, -h] where every
     rank's h is the same."""
     h = _fingerprint(described)
-    return torch.tensor([h, -h], dtype=torch.float64, device=device)
+    return _to_device([h, -h], torch.float64, device)
 
 
 def _agree_on_entries(tensors: Sequence[torch.Tensor], names: Sequence[str], indices: list[int], group: Any,
@@ -218,7 +225,7 @@ def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor,
     rows = rows.clone()
     local_norm = rows[:, NORM].clone()
     for group, indices in groups.items():
-        index = torch.tensor(indices, device=rows.device)
+        index = _to_device(indices, torch.int64, rows.device)
         top = rows.index_select(0, index)[:, NORM:].contiguous()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         rows[index, NORM:] = top
@@ -226,14 +233,14 @@ def globalize_rows(tensors: Sequence[torch.Tensor], rows: torch.Tensor,
     scale = torch.where(torch.isfinite(rows[:, NORM]) & (rows[:, NORM] > 0), rows[:, NORM], 1.0)
     relative_sumsq = (local_norm / scale).square()
     for group, indices in groups.items():
-        index = torch.tensor(indices, device=rows.device)
+        index = _to_device(indices, torch.int64, rows.device)
         part = torch.cat([rows.index_select(0, index)[:, :NORM], relative_sumsq.index_select(0, index)[:, None]], dim=1)
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
         rows[index, :NORM] = part[:, :NORM]
         relative_sumsq[index] = part[:, NORM]
-    reduced = torch.zeros(len(tensors), dtype=torch.bool)
-    reduced[[i for indices in groups.values() for i in indices]] = True
-    rows[:, NORM] = torch.where(reduced.to(rows.device), scale * relative_sumsq.sqrt(), local_norm)
+    reduced = set(i for indices in groups.values() for i in indices)
+    reduced_rows = _to_device([i in reduced for i in range(len(tensors))], torch.bool, rows.device)
+    rows[:, NORM] = torch.where(reduced_rows, scale * relative_sumsq.sqrt(), local_norm)
     return rows
 
 
