@@ -445,3 +445,6 @@ def test_a_plain_list_of_the_datasets_samples_names_the_sample(record):
     samples[2]["image"][1, 0, 0] = INF
     assert [(f.path, f.samples) for f in nanfast.check_batch(samples, raise_on_nonfinite=False).bad] == [
         ("[2].image", (2,))]
+    # torchvision's datasets: (image, int label) each.
+    pairs = [(sample["image"], int(sample["label"])) for sample in samples]
+    assert [(f.path, f.samples) for f in nanfast.check_batch(pairs, raise_on_nonfinite=False).bad] == [("[2][0]", (2,))]
