@@ -277,6 +277,26 @@ class Policy(torch.nn.Module):
         return torch.distributions.Categorical(logits=logits).log_prob(torch.zeros(len(h), dtype=torch.long))
 
 
+class NearestOther(torch.nn.Module):
+    """The distance of each point to its nearest other point: the pairwise distances, a module's output,
+    get +inf on their diagonal in place before the min, the usual way to leave each point out."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.dist = PairwiseSquaredDistances()
+
+    def forward(self, h, _):
+        d = self.dist(self.proj(h.flatten(0, 1)))
+        d.fill_diagonal_(INF)
+        return d.min(1).values
+
+
+class PairwiseSquaredDistances(torch.nn.Module):
+    def forward(self, a):
+        return (a[:, None] - a[None]).square().sum(-1)
+
+
 def masked_run_events(fuse, model):
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -294,13 +314,13 @@ def masked_run_events(fuse, model):
     return [(e.first.phase, e.first.name, e.first.nan, e.first.neginf) for e in seen]
 
 
-@pytest.mark.parametrize("make", [MaskedAttention, Policy])
-def test_a_healthy_module_whose_output_is_masked_with_minus_inf_in_place_is_not_blamed(make):
-    """-inf written in place into a module's output after it returned (attention scores masked at the
-    padding, a policy's illegal actions) is the caller's, not the module's: the fused watch read the
-    record at the step's end, saw the mask and named `v` (or the head) as the producer on every healthy
-    step, where the default watch, reading at once, saw nothing (a probe, session 53; NOTE: [Deferred
-    tensors changed in place])."""
+@pytest.mark.parametrize("make", [MaskedAttention, Policy, NearestOther])
+def test_a_healthy_module_whose_output_gets_infinities_in_place_is_not_blamed(make):
+    """An infinity written in place into a module's output after it returned (attention scores masked
+    with -inf at the padding, a policy's illegal actions, a distance matrix's diagonal set to +inf before
+    its min) is the caller's, not the module's: the fused watch read the record at the step's end, saw
+    it and named `v` (the head, `dist`) as the producer on every healthy step, where the default watch,
+    reading at once, saw nothing (a probe, session 53; NOTE: [Deferred tensors changed in place])."""
     assert masked_run_events(True, make()) == masked_run_events(False, make()) == []
 
 
@@ -314,6 +334,47 @@ def test_what_it_gives_up_for_that_a_modules_own_minus_inf_masked_in_place_later
     assert len(everywhere) == 3 and everywhere[0][:2] == ("forward", "") and everywhere[0][2] > 0
     assert masked_run_events(False, MaskedAttention(LogOfZeros(at=(0, 0))))[0][:2] == ("forward", "v.1")
     assert masked_run_events(True, MaskedAttention(LogOfZeros(at=(0, 0)))) == []
+
+
+class Plants(torch.nn.Module):
+    """A new tensor with `value` at [0, 0]: a fault of this module's own."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        y = x.clone()
+        y[0, 0] = self.value
+        return y
+
+
+class ReluInPlaceAfter(torch.nn.Module):
+    """fc -> plant -> relu_ (functional: no module, no record of its own) -> out."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.fc, self.plant, self.out = torch.nn.Linear(4, 4), Plants(value), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(F.relu_(self.plant(self.fc(x))))
+
+
+@pytest.mark.parametrize("value, fused_first", [(NAN, "plant"), (INF, "out")])
+def test_a_modules_own_fault_rewritten_in_place_by_a_relu(value, fused_first):
+    """A module's NaN that a ReLU(inplace=True) rewrites (ResNet's BatchNorm, then its ReLU, which the
+    watch leaves unhooked) is still named at the module by the fused watch: ReLU keeps NaN, and no
+    written NaN is left uncounted. Its +inf, which a rewritten tensor's infinities may be written on
+    purpose, is named where it reaches the next check, the next layer's output; the default watch names
+    the module for both."""
+    model = ReluInPlaceAfter(value)
+    found = {}
+    for fuse in (False, True):
+        seen = []
+        with nanfast.watch(model, fuse=fuse, action=seen.append), torch.no_grad():
+            model(torch.randn(3, 4))
+        found[fuse] = [(e.first.phase, e.first.name) for e in seen]
+    assert found == {False: [("forward", "plant")], True: [("forward", fused_first)]}
 
 
 def test_fused_by_default_where_the_results_live_on_an_accelerator():
