@@ -267,8 +267,17 @@ def _policy_steps(**options):
 
 
 def test_masked_logits_are_named_as_the_models_output_and_ignored_under_that_name():
-    with pytest.raises(nanfast.NonFiniteError, match=r"in the output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0"):
+    """The watch cannot tell masked logits from a fault; its message says how to tell it, where the -inf
+    went nowhere it checked (only there: a -inf that made a NaN, or a NaN of its own, gets no such hint)."""
+    with pytest.raises(nanfast.NonFiniteError, match=r"in the output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0") as e:
         _policy_steps()
+    assert "if they are intended, logits or scores masked with -inf, pass ignore=['<model>']" in str(e.value)
+    whole_row = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(-1))
+    with torch.no_grad():
+        whole_row[0].bias.fill_(-float("inf"))  # every logit -inf: the softmax makes NaN
+    with pytest.raises(nanfast.NonFiniteError) as e, nanfast.watch(whole_row), torch.no_grad():
+        whole_row(torch.randn(2, 4))
+    assert "first appeared in the output of 0 (Linear)" in str(e.value) and "if they are intended" not in str(e.value)
     for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
         w = _policy_steps(ignore=ignore)
         assert w.step_count == 3 and not w.events

@@ -222,6 +222,7 @@ class Event:
                 "the loop called itself; its input and output were not checked, nor a compiled region's activations, "
                 "so this is where the values first reached a check, and a dirty batch would show here)"
                 if self.forward_unchecked else "")
+        hint += self._intended_hint()
         if not later:
             return f"nanfast.watch: {head}{hint}"
         named = first_few([p.where() for p in later], _MAX_NAMED_IN_SUMMARY, "; ")
@@ -229,6 +230,17 @@ class Event:
         return f"nanfast.watch: {head}; then propagated to {places}: {named}{hint}"
 
     __str__ = summary
+
+    def _intended_hint(self) -> str:
+        """Where every place holds only -inf in a module's output and nothing after it does (no loss or
+        gradient the watch checked): the shape of logits or scores masked with -inf on purpose (an RL
+        policy's illegal actions), which the watch cannot tell from a fault; how to say so."""
+        places = (self.first, *self.later)
+        if not all(p.phase == "forward" and p.nan == 0 and p.posinf == 0 for p in places):
+            return ""
+        names = list(dict.fromkeys(p.name or MODEL for p in places))
+        return (f" (only -inf, in forward outputs, and no loss or gradient the watch checked is non-finite: if they "
+                f"are intended, logits or scores masked with -inf, pass ignore={names} to nanfast.watch)")
 
 
 def _listed(first: Place, read_with: tuple[Place, ...]) -> str:
