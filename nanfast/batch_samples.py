@@ -70,8 +70,8 @@ def _index_vector(value: Any) -> Optional[torch.Tensor]:
 # dataset's samples (collate_fn=lambda b: b), where the channel or the box was named as the sample (a
 # probe, session 53): entries of one layout (their leaves' paths, and which leaves are tensors), one of
 # which shows what one sample holds and a batch does not: tensors of different numbers of rows, or a
-# 0-dim tensor or a Python number beside a tensor with rows (an image's 3 channels beside its boxes, or
-# beside its label: torchvision's datasets give (image, int)).
+# 0-dim tensor, a Python number or a string beside a tensor with rows (an image's 3 channels beside
+# its boxes, its label or its file name: torchvision's datasets give (image, int)).
 # The batches of a CombinedLoader share their batch's size inside each; images beside targets
 # (tuple(zip(*b))) differ in layout. Elsewhere, as before, a sample is an index along the field's first
 # dimension.
@@ -99,18 +99,18 @@ def _dataset_samples(sequence: Any) -> bool:
         if layout not in (None, entry_layout):
             return False
         layout = entry_layout
-        rows = {_rows(leaf) for _, leaf in items if _tensor_or_number(leaf)}
+        rows = {_rows(leaf) for _, leaf in items if _tensor_or_scalar(leaf)}
         one_samples = one_samples or len(rows) > 1
     return one_samples
 
 
-def _tensor_or_number(leaf: Any) -> bool:
-    return isinstance(leaf, (torch.Tensor, int, float)) and not isinstance(leaf, bool)
+def _tensor_or_scalar(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, int, float, str)) and not isinstance(leaf, bool)
 
 
 def _rows(leaf: Any) -> Optional[int]:
-    """A tensor's number of rows; None for a 0-dim tensor or a Python number (a sample's label as the
-    dataset gives it: default_collate makes labels a [B] tensor)."""
+    """A tensor's number of rows; None for a 0-dim tensor, a Python number or a string (a sample's label
+    or file name as the dataset gives it: default_collate makes labels a [B] tensor, names a list)."""
     return leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.dim() else None
 
 

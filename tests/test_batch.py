@@ -448,3 +448,5 @@ def test_a_plain_list_of_the_datasets_samples_names_the_sample(record):
     # torchvision's datasets: (image, int label) each.
     pairs = [(sample["image"], int(sample["label"])) for sample in samples]
     assert [(f.path, f.samples) for f in nanfast.check_batch(pairs, raise_on_nonfinite=False).bad] == [("[2][0]", (2,))]
+    named = [(sample["image"], f"{i}.jpg") for i, sample in enumerate(samples)]  # an image and its file name
+    assert [(f.path, f.samples) for f in nanfast.check_batch(named, raise_on_nonfinite=False).bad] == [("[2][0]", (2,))]
