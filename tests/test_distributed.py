@@ -756,7 +756,7 @@ def test_ranks_that_pass_different_dtensor_entries_are_told_never_given_a_wrong_
 def test_a_watch_on_one_rank_only_fails_saying_why(ranks):
     rank0, rank1 = _results(ranks, watch_on_one_rank_only)
     assert rank1 is None
-    assert "did not agree on step 0's verdict" in rank0 and "Every rank of the process group must run the watch" in rank0
+    assert "the all-reduce of step 0's verdict failed" in rank0 and "Every rank of the process group must run the watch" in rank0
     assert "Timed out" in rank0  # gloo's own message kept
 
 

@@ -43,10 +43,10 @@ def wait(read: Read) -> None:
         agreeing.wait()
     except RuntimeError as e:
         raise RuntimeError(
-            f"nanfast.watch: the ranks did not agree on step {read.step}'s verdict ({e}). Every rank of the "
-            "process group must run the watch and step with it together: a watch made on some ranks only, or a "
-            "rank that made fewer steps (uneven batches), leaves the others waiting in this all-reduce until "
-            "the group's timeout") from e
+            f"nanfast.watch: the all-reduce of step {read.step}'s verdict failed ({e}): another rank failed, or never "
+            "joined it. Every rank of the process group must run the watch and step with it together: a watch "
+            "made on some ranks only, or a rank that made fewer steps (uneven batches), leaves the others waiting "
+            "in this all-reduce until the group's timeout") from e
 
 
 def any_rank(value: bool, process_group: Optional[Any]) -> bool:
