@@ -250,7 +250,7 @@ class MaskedPolicy(torch.nn.Module):
         return self.head(self.body(obs)).masked_fill(~legal, -INF)
 
 
-def _policy_steps(**options):
+def _policy_steps(given_loss=True, **options):
     policy = MaskedPolicy()
     optimizer = torch.optim.Adam(policy.parameters())
     g = torch.Generator().manual_seed(0)
@@ -260,27 +260,64 @@ def _policy_steps(**options):
             legal[:, 0] = True
             dist = torch.distributions.Categorical(logits=policy(torch.randn(8, 4, generator=g), legal))
             loss = -dist.log_prob(dist.sample()).mean() - 0.01 * dist.entropy().mean()
+            if given_loss:
+                w.loss(loss)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     return w
 
 
-def test_masked_logits_are_named_as_the_models_output_and_ignored_under_that_name():
-    """The watch cannot tell masked logits from a fault; its message says how to tell it, where the -inf
-    went nowhere it checked (only there: a -inf that made a NaN, or a NaN of its own, gets no such hint)."""
+def test_masked_logits_train_with_one_notice_and_are_ignored_under_the_models_name():
+    """An RL policy that masks its illegal actions' logits with -inf was stopped at its first step, with
+    no word on how to say the -inf are intended (a probe, session 53). Its loss and gradients are finite:
+    the -inf harmed nothing the watch checks, so the steps go on, and the watch says so once, naming the
+    ignore= that says they are intended (NOTE: [-inf that did no harm])."""
+    with pytest.warns(RuntimeWarning, match=r"only -inf, in output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0") as caught:
+        w = _policy_steps()
+    notices = [c for c in caught if "nanfast.watch" in str(c.message)]
+    assert len(notices) == 1 and "pass ignore=['<model>']" in str(notices[0].message)
+    assert w.step_count == 3 and w.skipped_steps == 0 and [(e.kind, e.step, e.name) for e in w.events] == [
+        ("absorbed", 0, "")]
+    for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
+        w = _policy_steps(ignore=ignore)
+        assert w.step_count == 3 and not w.events
+    # Not given the loss, the watch cannot know the -inf did no harm there: an event, which says how to
+    # say they are intended.
     with pytest.raises(nanfast.NonFiniteError, match=r"in the output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0") as e:
-        _policy_steps()
+        _policy_steps(given_loss=False)
     assert "if they are intended, logits or scores masked with -inf, pass ignore=['<model>']" in str(e.value)
+
+
+def test_minus_inf_that_did_harm_or_could_not_be_followed_is_still_an_event():
+    """Only where the watch saw where the -inf went: one that made NaN after it (a log(0) times 0), or
+    one in an inference forward (no loss, no gradients to read), is an event as before; the latter's
+    message names the ignore= that would leave it out."""
+    class LogOfZero(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.log(torch.zeros_like(x))
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), LogOfZero())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanfast.NonFiniteError, match=r"first appeared in the output of 1 \(LogOfZero\)") as e, \
+            nanfast.watch(model, optimizer) as w:
+        loss = (model(torch.randn(2, 4)) * 0).sum()  # -inf * 0: NaN in the loss (its gradients are finite)
+        w.loss(loss)
+        loss.backward()
+        optimizer.step()
+    assert "if they are intended" not in str(e.value)
     whole_row = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(-1))
     with torch.no_grad():
         whole_row[0].bias.fill_(-float("inf"))  # every logit -inf: the softmax makes NaN
     with pytest.raises(nanfast.NonFiniteError) as e, nanfast.watch(whole_row), torch.no_grad():
         whole_row(torch.randn(2, 4))
     assert "first appeared in the output of 0 (Linear)" in str(e.value) and "if they are intended" not in str(e.value)
-    for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
-        w = _policy_steps(ignore=ignore)
-        assert w.step_count == 3 and not w.events
+    masked = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        masked[0].bias[1] = -float("inf")
+    with pytest.raises(nanfast.NonFiniteError) as e, nanfast.watch(masked), torch.no_grad():
+        masked(torch.randn(2, 4))  # inference: where the -inf went is not known
+    assert "if they are intended, logits or scores masked with -inf, pass ignore=['0']" in str(e.value)
 
 
 def _checkpoint(mode="min", metric=None, **extra):

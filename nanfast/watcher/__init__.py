@@ -133,6 +133,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._headroom: Optional[Headroom] = Headroom(levels) if levels else None
 
         self.events: list[Event] = []
+        self._absorbed: set = set()  # the places of -inf that did no harm, told once (NOTE: [-inf that did no harm])
         self.last: Optional[Event] = None
         self.skipped_steps = 0
         self.scaler_skipped_steps = 0

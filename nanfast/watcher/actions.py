@@ -16,7 +16,7 @@ from .located_agrees import disagreement
 from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
 from ..locator.source import warn_at_user_line
-from .events import Event
+from .events import Event, minus_inf_in_outputs_only
 from .inputs import entry_names
 from .options import SKIPPING
 from .closure import RanClosure
@@ -87,6 +87,12 @@ class Actions:
             if acting and (callable(self._spikes.options.action) or self._spikes.options.action in ("skip", "raise")):
                 # see NOTE: [A spike on one rank]
                 spike = agree.spike(read.step, spike, self.process_group)
+        notice = None  # see NOTE: [-inf that did no harm] (events.py)
+        if (event is not None and read.loss_checked and read.tail.grads and read.reported[2]
+                and minus_inf_in_outputs_only(event.places)):
+            names = frozenset((p.name, p.module_class) for p in event.places)
+            notice, event = (None if names in self._absorbed else event.absorbed()), None
+            self._absorbed.add(names)
         if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)
@@ -106,7 +112,7 @@ class Actions:
             # float16's max" of the finite values beside +inf) is left to the event (a probe, session 51).
             hit = {(p.phase, p.name, p.module_class, p.call) for p in event.places}
             headroom = [h for h in headroom if (h.phase, h.name, h.module_class, h.first.call) not in hit]
-        found = (*headroom, *(e for e in (event, spike) if e is not None))
+        found = (*headroom, *(e for e in (notice, event, spike) if e is not None))
         skipped_before, rolled_back_before = self.skipped_steps, self.rolled_back_steps
         try:
             for e in found:
@@ -114,7 +120,7 @@ class Actions:
                 self.last = e
             if not acting:
                 return
-            for warning in headroom:
+            for warning in (*headroom, *([notice] if notice is not None else [])):
                 self._warn(warning, "warn", before_step)
             if event is not None:
                 self._act(event, scaler_skipped, before_step=before_step, unrestored=read.unrestored)

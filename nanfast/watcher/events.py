@@ -12,7 +12,7 @@ from ..report import NonfiniteCounts, first_few
 PHASES = ("param", "input", "forward", "buffer", "loss_value", "loss", "backward", "grad")
 # What an event reports: non-finite values (the watch's actions apply), or a warning about finite values
 # (overflow headroom running out, a spike in the loss or a gradient norm).
-KINDS = ("nonfinite", "headroom", "spike")
+KINDS = ("nonfinite", "headroom", "spike", "absorbed")
 _MAX_NAMED_IN_SUMMARY = 8
 # How events name the model itself (its qualified name is ""); `ignore` matches it under both names.
 MODEL = "<model>"
@@ -99,7 +99,8 @@ class Event:
     [Parameters and gradients in one pass]): several of them are in the optimizer's order (or the
     model's), which says nothing of which came first, and none propagated to another; the summary says
     so. Kinds "headroom" and "spike": a warning about finite values at `first` (its counts are zeros),
-    said in `detail`."""
+    said in `detail`. Kind "absorbed": -inf only, in forward outputs, in a training step whose loss and
+    gradients are finite (see NOTE: [-inf that did no harm]): its places, and the notice in `detail`."""
 
     step: int
     first: Place
@@ -235,12 +236,47 @@ class Event:
         """Where every place holds only -inf in a module's output and nothing after it does (no loss or
         gradient the watch checked): the shape of logits or scores masked with -inf on purpose (an RL
         policy's illegal actions), which the watch cannot tell from a fault; how to say so."""
-        places = (self.first, *self.later)
-        if not all(p.phase == "forward" and p.nan == 0 and p.posinf == 0 for p in places):
+        if not minus_inf_in_outputs_only(self.places):
             return ""
-        names = list(dict.fromkeys(p.name or MODEL for p in places))
-        return (f" (only -inf, in forward outputs, and no loss or gradient the watch checked is non-finite: if they "
-                f"are intended, logits or scores masked with -inf, pass ignore={names} to nanfast.watch)")
+        return (" (only -inf, in forward outputs, and no loss or gradient the watch checked is non-finite: if they "
+                f"are intended, logits or scores masked with -inf, pass ignore={ignore_names(self.places)} to "
+                "nanfast.watch)")
+
+    def absorbed(self) -> Event:
+        """The notice the watch gives instead of this event, of -inf only in forward outputs in a
+        training step whose loss and gradients are finite (see NOTE: [-inf that did no harm]).
+
+        Returns:
+            This event as kind "absorbed", its notice in `detail`."""
+        named = first_few([p.describe() for p in self.places], _MAX_NAMED_IN_SUMMARY, "; ")
+        return dataclasses.replace(self, kind="absorbed", detail=(
+            f"only -inf, in {named}, and the step's loss and gradients are finite: taken for values masked on "
+            "purpose (logits or scores masked with -inf), not a fault, and the step went on; said once for these "
+            f"places (pass ignore={ignore_names(self.places)} to nanfast.watch to say they are intended)"))
+
+
+# NOTE: [-inf that did no harm]
+# Code masks logits and scores with -inf on purpose: an RL policy's illegal actions (its forward
+# returns them; torch's Categorical takes -inf logits), a module's attention scores. The watch cannot
+# tell those from a module's own log(0), and stopped (or skipped every step of) a healthy policy from its
+# first step, saying nothing of how to tell it (a probe, session 53). What tells them apart for training
+# is where the values went: a -inf that a softmax or an exp absorbed leaves the loss and the gradients
+# finite, and harms nothing; one that did harm makes NaN or inf where the watch looks next (a later
+# output, the loss, a gradient). So in a training step whose loss (given to Watch.loss, as the HF and
+# Lightning callbacks give it) and gradients the watch read, an event whose every place holds only -inf,
+# in forward outputs, is no fault: the step goes on, and the watch warns once for those places (an event
+# of kind "absorbed", in `events`), naming the `ignore=` that says they are intended. Where it cannot
+# see the harm (an inference or evaluation forward; a step whose loss it was not given: -inf * 0 makes a
+# NaN loss with finite gradients; a step whose gradients it does not read) the event stands, and its
+# message names that `ignore=`.
+def minus_inf_in_outputs_only(places: tuple[Place, ...]) -> bool:
+    """Whether every place holds only -inf, in a forward output (see NOTE: [-inf that did no harm])."""
+    return all(p.phase == "forward" and p.nan == 0 and p.posinf == 0 for p in places)
+
+
+def ignore_names(places: tuple[Place, ...]) -> list[str]:
+    """The `ignore=` patterns that name `places`' modules ("<model>" for the model)."""
+    return list(dict.fromkeys(p.name or MODEL for p in places))
 
 
 def _listed(first: Place, read_with: tuple[Place, ...]) -> str:

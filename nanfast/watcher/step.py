@@ -70,6 +70,7 @@ class Read:
     step_state: Optional[Any] = None  # on_event="locate": the locate.StepState the step began with
     forward_unchecked: bool = False  # no forward of the model ran where the hooks saw it (Event.forward_unchecked)
     params_rewritten: bool = False  # the loop wrote the parameters between the step's forwards (Event.params_rewritten)
+    loss_checked: bool = False  # Watch.loss gave the step a loss, and the watch checks losses
     _layout: Optional[tuple] = None  # (parts, front, back), made when first asked for
 
     def layout(self) -> tuple[list, list, list]:

@@ -180,6 +180,7 @@ class StepEnd:
             read.after_inference = late_loss and self._inference_ended
             read.step_state = self._step_state
             read.params_rewritten = self._steps.params_rewritten
+            read.loss_checked = self._step.given_loss and self._check_loss
             # NOTE: [A step without the model's own forward]
             # No forward of the model ran where its own hooks saw it: a compiled forward (its hooks idle),
             # the loop calling submodules itself (Lightning's self.net(x)), or both at once: past
