@@ -444,3 +444,36 @@ def test_a_skip_watch_made_in_a_manually_optimized_module(tmp_path):
     watched, plain = modules
     assert watched.events == [(2, "input")]
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), watched.parameters()))
+
+
+class MaskedPolicy(Regression):
+    """A policy over 4 actions whose forward masks the illegal ones' logits with -inf (a REINFORCE-style
+    loss on fixed returns): healthy, whatever the watch sees in its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net[-1] = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        legal = torch.ones(x.shape[0], 4, dtype=torch.bool)
+        legal[:, 1:3] = x[:, :2] > 0  # actions 1 and 2 legal only for some states
+        return self.net(x).masked_fill(~legal, float("-inf"))
+
+    def training_step(self, batch, batch_idx):
+        x, returns = batch
+        dist = torch.distributions.Categorical(logits=self(x))
+        return -(dist.log_prob(torch.zeros(x.shape[0], dtype=torch.long)) * returns[:, 0]).mean()
+
+
+def test_a_policy_that_masks_its_logits_with_minus_inf_trains_with_one_notice(tmp_path):
+    """In the real Trainer (the callback gives the watch the loss): the -inf in the policy's output did
+    no harm (finite loss and gradients), so no step is stopped or skipped, and the watch says so once
+    (NOTE: [-inf that did no harm]); it stopped the first step before."""
+    callback = NanfastCallback(action="skip")
+    model = MaskedPolicy()
+    with pytest.warns(RuntimeWarning, match=r"only -inf, in output of <model> \(MaskedPolicy\)"):
+        trainer(tmp_path, [callback], steps=6).fit(model)
+    watch = callback.watch
+    assert watch.step_count == 6 and watch.skipped_steps == 0
+    assert [(e.kind, e.step) for e in watch.events] == [("absorbed", 0)]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
