@@ -314,14 +314,22 @@ def masked_run_events(fuse, model):
     return [(e.first.phase, e.first.name, e.first.nan, e.first.neginf) for e in seen]
 
 
-@pytest.mark.parametrize("make", [MaskedAttention, Policy, NearestOther])
-def test_a_healthy_module_whose_output_gets_infinities_in_place_is_not_blamed(make):
-    """An infinity written in place into a module's output after it returned (attention scores masked
-    with -inf at the padding, a policy's illegal actions, a distance matrix's diagonal set to +inf before
-    its min) is the caller's, not the module's: the fused watch read the record at the step's end, saw
-    it and named `v` (the head, `dist`) as the producer on every healthy step, where the default watch,
-    reading at once, saw nothing (a probe, session 53; NOTE: [Deferred tensors changed in place])."""
+@pytest.mark.parametrize("make", [MaskedAttention, Policy])
+def test_a_healthy_module_whose_output_is_masked_with_minus_inf_in_place_is_not_blamed(make):
+    """-inf written in place into a module's output after it returned (attention scores masked at the
+    padding, a policy's illegal actions) is the caller's, not the module's: the fused watch read the
+    record at the step's end, saw the mask and named `v` (or the head) as the producer on every healthy
+    step, where the default watch, reading at once, saw nothing (a probe, session 53; NOTE: [Deferred
+    tensors changed in place])."""
     assert masked_run_events(True, make()) == masked_run_events(False, make()) == []
+
+
+def test_what_it_gives_up_plus_inf_written_in_place_on_purpose():
+    """Documented: a +inf written in place on purpose (a distance matrix's diagonal before its min) is
+    blamed on the module by the fused watch, which cannot tell it from an overflow a ReLU(inplace=True)
+    kept (below); `ignore=` names the module."""
+    assert masked_run_events(False, NearestOther()) == []
+    assert [event[:2] for event in masked_run_events(True, NearestOther())] == [("forward", "dist")] * 3
 
 
 def test_what_it_gives_up_for_that_a_modules_own_minus_inf_masked_in_place_later():
@@ -360,13 +368,12 @@ class ReluInPlaceAfter(torch.nn.Module):
         return self.out(F.relu_(self.plant(self.fc(x))))
 
 
-@pytest.mark.parametrize("value, fused_first", [(NAN, "plant"), (INF, "out")])
-def test_a_modules_own_fault_rewritten_in_place_by_a_relu(value, fused_first):
-    """A module's NaN that a ReLU(inplace=True) rewrites (ResNet's BatchNorm, then its ReLU, which the
-    watch leaves unhooked) is still named at the module by the fused watch: ReLU keeps NaN, and no
-    written NaN is left uncounted. Its +inf, which a rewritten tensor's infinities may be written on
-    purpose, is named where it reaches the next check, the next layer's output; the default watch names
-    the module for both."""
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_a_modules_own_fault_rewritten_in_place_by_a_relu(value):
+    """A module's NaN or +inf that a ReLU(inplace=True) rewrites (ResNet's BatchNorm, AlexNet's and VGG's
+    convolutions, then their ReLU, which the watch leaves unhooked) is still named at the module by the
+    fused watch, as by the default watch: ReLU keeps them (dropped, AlexNet's overflowing first
+    convolution was named as the second: a probe, session 54)."""
     model = ReluInPlaceAfter(value)
     found = {}
     for fuse in (False, True):
@@ -374,7 +381,7 @@ def test_a_modules_own_fault_rewritten_in_place_by_a_relu(value, fused_first):
         with nanfast.watch(model, fuse=fuse, action=seen.append), torch.no_grad():
             model(torch.randn(3, 4))
         found[fuse] = [(e.first.phase, e.first.name) for e in seen]
-    assert found == {False: [("forward", "plant")], True: [("forward", fused_first)]}
+    assert found == {False: [("forward", "plant")], True: [("forward", "plant")]}
 
 
 def test_fused_by_default_where_the_results_live_on_an_accelerator():

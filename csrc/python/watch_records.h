@@ -118,15 +118,17 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // producer, or the first microbatch for the second's dirty batch (a probe, session 42). A record keeps
 // its tensors' versions; at the flush, a tensor changed since its record that a later record of the
 // flush holds at its current version counts there only: its row in the earlier record is zeroed. One
-// changed with no later record keeps its NaN (BatchNorm's output, which an unhooked ReLU(inplace=True)
-// rewrites: that record is the only one, and ReLU keeps NaN), but not its infinities, nor its headroom:
-// an infinity is what code writes on purpose into a module's output after it returned (attention
-// scores `masked_fill_(pad, -inf)`, a policy's illegal actions' logits, a distance matrix's
-// `fill_diagonal_(inf)` before its min), and the fused watch blamed the healthy module for it on every
-// step (a probe, session 53). An infinity the module did make, rewritten in place before the flush, is
-// named where it reaches the next check (ReLU keeps +inf, the next layer's output holds inf or NaN), or
-// not at all where something absorbs it (a softmax over a -inf). A value a later op made finite is not
-// seen either (what a fused watch gives up).
+// changed with no later record keeps its NaN and +inf (a Conv2d's or a BatchNorm's output, which an
+// unhooked ReLU(inplace=True) rewrites: that record is the only one, and ReLU keeps NaN and +inf: a
+// probe, session 54, saw AlexNet's overflowing first conv named as the second when they were dropped),
+// but not its -inf, nor its headroom: -inf is what code writes on purpose into a module's output after
+// it returned (attention scores `masked_fill_(pad, -inf)`, a policy's illegal actions' logits), and the
+// fused watch blamed the healthy module for it on every step (a probe, session 53); a module's own -inf
+// rewritten by a ReLU is 0 anyway. A -inf the module did make, rewritten in place otherwise, is named
+// where it reaches the next check, or not at all where something absorbs it (a softmax). Left as it
+// was: +inf written on purpose (a distance matrix's `fill_diagonal_(inf)` before its min) is blamed on
+// the module (`ignore=` names it), and a value a later op made finite is not seen (what a fused watch
+// gives up).
 inline int64_t version_of(const at::Tensor& t) {
   return t.is_inference() ? -1 : static_cast<int64_t>(t._version());  // an inference tensor keeps none
 }
@@ -335,10 +337,9 @@ struct Records {
         if (d->versions[k] == now) {
           continue;
         }
-        // Counted where a later record holds it as it is; else its infinities may be a later op's (see
-        // the NOTE): its NaN only is kept.
+        // Counted where a later record holds it as it is; else its -inf may be a later op's (see the NOTE).
         const bool counted_later = std::find(later.begin(), later.end(), current) != later.end();
-        zero_counts(entries[d->entry], static_cast<int64_t>(k), counted_later ? 0 : 1);
+        zero_counts(entries[d->entry], static_cast<int64_t>(k), counted_later ? 0 : 2);
       }
       for (size_t k = 0; k < d->tensors.size(); ++k) {
         later.emplace_back(d->tensors[k].unsafeGetTensorImpl(), d->versions[k]);
@@ -346,7 +347,7 @@ struct Records {
     }
   }
 
-  // Row `k` of a filled record counts nothing from column `from` on (0: nothing at all; 1: no infinity),
+  // Row `k` of a filled record counts nothing from column `from` on (0: nothing at all; 2: no -inf),
   // and needs no headroom.
   static void zero_counts(Entry& entry, int64_t k, int64_t from) {
     if (entry.counts.defined()) {
