@@ -250,16 +250,18 @@ class MaskedPolicy(torch.nn.Module):
         return self.head(self.body(obs)).masked_fill(~legal, -INF)
 
 
-def _policy_steps(given_loss=True, **options):
+def _policy_steps(given_loss=True, steps=3, spike_at=None, **options):
     policy = MaskedPolicy()
     optimizer = torch.optim.Adam(policy.parameters())
     g = torch.Generator().manual_seed(0)
     with nanfast.watch(policy, optimizer, **options) as w:
-        for _ in range(3):
+        for step in range(steps):
             legal = torch.rand(8, 5, generator=g) > 0.3
             legal[:, 0] = True
             dist = torch.distributions.Categorical(logits=policy(torch.randn(8, 4, generator=g), legal))
             loss = -dist.log_prob(dist.sample()).mean() - 0.01 * dist.entropy().mean()
+            if step == spike_at:
+                loss = loss + 1e4 * loss.detach().abs()  # the value spikes, its gradients do not
             if given_loss:
                 w.loss(loss)
             optimizer.zero_grad()
@@ -282,6 +284,11 @@ def test_masked_logits_train_with_one_notice_and_are_ignored_under_the_models_na
     for ignore in (["<model>"], [""]):  # the name events give the model, and its qualified name
         w = _policy_steps(ignore=ignore)
         assert w.step_count == 3 and not w.events
+    # Those steps are healthy ones for the spike alarms too: a loss 10^4 times its usual is told.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = _policy_steps(steps=9, spike_at=8, spikes=dict(warmup=4, window=8, action="record"))
+    assert [(e.kind, e.step) for e in w.events] == [("absorbed", 0), ("spike", 8)]
     # Not given the loss, the watch cannot know the -inf did no harm there: an event, which says how to
     # say they are intended.
     with pytest.raises(nanfast.NonFiniteError, match=r"in the output of <model> \(MaskedPolicy\) \(nan=0, \+inf=0") as e:

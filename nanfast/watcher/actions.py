@@ -77,22 +77,23 @@ class Actions:
         # said nothing (a probe, session 47). At a scale of 1 or less the scaled values are no larger
         # than the unscaled ones, so whatever is non-finite there is no artifact of scaling: reported.
         reported_as_overflow = scaler_skipped and not (scale is not None and scale <= 1.0)
-        event = spike = None
+        event = spike = notice = None
+        absorbed = False  # see NOTE: [-inf that did no harm] (events.py)
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
             places = steps.places(rows, read, reported_as_overflow, self.nan_only, self.model.forward)
             event = agree.event(read.step, places, self.process_group) if acting else agree.local_event(read.step, places)
-        elif self._spikes is not None and not scaler_skipped:
+            absorbed = (event is not None and read.loss_checked and read.tail.grads and read.reported[2]
+                        and minus_inf_in_outputs_only(event.places))
+            if absorbed:  # a healthy step (spikes watch it too), told once for these places
+                names = frozenset((p.name, p.module_class) for p in event.places)
+                notice, event = (None if names in self._absorbed else event.absorbed()), None
+                self._absorbed.add(names)
+        if (not bad or absorbed) and self._spikes is not None and not scaler_skipped:
             spike = self._spikes.observe(read.step, losses, summary[steps.GRAD_NORM] if read.tail.grads else None, modules)
             if acting and (callable(self._spikes.options.action) or self._spikes.options.action in ("skip", "raise")):
                 # see NOTE: [A spike on one rank]
                 spike = agree.spike(read.step, spike, self.process_group)
-        notice = None  # see NOTE: [-inf that did no harm] (events.py)
-        if (event is not None and read.loss_checked and read.tail.grads and read.reported[2]
-                and minus_inf_in_outputs_only(event.places)):
-            names = frozenset((p.name, p.module_class) for p in event.places)
-            notice, event = (None if names in self._absorbed else event.absorbed()), None
-            self._absorbed.add(names)
         if event is not None and event.kind == "nonfinite" and event.first.microbatch in read.eval_mode_with_grad \
                 and event.first.phase not in ("param", "grad"):
             event = dataclasses.replace(event, eval_mode_with_grad=True)

@@ -115,7 +115,7 @@ class Event:
     # Why `located` names another place than `first`, or None when they agree (nanfast.agreement).
     located_differs: Optional[str] = None
     kind: str = "nonfinite"  # one of KINDS
-    detail: Optional[str] = None  # kinds headroom and spike: what was seen, in words
+    detail: Optional[str] = None  # kinds headroom, spike and absorbed: what was seen, in words
     # Seen in an evaluation forward (eval mode, no gradients: a validation pass), read when it returned;
     # `step` is the training step it came before or in.
     evaluation: bool = False
@@ -265,10 +265,12 @@ class Event:
 # output, the loss, a gradient). So in a training step whose loss (given to Watch.loss, as the HF and
 # Lightning callbacks give it) and gradients the watch read, an event whose every place holds only -inf,
 # in forward outputs, is no fault: the step goes on, and the watch warns once for those places (an event
-# of kind "absorbed", in `events`), naming the `ignore=` that says they are intended. Where it cannot
-# see the harm (an inference or evaluation forward; a step whose loss it was not given: -inf * 0 makes a
-# NaN loss with finite gradients; a step whose gradients it does not read) the event stands, and its
-# message names that `ignore=`.
+# of kind "absorbed", in `events`), naming the `ignore=` that says they are intended; the spike alarms
+# take the step as the healthy one it is. Such a model's steps still take the bad step's path (its
+# places made, and gathered across ranks), which `ignore=` saves. Where it cannot see the harm (an
+# inference or evaluation forward; a step whose loss it was not given: -inf * 0 makes a NaN loss with
+# finite gradients; a step whose gradients it does not read) the event stands, and its message names
+# that `ignore=`.
 def minus_inf_in_outputs_only(places: tuple[Place, ...]) -> bool:
     """Whether every place holds only -inf, in a forward output (see NOTE: [-inf that did no harm])."""
     return all(p.phase == "forward" and p.nan == 0 and p.posinf == 0 for p in places)
