@@ -137,7 +137,7 @@ def _row_counts(value: Any) -> Optional[set]:
                    if isinstance(t, torch.Tensor)]
     else:
         return None
-    return {t.shape[0] if t.dim() else None for t in tensors}
+    return {_rows(t) for t in tensors}
 
 
 def _sample_records(value: Any) -> bool:
