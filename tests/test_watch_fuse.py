@@ -384,6 +384,60 @@ def test_a_modules_own_fault_rewritten_in_place_by_a_relu(value):
     assert found == {False: [("forward", "plant")], True: [("forward", "plant")]}
 
 
+class ActivationInPlaceAfter(torch.nn.Module):
+    """fc -> plant (a fault of its own, or none) -> [the parent writes `between` into it] -> a hooked
+    in-place activation -> out."""
+
+    def __init__(self, activation, value=None, between=None):
+        super().__init__()
+        self.fc, self.act, self.out = torch.nn.Linear(4, 4), activation, torch.nn.Linear(4, 2)
+        self.plant = Plants(value) if value is not None else torch.nn.Linear(4, 4)
+        self.between = between
+
+    def forward(self, x):
+        y = self.plant(self.fc(x))
+        if self.between is not None:
+            y[1, 1] = self.between
+        return self.out(self.act(y))
+
+
+def first_places_of_a_training_step(model, fuse):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    with nanfast.watch(model, opt, fuse=fuse, action=seen.append):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    return [(e.first.phase, e.first.name, e.first.nan, e.first.posinf) for e in seen]
+
+
+IN_PLACE_ACTIVATIONS = {  # torchvision's mobilenet_v3, DCGAN's discriminator (pytorch/examples dcgan), ELU nets
+    "hardswish": lambda: torch.nn.Hardswish(inplace=True), "leaky_relu": lambda: torch.nn.LeakyReLU(0.2, inplace=True),
+    "elu": lambda: torch.nn.ELU(inplace=True), "mish": lambda: torch.nn.Mish(inplace=True)}
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("activation", IN_PLACE_ACTIVATIONS)
+def test_a_fault_kept_by_a_hooked_in_place_activation_is_named_where_it_was_made(activation, value):
+    """NOTE: [Non-finite values an in-place activation keeps]: a NaN or +inf a module made, which a hooked
+    in-place activation of torch's then rewrites and keeps, was named at the activation by the fused
+    watch (its record holds the rewritten tensor; a probe, session 54, on torchvision's mobilenet_v3), at
+    the module by the default watch. Now both name the module."""
+    found = {fuse: first_places_of_a_training_step(ActivationInPlaceAfter(IN_PLACE_ACTIVATIONS[activation](), value), fuse)
+             for fuse in (False, True)}
+    assert found[True] == found[False] and found[True][0][:2] == ("forward", "plant")
+
+
+@pytest.mark.parametrize("activation", IN_PLACE_ACTIVATIONS)
+def test_a_value_the_parent_writes_before_an_in_place_activation_is_still_named_at_the_activation(activation):
+    """The rule holds only where the activation's write is the only one since the earlier record: a NaN
+    the parent writes into a clean output before the activation is first seen at the activation, by both
+    watches (the module before is not blamed for it)."""
+    torch.manual_seed(0)
+    model = ActivationInPlaceAfter(IN_PLACE_ACTIVATIONS[activation](), between=NAN)
+    found = {fuse: first_places_of_a_training_step(copy.deepcopy(model), fuse) for fuse in (False, True)}
+    assert found[True] == found[False] and found[True][0][:2] == ("forward", "act")
+
+
 def test_fused_by_default_where_the_results_live_on_an_accelerator():
     """NOTE: [Fused records by default on accelerators]: the default is by device, an explicit value wins."""
     from nanfast.watcher.options import fused_records

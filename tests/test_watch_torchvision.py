@@ -102,6 +102,23 @@ def test_negative_running_var_names_the_batchnorm_in_evaluation():
     assert w.events[0].nan > 0
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused"])
+def test_a_batchnorm_nan_kept_by_mobilenets_in_place_hardswish_names_the_batchnorm(fuse):
+    """mobilenet_v3's blocks are Conv2d, BatchNorm2d, Hardswish(inplace=True): the Hardswish rewrites the
+    BatchNorm's output and keeps its NaN. The fused watch (the default on GPUs) named the Hardswish (a
+    probe, session 54); both watches name the BatchNorm (NOTE: [Non-finite values an in-place activation
+    keeps] in csrc/python/watch_records.h)."""
+    torch.manual_seed(0)
+    model = models.mobilenet_v3_small(num_classes=10).eval()
+    assert isinstance(model.features[0][2], torch.nn.Hardswish) and model.features[0][2].inplace
+    with torch.no_grad():
+        model.features[0][1].running_var[3] = -1.0
+    with nanfast.watch(model, action="warn", fuse=fuse) as w, pytest.warns(RuntimeWarning), torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    assert w.events[0].first.where() == "output of features.0.1 (BatchNorm2d)"
+    assert w.events[0].later[0].where() == "output of features.0.2 (Hardswish)"
+
+
 def _detection_batch(nan_box: bool):
     images = [torch.rand(3, 120, 140), torch.rand(3, 100, 130)]
     second = [30.0, float("nan") if nan_box else 40.0, 90.0, 95.0]

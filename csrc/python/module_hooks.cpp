@@ -99,11 +99,14 @@ bool transformed() {
 // A place that records slots: a watched module (or the model's input or output, or a loss), with its
 // call count in the current forward.
 struct Site {
-  Site(std::string name, std::string module_class, bool ignored)
-      : name(std::move(name)), module_class(std::move(module_class)), ignored(ignored) {}
+  Site(std::string name, std::string module_class, bool ignored, bool keeps_in_place)
+      : name(std::move(name)), module_class(std::move(module_class)), ignored(ignored), keeps_in_place(keeps_in_place) {}
   const std::string name;
   const std::string module_class;
   const bool ignored;
+  // An activation of torch's that writes its input in place and keeps its non-finite values (NOTE:
+  // [Non-finite values an in-place activation keeps] in watch_records.h).
+  const bool keeps_in_place;
   int64_t calls = 0;
   int64_t forward_id = -1;
 };
@@ -196,7 +199,7 @@ class ModuleHooks {
     const bool recorded = !s.ignored;
     if (recorded) {
       const int64_t id = slot(phase, site, s.calls);
-      recorder_.record(tensors, id);
+      recorder_.record(tensors, id, {}, s.keeps_in_place);
       if (!layout.is_none()) {  // a walked output's layout, to name its fields (NOTE: [Naming the output's fields])
         outputs[py::int_(id)] = layout;
       }
@@ -316,10 +319,12 @@ void bind_module_hooks(py::module_& m) {
         "any other object.",
         py::arg("obj"));
   py::class_<Site>(m, "WatchSite", "A place nanfast.watch records slots for: a module, the input, the output, a loss.")
-      .def(py::init<std::string, std::string, bool>(), py::arg("name"), py::arg("module_class"), py::arg("ignored"))
+      .def(py::init<std::string, std::string, bool, bool>(), py::arg("name"), py::arg("module_class"),
+           py::arg("ignored"), py::arg("keeps_in_place") = false)
       .def_readonly("name", &Site::name)
       .def_readonly("module_class", &Site::module_class)
       .def_readonly("ignored", &Site::ignored)
+      .def_readonly("keeps_in_place", &Site::keeps_in_place)
       .def_readwrite("calls", &Site::calls)
       .def_readwrite("forward_id", &Site::forward_id);
   py::class_<ModuleHooks>(m, "ModuleHooks",

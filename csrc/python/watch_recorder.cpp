@@ -101,13 +101,13 @@ at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
 
 }  // namespace
 
-void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t> masks) {
+void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
   if (inputs.list().empty()) {
     return;
   }
   py::gil_scoped_release no_gil;
-  records_->add(inputs.list(), slot, /*grad_check=*/false, std::move(masks));
+  records_->add(inputs.list(), slot, /*grad_check=*/false, std::move(masks), kept_in_place);
 }
 
 void WatchRecorder::hook_grads(py::handle tensors, int64_t slot) {
@@ -281,7 +281,7 @@ void bind_watch_recorder(py::module_& m) {
       .def(py::init<at::Device, bool, int64_t>(), py::arg("device"), py::arg("profiled") = false,
            py::arg("fuse_bytes") = 0)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"),
-           py::arg("masks") = std::vector<int64_t>{})
+           py::arg("masks") = std::vector<int64_t>{}, py::arg("kept_in_place") = false)
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)

@@ -23,8 +23,10 @@ class NANFAST_HIDDEN WatchRecorder {
       : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
 
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`; the -inf of rows
-  // `masks` (additive masks of the model's input) are not counted.
-  void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {});
+  // `masks` (additive masks of the model's input) are not counted; `kept_in_place`: they are the output
+  // of an in-place activation that keeps non-finite values (NOTE: [Non-finite values an in-place
+  // activation keeps] in watch_records.h).
+  void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {}, bool kept_in_place = false);
 
   // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
   // node, output) until forget(); a tensor hooked before is retargeted to `slot`. Leaves (no node) are

@@ -129,16 +129,30 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // was: +inf written on purpose (a distance matrix's `fill_diagonal_(inf)` before its min) is blamed on
 // the module (`ignore=` names it), and a value a later op made finite is not seen (what a fused watch
 // gives up).
+//
+// NOTE: [Non-finite values an in-place activation keeps]
+// A hooked activation of torch's that writes in place (torchvision mobilenet_v3's
+// `Hardswish(inplace=True)` after each BatchNorm, DCGAN's `LeakyReLU(0.2, inplace=True)`) returns the
+// tensor the module before it recorded, one version later. By the rule above that record's counts went
+// to the activation's: a NaN the BatchNorm made was named at the activation, where the default watch
+// names the BatchNorm (a probe, session 54). These activations make no NaN or inf from finite values
+// (only from -inf: Hardswish and Mish give NaN), so where the later record is such an activation's and
+// its write is the only one since the earlier record (one version on), the earlier record keeps its
+// counts: both count the value, the earlier first, as the default watch does. Any other write in
+// between (the parent's `y[0] = nan` before the activation) leaves the rule above: the activation is
+// named, as by the default watch, which saw the earlier output clean.
 inline int64_t version_of(const at::Tensor& t) {
   return t.is_inference() ? -1 : static_cast<int64_t>(t._version());  // an inference tensor keeps none
 }
 
-// A record whose tensors wait for the next flush: its entry's index, its tensors (owned) and their
-// versions when recorded (see NOTE: [Deferred tensors changed in place]).
+// A record whose tensors wait for the next flush: its entry's index, its tensors (owned), their
+// versions when recorded (see NOTE: [Deferred tensors changed in place]) and whether an in-place
+// activation made it (NOTE: [Non-finite values an in-place activation keeps]).
 struct Deferred {
   size_t entry;
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> versions;
+  bool kept_in_place = false;
 };
 
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
@@ -148,14 +162,16 @@ struct Records {
       : device(device), fuse_bytes(fuse_bytes), profiled(profiled) {}
 
   // Appends the counts of `tensors` as slot `slot`, the -inf of rows `masks` not counted; `grad_check`:
-  // called by a gradient check.
-  void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {}) {
+  // called by a gradient check; `kept_in_place`: the output of an in-place activation that keeps
+  // non-finite values (NOTE: [Non-finite values an in-place activation keeps]).
+  void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {},
+           bool kept_in_place = false) {
     // A tensor subclass is read at once (stats_on takes the GIL for it: NOTE: [Tensor subclasses read
     // through their plain tensors]), not deferred to a flush that holds `mutex`.
     const bool subclass = std::any_of(tensors.begin(), tensors.end(),
                                       [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_python_dispatch(); });
     if (fuse_bytes > 0 && !subclass) {
-      defer(tensors, slot, std::move(masks));
+      defer(tensors, slot, std::move(masks), kept_in_place);
       return;
     }
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
@@ -244,7 +260,7 @@ struct Records {
   }
 
   // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
-  void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks) {
+  void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place) {
     const int64_t nbytes = bytes_of(tensors);
     bool full = false;
     {
@@ -254,7 +270,7 @@ struct Records {
       entry.masks = std::move(masks);
       std::vector<int64_t> versions(tensors.size());
       std::transform(tensors.begin(), tensors.end(), versions.begin(), version_of);
-      deferred.push_back(Deferred{entries.size() - 1, tensors.vec(), std::move(versions)});
+      deferred.push_back(Deferred{entries.size() - 1, tensors.vec(), std::move(versions), kept_in_place});
       deferred_bytes += nbytes;
       full = deferred_bytes >= fuse_bytes;
     }
@@ -328,21 +344,31 @@ struct Records {
     if (std::none_of(deferred.begin(), deferred.end(), changed)) {
       return;  // the usual flush: nothing written in place since its record, no list to build
     }
-    std::vector<std::pair<const c10::TensorImpl*, int64_t>> later;  // (tensor, version) of the records after
+    struct Held {
+      const c10::TensorImpl* tensor;
+      int64_t version;
+      bool kept_in_place;
+    };
+    std::vector<Held> later;  // the tensors of the records after, as recorded, the nearest last
     for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
       for (size_t k = 0; k < d->tensors.size(); ++k) {
         const at::Tensor& t = d->tensors[k];
         const int64_t now = version_of(t);
-        const std::pair<const c10::TensorImpl*, int64_t> current{t.unsafeGetTensorImpl(), now};
         if (d->versions[k] == now) {
           continue;
         }
         // Counted where a later record holds it as it is; else its -inf may be a later op's (see the NOTE).
-        const bool counted_later = std::find(later.begin(), later.end(), current) != later.end();
-        zero_counts(entries[d->entry], static_cast<int64_t>(k), counted_later ? 0 : 2);
+        const auto holder = std::find_if(later.rbegin(), later.rend(), [&](const Held& h) {
+          return h.tensor == t.unsafeGetTensorImpl() && h.version == now;
+        });
+        if (holder == later.rend()) {
+          zero_counts(entries[d->entry], static_cast<int64_t>(k), 2);
+        } else if (!(holder->kept_in_place && now == d->versions[k] + 1)) {
+          zero_counts(entries[d->entry], static_cast<int64_t>(k), 0);
+        }  // else only an in-place activation wrote it since: both records count it
       }
       for (size_t k = 0; k < d->tensors.size(); ++k) {
-        later.emplace_back(d->tensors[k].unsafeGetTensorImpl(), d->versions[k]);
+        later.push_back(Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place});
       }
     }
   }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -16,7 +16,7 @@ from .. import _C
 from . import scaler_hook
 from .closure import run_closure_first, runs_closure_first
 from .events import MODEL
-from .options import SKIPPING, ignored
+from .options import KEEPS_NONFINITE_IN_PLACE, SKIPPING, ignored
 from .owned_hook import OwnedHook
 
 
@@ -74,11 +74,13 @@ _WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class Installation:
     """How `Watch` places its hooks (a part of it: the state they use is the Watch's)."""
 
-    def _site(self, name: str, module_class: str) -> Any:
+    def _site(self, name: str, module_class: str, module: Optional[torch.nn.Module] = None) -> Any:
         """A place that records slots (a module, the input, the model, a loss), with its call count. The
         model itself ("") is ignored under the name events give it too ("<model>")."""
         model = name == "" and bool(module_class)
-        return _C.WatchSite(name, module_class, ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL)))
+        keeps = type(module) in KEEPS_NONFINITE_IN_PLACE and getattr(module, "inplace", False) is True
+        return _C.WatchSite(name, module_class, ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL)),
+                            keeps)
 
     def _hooks_of(self, site: Any) -> tuple:
         """A module's pre-hook and forward hook: each one call into C++ (see NOTE: [The watch and
@@ -177,7 +179,7 @@ class Installation:
             if module in self._hooked:
                 continue
             self._hooked.add(module)
-            before, after = self._hooks_of(self._site(name, type(module).__name__))
+            before, after = self._hooks_of(self._site(name, type(module).__name__, module))
             self._handles.append(module.register_forward_pre_hook(OwnedHook(module, self._hook(before))))
             if self._check_activations:
                 self._handles.append(module.register_forward_hook(OwnedHook(module, self._hook(after))))

@@ -45,6 +45,15 @@ PASS_THROUGH = (
     torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Hardtanh, torch.nn.Hardsigmoid, torch.nn.Softsign, torch.nn.SiLU,
 )
 
+# torch's activations that, made with inplace=True, write their input and return it, and make no NaN or inf
+# from finite values (NOTE: [Non-finite values an in-place activation keeps] in csrc/python/watch_records.h);
+# the ones of PASS_THROUGH among them are hooked only with `pass_through=()`.
+KEEPS_NONFINITE_IN_PLACE = (
+    torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.RReLU, torch.nn.ELU, torch.nn.CELU, torch.nn.SELU,
+    torch.nn.Hardtanh, torch.nn.Hardsigmoid, torch.nn.Hardswish, torch.nn.SiLU, torch.nn.Mish,
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+)
+
 
 def patterns(ignore: Union[str, Iterable[str]]) -> tuple[str, ...]:
     """The `ignore` option as a tuple of fnmatch patterns (one string is one pattern).
