@@ -438,6 +438,40 @@ def test_a_value_the_parent_writes_before_an_in_place_activation_is_still_named_
     assert found[True] == found[False] and found[True][0][:2] == ("forward", "act")
 
 
+class ResidualEnd(torch.nn.Module):
+    """The end of torchvision's BasicBlock: its child's output, changed in place by the block's own code
+    (`out += identity`, an in-place ReLU the watch leaves unhooked), returned; `added`: what the add adds
+    (the block's input by default)."""
+
+    def __init__(self, child, added=None):
+        super().__init__()
+        self.child, self.added = child, added
+
+    def forward(self, x):
+        out = self.child(x)
+        out += x if self.added is None else self.added
+        return F.relu(out, inplace=True)
+
+
+def test_a_childs_fault_that_its_block_changes_in_place_and_returns_is_named_at_the_child():
+    """NOTE: [A child's output a module changes in place and returns]: the block's record holds its
+    child's output, written since the child's record; the fused watch named the block for the child's NaN
+    (ResNet-18's bn2 as `layer1.0`, a probe, session 55). Both watches name the child."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ResidualEnd(Plants(NAN)), torch.nn.Linear(4, 2))
+    found = {fuse: first_places_of_a_training_step(copy.deepcopy(model), fuse) for fuse in (False, True)}
+    assert found[True] == found[False] and found[True][0][:2] == ("forward", "1.child")
+
+
+def test_what_it_gives_up_a_fault_of_the_blocks_own_in_place_op_is_named_at_the_child():
+    """Documented: where the block's own add makes the NaN, the default watch, which read the child's output
+    clean, names the block; the fused watch, reading it after the add, names the child."""
+    added = torch.zeros(3, 4)
+    added[1, 2] = NAN
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ResidualEnd(torch.nn.Linear(4, 4), added), torch.nn.Linear(4, 2))
+    found = {fuse: first_places_of_a_training_step(copy.deepcopy(model), fuse) for fuse in (False, True)}
+    assert found[False][0][:2] == ("forward", "1") and found[True][0][:2] == ("forward", "1.child")
+
+
 def test_fused_by_default_where_the_results_live_on_an_accelerator():
     """NOTE: [Fused records by default on accelerators]: the default is by device, an explicit value wins."""
     from nanfast.watcher.options import fused_records

@@ -119,6 +119,22 @@ def test_a_batchnorm_nan_kept_by_mobilenets_in_place_hardswish_names_the_batchno
     assert w.events[0].later[0].where() == "output of features.0.2 (Hardswish)"
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused"])
+def test_a_nan_of_resnets_second_batchnorm_is_named_at_it(fuse):
+    """BasicBlock ends `out = self.bn2(...); out += identity; out = self.relu(out)` (in place) and returns
+    `out`: the fused watch (the default on GPUs) named the block for bn2's NaN (a probe, session 55); both
+    watches name bn2 (NOTE: [A child's output a module changes in place and returns] in
+    csrc/python/watch_records.h)."""
+    torch.manual_seed(0)
+    model = models.resnet18(num_classes=10).eval()
+    with torch.no_grad():
+        model.layer1[0].bn2.running_var[3] = -1.0
+    with nanfast.watch(model, action="warn", fuse=fuse) as w, pytest.warns(RuntimeWarning), torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    assert w.events[0].first.where() == "output of layer1.0.bn2 (BatchNorm2d)"
+    assert w.events[0].later[0].where() == "output of layer1.0 (BasicBlock)"
+
+
 def _detection_batch(nan_box: bool):
     images = [torch.rand(3, 120, 140), torch.rand(3, 100, 130)]
     second = [30.0, float("nan") if nan_box else 40.0, 90.0, 95.0]

@@ -108,6 +108,9 @@ struct Site {
   // [Non-finite values an in-place activation keeps] in watch_records.h).
   const bool keeps_in_place;
   int64_t calls = 0;
+  // The recorder's record count when its latest call began, in a fused watch (NOTE: [A child's output a
+  // module changes in place and returns] in watch_records.h); -1 otherwise.
+  int64_t call_began = -1;
   int64_t forward_id = -1;
 };
 
@@ -121,6 +124,7 @@ class ModuleHooks {
   ModuleHooks(py::object recorder, py::object walk, py::object recomputation, py::object outside, bool check_grads)
       : recorder_object_(std::move(recorder)),
         recorder_(recorder_object_.cast<WatchRecorder&>()),
+        fused_(recorder_.fused()),
         walk_(std::move(walk)),
         recomputation_(std::move(recomputation)),
         outside_(std::move(outside)),
@@ -169,6 +173,9 @@ class ModuleHooks {
         s.calls = 0;
       }
       ++s.calls;
+      if (fused_) {
+        s.call_began = recorder_.record_count();
+      }
     }
     if (check_grads_ && !s.ignored && at::GradMode::is_enabled()) {
       hook_grads(args, kBackward, site, s.calls);
@@ -199,7 +206,7 @@ class ModuleHooks {
     const bool recorded = !s.ignored;
     if (recorded) {
       const int64_t id = slot(phase, site, s.calls);
-      recorder_.record(tensors, id, {}, s.keeps_in_place);
+      recorder_.record(tensors, id, {}, s.keeps_in_place, s.call_began);
       if (!layout.is_none()) {  // a walked output's layout, to name its fields (NOTE: [Naming the output's fields])
         outputs[py::int_(id)] = layout;
       }
@@ -299,6 +306,7 @@ class ModuleHooks {
 
   const py::object recorder_object_;  // keeps recorder_ alive
   WatchRecorder& recorder_;
+  const bool fused_;  // the recorder defers its records (NOTE: [Fused records])
   const py::object walk_;
   const py::object recomputation_;
   const py::object outside_;

@@ -101,13 +101,19 @@ at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
 
 }  // namespace
 
-void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place) {
+void WatchRecorder::record(py::handle tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place,
+                           int64_t call_began) {
   const BorrowedTensors inputs("nanfast.watch", tensors);
   if (inputs.list().empty()) {
     return;
   }
   py::gil_scoped_release no_gil;
-  records_->add(inputs.list(), slot, /*grad_check=*/false, std::move(masks), kept_in_place);
+  records_->add(inputs.list(), slot, /*grad_check=*/false, std::move(masks), kept_in_place, call_began);
+}
+
+int64_t WatchRecorder::record_count() {
+  const std::lock_guard<std::mutex> lock(records_->mutex);
+  return static_cast<int64_t>(records_->entries.size());
 }
 
 void WatchRecorder::hook_grads(py::handle tensors, int64_t slot) {
@@ -281,7 +287,8 @@ void bind_watch_recorder(py::module_& m) {
       .def(py::init<at::Device, bool, int64_t>(), py::arg("device"), py::arg("profiled") = false,
            py::arg("fuse_bytes") = 0)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"),
-           py::arg("masks") = std::vector<int64_t>{}, py::arg("kept_in_place") = false)
+           py::arg("masks") = std::vector<int64_t>{}, py::arg("kept_in_place") = false, py::arg("call_began") = -1)
+      .def("record_count", &WatchRecorder::record_count)
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)

@@ -25,8 +25,18 @@ class NANFAST_HIDDEN WatchRecorder {
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`; the -inf of rows
   // `masks` (additive masks of the model's input) are not counted; `kept_in_place`: they are the output
   // of an in-place activation that keeps non-finite values (NOTE: [Non-finite values an in-place
-  // activation keeps] in watch_records.h).
-  void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {}, bool kept_in_place = false);
+  // activation keeps] in watch_records.h); `call_began`: record_count() when the call of the module whose
+  // output they are began (NOTE: [A child's output a module changes in place and returns]), -1 for none.
+  void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {}, bool kept_in_place = false,
+              int64_t call_began = -1);
+
+  // The number of records made in this step so far.
+  int64_t record_count();
+
+  // Whether records are deferred to a fused call (NOTE: [Fused records]).
+  bool fused() const {
+    return records_->fuse_bytes > 0;
+  }
 
   // Checks the gradient w.r.t. each of `tensors` in backward as slot `slot`: one pre-hook per (autograd
   // node, output) until forget(); a tensor hooked before is retargeted to `slot`. Leaves (no node) are

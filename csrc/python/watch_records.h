@@ -141,6 +141,19 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // counts: both count the value, the earlier first, as the default watch does. Any other write in
 // between (the parent's `y[0] = nan` before the activation) leaves the rule above: the activation is
 // named, as by the default watch, which saw the earlier output clean.
+//
+// NOTE: [A child's output a module changes in place and returns]
+// torchvision's ResNet blocks end `out = self.bn2(...); out += identity; out = self.relu(out)` (an
+// in-place ReLU) and return `out`: the block's record holds bn2's output, changed in place since bn2's
+// record. By the first rule a NaN bn2 made was named at the block (`output of layer1.0 (BasicBlock)`),
+// where the default watch names bn2 (a probe, session 55). A record made inside the call of the module
+// whose later record holds the tensor (a child's, the module's own code having written into it) is
+// treated as one with no later record: it keeps its NaN and +inf (a residual add and an in-place
+// activation keep them) but not its -inf. What it gives up: a NaN or +inf that the module's own in-place
+// op makes there (an overflowing residual add in float16, `h.log_()` before `return h`) is named at the
+// child, as it is where the module returns another tensor (the rule above). With its ReLU hooked
+// (`pass_through=()`) the block returns the ReLU's record unchanged, which holds the tensor two writes
+// after bn2's (the add and the ReLU's): the ReLU's second call is named there.
 inline int64_t version_of(const at::Tensor& t) {
   return t.is_inference() ? -1 : static_cast<int64_t>(t._version());  // an inference tensor keeps none
 }
@@ -153,6 +166,10 @@ struct Deferred {
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> versions;
   bool kept_in_place = false;
+  // The number of entries when the call of the module that made it began (-1: not a module's output);
+  // the entries from there on were made inside that call (NOTE: [A child's output a module changes in
+  // place and returns]).
+  int64_t call_began = -1;
 };
 
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
@@ -165,13 +182,13 @@ struct Records {
   // called by a gradient check; `kept_in_place`: the output of an in-place activation that keeps
   // non-finite values (NOTE: [Non-finite values an in-place activation keeps]).
   void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {},
-           bool kept_in_place = false) {
+           bool kept_in_place = false, int64_t call_began = -1) {
     // A tensor subclass is read at once (stats_on takes the GIL for it: NOTE: [Tensor subclasses read
     // through their plain tensors]), not deferred to a flush that holds `mutex`.
     const bool subclass = std::any_of(tensors.begin(), tensors.end(),
                                       [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->is_python_dispatch(); });
     if (fuse_bytes > 0 && !subclass) {
-      defer(tensors, slot, std::move(masks), kept_in_place);
+      defer(tensors, slot, std::move(masks), kept_in_place, call_began);
       return;
     }
     const Clock::time_point start = profiled ? Clock::now() : Clock::time_point{};
@@ -260,7 +277,8 @@ struct Records {
   }
 
   // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
-  void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place) {
+  void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place,
+             int64_t call_began) {
     const int64_t nbytes = bytes_of(tensors);
     bool full = false;
     {
@@ -270,7 +288,8 @@ struct Records {
       entry.masks = std::move(masks);
       std::vector<int64_t> versions(tensors.size());
       std::transform(tensors.begin(), tensors.end(), versions.begin(), version_of);
-      deferred.push_back(Deferred{entries.size() - 1, tensors.vec(), std::move(versions), kept_in_place});
+      deferred.push_back(
+          Deferred{entries.size() - 1, tensors.vec(), std::move(versions), kept_in_place, call_began});
       deferred_bytes += nbytes;
       full = deferred_bytes >= fuse_bytes;
     }
@@ -348,6 +367,7 @@ struct Records {
       const c10::TensorImpl* tensor;
       int64_t version;
       bool kept_in_place;
+      int64_t call_began;
     };
     std::vector<Held> later;  // the tensors of the records after, as recorded, the nearest last
     for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
@@ -361,14 +381,20 @@ struct Records {
         const auto holder = std::find_if(later.rbegin(), later.rend(), [&](const Held& h) {
           return h.tensor == t.unsafeGetTensorImpl() && h.version == now;
         });
-        if (holder == later.rend()) {
+        // Made inside the call of a module whose record holds it as it is (NOTE: [A child's output a module
+        // changes in place and returns]): the nearest holder may be an activation that module ran after.
+        const bool inside_holder = std::any_of(later.begin(), later.end(), [&](const Held& h) {
+          return h.tensor == t.unsafeGetTensorImpl() && h.version == now && h.call_began >= 0 &&
+              h.call_began <= static_cast<int64_t>(d->entry);
+        });
+        if (holder == later.rend() || inside_holder) {
           zero_counts(entries[d->entry], static_cast<int64_t>(k), 2);
         } else if (!(holder->kept_in_place && now == d->versions[k] + 1)) {
           zero_counts(entries[d->entry], static_cast<int64_t>(k), 0);
         }  // else only an in-place activation wrote it since: both records count it
       }
       for (size_t k = 0; k < d->tensors.size(); ++k) {
-        later.push_back(Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place});
+        later.push_back(Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place, d->call_began});
       }
     }
   }
