@@ -119,20 +119,48 @@ def test_a_batchnorm_nan_kept_by_mobilenets_in_place_hardswish_names_the_batchno
     assert w.events[0].later[0].where() == "output of features.0.2 (Hardswish)"
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused"])
-def test_a_nan_of_resnets_second_batchnorm_is_named_at_it(fuse):
-    """BasicBlock ends `out = self.bn2(...); out += identity; out = self.relu(out)` (in place) and returns
-    `out`: the fused watch (the default on GPUs) named the block for bn2's NaN (a probe, session 55); both
-    watches name bn2 (NOTE: [A child's output a module changes in place and returns] in
-    csrc/python/watch_records.h)."""
+def _first_place_of_a_resnet18_inference(fuse: bool, plant) -> str:
     torch.manual_seed(0)
     model = models.resnet18(num_classes=10).eval()
     with torch.no_grad():
-        model.layer1[0].bn2.running_var[3] = -1.0
+        plant(model)
     with nanfast.watch(model, action="warn", fuse=fuse) as w, pytest.warns(RuntimeWarning), torch.no_grad():
         model(torch.randn(2, 3, 64, 64))
-    assert w.events[0].first.where() == "output of layer1.0.bn2 (BatchNorm2d)"
-    assert w.events[0].later[0].where() == "output of layer1.0 (BasicBlock)"
+    return w.events[0].first.where()
+
+
+def _negative_running_var(bn):
+    def plant(model):
+        model.get_submodule(bn).running_var[3] = -1.0
+    return plant
+
+
+def _nan_weight(conv):
+    def plant(model):
+        model.get_submodule(conv).weight[0, 0, 0, 0] = float("nan")
+    return plant
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused"])
+@pytest.mark.parametrize("place,plant", [("layer1.0.bn2 (BatchNorm2d)", _negative_running_var("layer1.0.bn2")),
+                                         ("layer2.0.downsample.0 (Conv2d)", _nan_weight("layer2.0.downsample.0"))],
+                         ids=["bn2", "downsample"])
+def test_a_nan_made_in_a_resnet_block_is_named_where_it_was_made(fuse, place, plant):
+    """BasicBlock ends `out = self.bn2(...); out += identity; out = self.relu(out)` (in place) and returns
+    `out`: the fused watch (the default on GPUs) named the block for bn2's NaN (a probe, session 55); both
+    watches name bn2 (NOTE: [A child's output a module changes in place and returns] in
+    csrc/python/watch_records.h), and a NaN the downsampling branch brings in through the add is named
+    there, not at bn2."""
+    assert _first_place_of_a_resnet18_inference(fuse, plant) == f"output of {place}"
+
+
+def test_what_the_fused_watch_gives_up_bn2_of_a_downsampling_block_is_named_at_the_block():
+    """Documented: in a block whose downsampling branch runs between bn2 and the add, the fused watch
+    cannot tell bn2's NaN from one the branch brought in, and names the block that holds both (the
+    default watch names bn2)."""
+    plant = _negative_running_var("layer2.0.bn2")
+    assert _first_place_of_a_resnet18_inference(False, plant) == "output of layer2.0.bn2 (BatchNorm2d)"
+    assert _first_place_of_a_resnet18_inference(True, plant) == "output of layer2.0 (BasicBlock)"
 
 
 def _detection_batch(nan_box: bool):

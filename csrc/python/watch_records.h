@@ -147,11 +147,15 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // in-place ReLU) and return `out`: the block's record holds bn2's output, changed in place since bn2's
 // record. By the first rule a NaN bn2 made was named at the block (`output of layer1.0 (BasicBlock)`),
 // where the default watch names bn2 (a probe, session 55). A record made inside the call of the module
-// whose later record holds the tensor (a child's, the module's own code having written into it) is
-// treated as one with no later record: it keeps its NaN and +inf (a residual add and an in-place
-// activation keep them) but not its -inf. What it gives up: a NaN or +inf that the module's own in-place
-// op makes there (an overflowing residual add in float16, `h.log_()` before `return h`) is named at the
-// child, as it is where the module returns another tensor (the rule above). With its ReLU hooked
+// whose record, the very next one, holds the tensor (a child's output the module's own code wrote into)
+// is treated as one with no later record: it keeps its NaN and +inf (a residual add and an in-place
+// activation keep them) but not its -inf. Only the very next: where other records come in between (a
+// downsampling block's `identity = self.downsample(x)` runs after bn2), what the add brings in may be
+// theirs, and a NaN weight of the downsampling convolution was named at bn2 (ResNet-50's layer1.0.bn3,
+// the same probe); there the rule above stands (the block is named for bn2's own NaN, the convolution
+// for its). What it gives up: a NaN or +inf that the module's own in-place op makes there (an
+// overflowing residual add in float16, `h.log_()` before `return h`) is named at the child, as it is
+// where the module returns another tensor (the rule above). With its ReLU hooked
 // (`pass_through=()`) the block returns the ReLU's record unchanged, which holds the tensor two writes
 // after bn2's (the add and the ReLU's): the ReLU's second call is named there.
 inline int64_t version_of(const at::Tensor& t) {
@@ -368,6 +372,7 @@ struct Records {
       int64_t version;
       bool kept_in_place;
       int64_t call_began;
+      size_t entry;
     };
     std::vector<Held> later;  // the tensors of the records after, as recorded, the nearest last
     for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
@@ -381,12 +386,10 @@ struct Records {
         const auto holder = std::find_if(later.rbegin(), later.rend(), [&](const Held& h) {
           return h.tensor == t.unsafeGetTensorImpl() && h.version == now;
         });
-        // Made inside the call of a module whose record holds it as it is (NOTE: [A child's output a module
-        // changes in place and returns]): the nearest holder may be an activation that module ran after.
-        const bool inside_holder = std::any_of(later.begin(), later.end(), [&](const Held& h) {
-          return h.tensor == t.unsafeGetTensorImpl() && h.version == now && h.call_began >= 0 &&
-              h.call_began <= static_cast<int64_t>(d->entry);
-        });
+        // Made inside the call of the module whose record, the next one, holds it as it is (NOTE: [A child's
+        // output a module changes in place and returns]).
+        const bool inside_holder = holder != later.rend() && holder->entry == d->entry + 1 &&
+            holder->call_began >= 0 && holder->call_began <= static_cast<int64_t>(d->entry);
         if (holder == later.rend() || inside_holder) {
           zero_counts(entries[d->entry], static_cast<int64_t>(k), 2);
         } else if (!(holder->kept_in_place && now == d->versions[k] + 1)) {
@@ -394,7 +397,8 @@ struct Records {
         }  // else only an in-place activation wrote it since: both records count it
       }
       for (size_t k = 0; k < d->tensors.size(); ++k) {
-        later.push_back(Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place, d->call_began});
+        later.push_back(
+            Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place, d->call_began, d->entry});
       }
     }
   }
