@@ -184,7 +184,9 @@ struct Records {
 
   // Appends the counts of `tensors` as slot `slot`, the -inf of rows `masks` not counted; `grad_check`:
   // called by a gradient check; `kept_in_place`: the output of an in-place activation that keeps
-  // non-finite values (NOTE: [Non-finite values an in-place activation keeps]).
+  // non-finite values (NOTE: [Non-finite values an in-place activation keeps]); `call_began`: the number
+  // of entries when the call of the module whose output they are began (-1: none; NOTE: [A child's
+  // output a module changes in place and returns]).
   void add(at::TensorList tensors, int64_t slot, bool grad_check, std::vector<int64_t> masks = {},
            bool kept_in_place = false, int64_t call_began = -1) {
     // A tensor subclass is read at once (stats_on takes the GIL for it: NOTE: [Tensor subclasses read
