@@ -107,7 +107,7 @@ def test_a_batchnorm_nan_kept_by_mobilenets_in_place_hardswish_names_the_batchno
     """mobilenet_v3's blocks are Conv2d, BatchNorm2d, Hardswish(inplace=True): the Hardswish rewrites the
     BatchNorm's output and keeps its NaN. The fused watch (the default on GPUs) named the Hardswish (a
     probe, session 54); both watches name the BatchNorm (NOTE: [Non-finite values an in-place activation
-    keeps] in csrc/python/watch_records.h)."""
+    keeps] in csrc/python/deferred_records.h)."""
     torch.manual_seed(0)
     model = models.mobilenet_v3_small(num_classes=10).eval()
     assert isinstance(model.features[0][2], torch.nn.Hardswish) and model.features[0][2].inplace
@@ -149,7 +149,7 @@ def test_a_nan_made_in_a_resnet_block_is_named_where_it_was_made(fuse, place, pl
     """BasicBlock ends `out = self.bn2(...); out += identity; out = self.relu(out)` (in place) and returns
     `out`: the fused watch (the default on GPUs) named the block for bn2's NaN (a probe, session 55); both
     watches name bn2 (NOTE: [A child's output a module changes in place and returns] in
-    csrc/python/watch_records.h), and a NaN the downsampling branch brings in through the add is named
+    csrc/python/deferred_records.h), and a NaN the downsampling branch brings in through the add is named
     there, not at bn2."""
     assert _first_place_of_a_resnet18_inference(fuse, plant) == f"output of {place}"
 

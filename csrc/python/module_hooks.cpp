@@ -100,16 +100,19 @@ bool transformed() {
 // call count in the current forward.
 struct Site {
   Site(std::string name, std::string module_class, bool ignored, bool keeps_in_place)
-      : name(std::move(name)), module_class(std::move(module_class)), ignored(ignored), keeps_in_place(keeps_in_place) {}
+      : name(std::move(name)),
+        module_class(std::move(module_class)),
+        ignored(ignored),
+        keeps_in_place(keeps_in_place) {}
   const std::string name;
   const std::string module_class;
   const bool ignored;
   // An activation of torch's that writes its input in place and keeps its non-finite values (NOTE:
-  // [Non-finite values an in-place activation keeps] in watch_records.h).
+  // [Non-finite values an in-place activation keeps] in deferred_records.h).
   const bool keeps_in_place;
   int64_t calls = 0;
   // The recorder's record count when its latest call began, in a fused watch (NOTE: [A child's output a
-  // module changes in place and returns] in watch_records.h); -1 otherwise.
+  // module changes in place and returns] in deferred_records.h); -1 otherwise.
   int64_t call_began = -1;
   int64_t forward_id = -1;
 };

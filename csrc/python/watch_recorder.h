@@ -25,7 +25,7 @@ class NANFAST_HIDDEN WatchRecorder {
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`; the -inf of rows
   // `masks` (additive masks of the model's input) are not counted; `kept_in_place`: they are the output
   // of an in-place activation that keeps non-finite values (NOTE: [Non-finite values an in-place
-  // activation keeps] in watch_records.h); `call_began`: record_count() when the call of the module whose
+  // activation keeps] in deferred_records.h); `call_began`: record_count() when the call of the module whose
   // output they are began (NOTE: [A child's output a module changes in place and returns]), -1 for none.
   void record(py::handle tensors, int64_t slot, std::vector<int64_t> masks = {}, bool kept_in_place = false,
               int64_t call_began = -1);

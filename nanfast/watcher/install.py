@@ -76,11 +76,13 @@ class Installation:
 
     def _site(self, name: str, module_class: str, module: Optional[torch.nn.Module] = None) -> Any:
         """A place that records slots (a module, the input, the model, a loss), with its call count. The
-        model itself ("") is ignored under the name events give it too ("<model>")."""
+        model itself ("") is ignored under the name events give it too ("<model>"). `module`: the module
+        itself, if the place is one (one of torch's in-place activations keeps its input's non-finite
+        values: NOTE: [Non-finite values an in-place activation keeps] in csrc/python/deferred_records.h)."""
         model = name == "" and bool(module_class)
         keeps = type(module) in KEEPS_NONFINITE_IN_PLACE and getattr(module, "inplace", False) is True
-        return _C.WatchSite(name, module_class, ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL)),
-                            keeps)
+        skipped = ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL))
+        return _C.WatchSite(name, module_class, skipped, keeps)
 
     def _hooks_of(self, site: Any) -> tuple:
         """A module's pre-hook and forward hook: each one call into C++ (see NOTE: [The watch and

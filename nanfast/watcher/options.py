@@ -46,7 +46,7 @@ PASS_THROUGH = (
 )
 
 # torch's activations that, made with inplace=True, write their input and return it, and make no NaN or inf
-# from finite values (NOTE: [Non-finite values an in-place activation keeps] in csrc/python/watch_records.h);
+# from finite values (NOTE: [Non-finite values an in-place activation keeps] in csrc/python/deferred_records.h);
 # the ones of PASS_THROUGH among them are hooked only with `pass_through=()`.
 KEEPS_NONFINITE_IN_PLACE = (
     torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.RReLU, torch.nn.ELU, torch.nn.CELU, torch.nn.SELU,
