@@ -95,9 +95,7 @@ void zero_rewritten_rows(const std::vector<Deferred>& deferred, const Zero& zero
   struct Held {
     const c10::TensorImpl* tensor;
     int64_t version;
-    bool kept_in_place;
-    int64_t call_began;
-    size_t entry;
+    const Deferred* record;  // the later record that holds it
   };
   std::vector<Held> later;  // the tensors of the records after, as recorded, the nearest last
   for (auto d = deferred.rbegin(); d != deferred.rend(); ++d) {
@@ -112,17 +110,17 @@ void zero_rewritten_rows(const std::vector<Deferred>& deferred, const Zero& zero
         return h.tensor == t.unsafeGetTensorImpl() && h.version == now;
       });
       // Made inside the call of the module whose record, the next one, holds it as it is.
-      const bool inside_holder = holder != later.rend() && holder->entry == d->entry + 1 &&
-          holder->call_began >= 0 && holder->call_began <= static_cast<int64_t>(d->entry);
-      if (holder == later.rend() || inside_holder) {
+      const Deferred* by = holder == later.rend() ? nullptr : holder->record;
+      const bool inside_holder = by != nullptr && by->entry == d->entry + 1 && by->call_began >= 0 &&
+          by->call_began <= static_cast<int64_t>(d->entry);
+      if (by == nullptr || inside_holder) {
         zero(d->entry, static_cast<int64_t>(k), 2);
-      } else if (!(holder->kept_in_place && now == d->versions[k] + 1)) {
+      } else if (!(by->kept_in_place && now == d->versions[k] + 1)) {
         zero(d->entry, static_cast<int64_t>(k), 0);
       }  // else only an in-place activation wrote it since: both records count it
     }
     for (size_t k = 0; k < d->tensors.size(); ++k) {
-      later.push_back(
-          Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], d->kept_in_place, d->call_began, d->entry});
+      later.push_back(Held{d->tensors[k].unsafeGetTensorImpl(), d->versions[k], &*d});
     }
   }
 }

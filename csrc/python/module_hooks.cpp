@@ -335,7 +335,6 @@ void bind_module_hooks(py::module_& m) {
       .def_readonly("name", &Site::name)
       .def_readonly("module_class", &Site::module_class)
       .def_readonly("ignored", &Site::ignored)
-      .def_readonly("keeps_in_place", &Site::keeps_in_place)
       .def_readwrite("calls", &Site::calls)
       .def_readwrite("forward_id", &Site::forward_id);
   py::class_<ModuleHooks>(m, "ModuleHooks",

@@ -288,7 +288,6 @@ void bind_watch_recorder(py::module_& m) {
            py::arg("fuse_bytes") = 0)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"),
            py::arg("masks") = std::vector<int64_t>{}, py::arg("kept_in_place") = false, py::arg("call_began") = -1)
-      .def("record_count", &WatchRecorder::record_count)
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))
       .def("stats_with_deferred", &WatchRecorder::stats_with_deferred, py::arg("tensors"), py::arg("device"))
       .def("forget", &WatchRecorder::forget)
