@@ -201,6 +201,25 @@ def test_the_gradient_wrt_an_output_field_is_named(sync):
     assert (w.events[0].first.phase, w.events[0].first.entries) == ("loss", ())
 
 
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_the_models_output_is_walked_once_per_forward(monkeypatch, as_dict):
+    """An output that is not a tensor (a transformers ModelOutput, a dict, a tuple) was walked twice per
+    training forward: once for its check and again for its gradients' checks. One walk serves both."""
+    model = Siamese(as_dict=as_dict)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    walks = []
+    children = nanfast._tree._children
+    monkeypatch.setattr(nanfast._tree, "_children", lambda obj: (walks.append(obj), children(obj))[1])
+    with nanfast.watch(model, optimizer):
+        for _ in range(2):
+            walks.clear()
+            out = model(torch.randn(2, 4), torch.randn(2, 4))
+            assert sum(w is out for w in walks) == 1
+            sum(v.sum() for v in (out.values() if as_dict else out)).backward()
+            optimizer.step()
+
+
+
 class Wrapper(torch.nn.Module):
     """Holds the model that computes the loss (a PEFT model, a LightningModule) and returns its output."""
 

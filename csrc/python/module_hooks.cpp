@@ -162,7 +162,7 @@ class ModuleHooks {
   // A module's forward hook.
   void after_module(py::handle site, py::handle output) {
     if (active && !transformed() && recomputation() == Recomputed::kNo) {
-      check_output(kForward, site, output);
+      check_output(kForward, site, output, py::none());
     }
   }
 
@@ -196,8 +196,9 @@ class ModuleHooks {
 
   // Records the check of an output of `site`; returns whether its floating values are checked (an
   // ignored site's are not; a tensor checked last and unchanged since is in the slot that checked it).
-  bool check_output(const char* phase, py::handle site, py::handle output) {
-    const auto [tensors, layout] = floating(output);
+  // `walked`: what walk(output) gave, where the caller walked it already for its own use (None: found here).
+  bool check_output(const char* phase, py::handle site, py::handle output, py::handle walked) {
+    const auto [tensors, layout] = walked.is_none() ? floating(output) : as_floating(walked);
     if (tensors.empty()) {
       return false;
     }
@@ -287,8 +288,13 @@ class ModuleHooks {
     if (!found.is_none()) {
       return {py::reinterpret_steal<py::list>(found.release()), py::none()};
     }
-    const py::tuple walked = walk_(obj);
-    return {py::list(walked[0]), walked[1]};
+    return as_floating(walk_(obj));
+  }
+
+  // walk()'s (tensors, layout) as floating() gives them.
+  static std::pair<py::list, py::object> as_floating(py::handle walked) {
+    const auto found = walked.cast<py::tuple>();
+    return {py::list(found[0]), found[1]};
   }
 
   // Whether `t` is the last output checked, unchanged since (its version counter); else it becomes the
@@ -345,7 +351,8 @@ void bind_module_hooks(py::module_& m) {
       .def("after_module", &ModuleHooks::after_module, py::arg("site"), py::arg("output"))
       .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
       .def("hook_grads", &ModuleHooks::hook_grads, py::arg("obj"), py::arg("phase"), py::arg("site"), py::arg("call"))
-      .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"))
+      .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"),
+           py::arg("walked") = py::none())
       .def("slot", &ModuleHooks::slot, py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("forget", &ModuleHooks::forget)
       .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("outputs"), py::arg("checked"))

@@ -85,11 +85,11 @@ class Hooks:
         field (NOTE: [Naming the output's fields]). The gradients arrive one by one, each its own record:
         a Siamese model's two outputs in one slot were reported as one place, without saying which output
         held the NaN (adambielski/siamese-triplet#18, a probe, session 51). `walked`: the output's
-        walked_tensors() if the forward's check walked it already, else None."""
-        if isinstance(output, torch.Tensor):
+        walked_tensors() (None for a tensor)."""
+        if walked is None:
             self._hook_grads(output, "loss", self._root, self._root.calls)
             return
-        tensors, layout = walked if walked is not None else walked_tensors(output)
+        tensors, layout = walked
         for tensor, node in zip(tensors, layout.nodes):
             slot = len(self._step.slots)  # the id of the slot hook_grads makes, if it makes one
             self._hook_grads(tensor, "loss", self._root, self._root.calls)
@@ -270,14 +270,11 @@ class Hooks:
         self._hooks.in_forward = False
         if self._active:
             if self._check_loss:
-                first = len(self._step.slots)  # the id of its record's slot, if it makes one
-                walked = None  # a tuple's tensors and layout, walked once for its names and its gradients
-                if self._hooks.check_output("forward", self._root, output):
+                # Any output but a tensor is walked once, for its check, its fields' names (NOTE: [Naming
+                # the output's fields], kept by check_output) and its gradients' checks.
+                walked = None if isinstance(output, torch.Tensor) else walked_tensors(output)
+                if self._hooks.check_output("forward", self._root, output, walked):
                     self._step.output_checked = True
-                    if (len(self._step.slots) > first and first not in self._step.outputs
-                            and not isinstance(output, torch.Tensor)):  # a tuple: no walk yet (a tensor: no names)
-                        walked = walked_tensors(output)
-                        self._step.outputs[first] = walked[1]  # see NOTE: [Naming the output's fields]
                 if torch.is_grad_enabled() and not self._root.ignored:
                     self._hook_output_grads(output, walked)
             if self._written is not None:
