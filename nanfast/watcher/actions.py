@@ -16,7 +16,7 @@ from .located_agrees import disagreement
 from ..report import MAX_NAMED_IN_MESSAGE, NonFiniteError, first_few
 from . import agree, step as steps
 from ..locator.source import warn_at_user_line
-from .events import Event, minus_inf_in_outputs_only
+from .events import Event, absorbed_key, did_no_harm
 from .inputs import entry_names
 from .options import SKIPPING
 from .closure import RanClosure
@@ -58,10 +58,6 @@ class Actions:
                 if acting:
                     self._act(event, False, before_step)
             return
-        # The parameters are read again only while they are as the step found them (see NOTE: [Parameters
-        # read when they add information]).
-        if bad and read.params_unread and (before_step or self._params_as_found()):
-            rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
         self._summary_values, self._summary_step, self._summary_tail = summary, read.step, read.tail
         headroom = [] if self._headroom is None else self._headroom.observe(
             read.step, read.headroom, lambda microbatch, rows: entry_names(read.inputs.get(microbatch), rows,
@@ -82,11 +78,18 @@ class Actions:
         if bad:
             # None: only values scaled by the GradScaler overflowed: it skipped the step and lowers its scale
             places = steps.places(rows, read, reported_as_overflow, self.nan_only, self.model.forward)
+            # The parameters are read again only while they are as the step found them (see NOTE:
+            # [Parameters read when they add information]), and not for -inf absorbed before (NOTE: [-inf
+            # that did no harm]).
+            harm_followed = read.loss_checked, read.tail.grads and read.reported[2]
+            if read.params_unread and (before_step or self._params_as_found()) and not (
+                    did_no_harm(places, *harm_followed) and absorbed_key(places) in self._absorbed):
+                rows = steps.with_params(read, rows, summary, self._fused_pass(read_params=True), self.ignore)
+                places = steps.places(rows, read, reported_as_overflow, self.nan_only, self.model.forward)
             event = agree.event(read.step, places, self.process_group) if acting else agree.local_event(read.step, places)
-            absorbed = (event is not None and read.loss_checked and read.tail.grads and read.reported[2]
-                        and minus_inf_in_outputs_only(event.places))
+            absorbed = event is not None and did_no_harm(event.places, *harm_followed)
             if absorbed:  # a healthy step (spikes watch it too), told once for these places
-                names = frozenset((p.name, p.module_class) for p in event.places)
+                names = absorbed_key(event.places)
                 notice, event = (None if names in self._absorbed else event.absorbed()), None
                 self._absorbed.add(names)
         if (not bad or absorbed) and self._spikes is not None and not scaler_skipped:
