@@ -7,6 +7,7 @@ Hypothesis profiles (HYPOTHESIS_PROFILE picks one; the default is "ci" when CI=t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -49,3 +50,13 @@ def restore_num_threads():
 @pytest.fixture
 def op_recorder():
     return OpRecorder
+
+
+@pytest.fixture(params=[False, True], ids=["counts on host", "counts as tensors"])
+def recorder_counts(request, monkeypatch):
+    """Runs a test with the watch's recorder keeping each record's counts as numbers on the host, as a
+    CPU watch does, and as the tensors its calls gave, as a GPU watch does (Records::counts_on_host in
+    csrc/python/watch_records.h): the device's bookkeeping, run on a CPU."""
+    if request.param:
+        monkeypatch.setattr(nanfast._C, "WatchRecorder", functools.partial(nanfast._C.WatchRecorder, counts_as_tensors=True))
+    return request.param

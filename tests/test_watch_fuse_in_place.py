@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 import nanfast
 
+# Each test runs with the recorder's counts on the host and as tensors, as on a GPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_counts")
+
 NAN, INF = float("nan"), float("inf")
 
 

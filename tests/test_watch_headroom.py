@@ -14,6 +14,9 @@ import torch
 import nanfast
 from nanfast.watcher import headroom as hr
 
+# Each test runs with the recorder's counts on the host and as tensors, as on a GPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_counts")
+
 FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
 LOW = [torch.float16, torch.bfloat16, *FP8]
 

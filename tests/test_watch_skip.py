@@ -17,6 +17,9 @@ from hypothesis import given, settings, strategies as st
 import nanfast
 from op_recorder import OpRecorder
 
+# Each test runs with the recorder's counts on the host and as tensors, as on a GPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_counts")
+
 NAN, INF = float("nan"), float("inf")
 
 

@@ -19,6 +19,9 @@ from training_state import equal, state_of
 torchvision = pytest.importorskip("torchvision")  # in the `test` extra: CI installs it
 from torchvision import models  # noqa: E402
 
+# Each test runs with the recorder's counts on the host and as tensors, as on a GPU (conftest.py).
+pytestmark = pytest.mark.usefixtures("recorder_counts")
+
 
 def _vit() -> torch.nn.Module:
     return models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,

@@ -184,7 +184,7 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<RowRange> counts;
   std::vector<RowRange> absmax;
   slots.reserve(entries.size());
-  const bool on_host = records_->device.is_cpu();  // see NOTE: [CPU counts kept as numbers]
+  const bool on_host = records_->counts_on_host;  // see NOTE: [CPU counts kept as numbers]
   int64_t rows = 0;
   for (auto& entry : entries) {
     slots.emplace_back(entry.slot, entry.rows);
@@ -284,8 +284,8 @@ void WatchRecorder::disable() {
 void bind_watch_recorder(py::module_& m) {
   py::class_<WatchRecorder>(m, "WatchRecorder",
                             "Where nanfast.watch's hooks leave a step's counts (see NOTE: [The watch's recorder]).")
-      .def(py::init<at::Device, bool, int64_t>(), py::arg("device"), py::arg("profiled") = false,
-           py::arg("fuse_bytes") = 0)
+      .def(py::init<at::Device, bool, int64_t, bool>(), py::arg("device"), py::arg("profiled") = false,
+           py::arg("fuse_bytes") = 0, py::arg("counts_as_tensors") = false)
       .def("record", &WatchRecorder::record, py::arg("tensors"), py::arg("slot"),
            py::arg("masks") = std::vector<int64_t>{}, py::arg("kept_in_place") = false, py::arg("call_began") = -1)
       .def("hook_grads", &WatchRecorder::hook_grads, py::arg("tensors"), py::arg("slot"))

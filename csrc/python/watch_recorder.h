@@ -19,8 +19,8 @@ struct GradSlot;
 
 class NANFAST_HIDDEN WatchRecorder {
  public:
-  WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes)
-      : records_(std::make_shared<Records>(device, profiled, fuse_bytes)) {}
+  WatchRecorder(at::Device device, bool profiled, int64_t fuse_bytes, bool counts_as_tensors)
+      : records_(std::make_shared<Records>(device, profiled, fuse_bytes, counts_as_tensors)) {}
 
   // Appends the NaN/+inf/-inf counts of `tensors` (one row each) as slot `slot`; the -inf of rows
   // `masks` (additive masks of the model's input) are not counted; `kept_in_place`: they are the output

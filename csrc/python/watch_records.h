@@ -114,8 +114,9 @@ inline std::vector<double> limits_of(at::TensorList tensors) {
 // The counts of one step, in execution order. Shared with the gradient checks, which may run on an
 // autograd engine thread (one per CUDA device) and which live as long as their graph.
 struct Records {
-  Records(at::Device device, bool profiled, int64_t fuse_bytes)
-      : device(device), fuse_bytes(fuse_bytes), profiled(profiled) {}
+  Records(at::Device device, bool profiled, int64_t fuse_bytes, bool counts_as_tensors)
+      : device(device), counts_on_host(device.is_cpu() && !counts_as_tensors), fuse_bytes(fuse_bytes),
+        profiled(profiled) {}
 
   // Appends the counts of `tensors` as slot `slot`, the -inf of rows `masks` not counted; `grad_check`:
   // called by a gradient check; `kept_in_place`: the output of an in-place activation that keeps
@@ -150,15 +151,15 @@ struct Records {
   // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
   // [Overflow headroom in the recorder]). The -inf of its mask rows are zeroed first, in the call's
   // counts (one small write per mask row, on any device: only an input that has a mask pays it).
-  static void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
-                   int64_t row, int64_t rows) {
+  void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
+            int64_t row, int64_t rows) const {
     entry.row = row;
     entry.rows = rows;
     for (const int64_t mask : entry.masks) {
       TORCH_INTERNAL_ASSERT(mask >= 0 && mask < rows, "nanfast.watch: a mask row outside its record");
       counts.select(0, row + mask).select(0, 2).zero_();
     }
-    if (counts.is_cpu()) {  // see NOTE: [CPU counts kept as numbers]
+    if (counts_on_host) {  // see NOTE: [CPU counts kept as numbers]
       TORCH_INTERNAL_ASSERT(counts.is_contiguous() && counts.scalar_type() == at::kLong,
                             "nanfast.watch: the fused op's counts are not contiguous int64");
       const int64_t* values = counts.const_data_ptr<int64_t>() + 3 * row;
@@ -335,6 +336,10 @@ struct Records {
   }
 
   const at::Device device;
+  // The records' counts kept as numbers on the host (a CPU recorder: NOTE: [CPU counts kept as numbers]),
+  // else as the tensors the fused calls gave, as on a GPU: a CPU recorder made with counts_as_tensors
+  // runs the device's bookkeeping (views, zeroed rows, the unknown verdict), which the tests run on a CPU.
+  const bool counts_on_host;
   const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
   // NOTE: [Profiling the watch]
   // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
