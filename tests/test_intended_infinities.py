@@ -23,7 +23,9 @@ from nanfast.intended import is_additive_mask, is_mask_name, is_sentinel
 NAN, INF = float("nan"), float("inf")
 
 # The tutorial passes a bool key padding mask with a float attention mask, which torch warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+# Each test runs with the watch's recorder keeping its counts on the host and as tensors, as on a GPU.
+pytestmark = [pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning"),
+              pytest.mark.usefixtures("recorder_counts")]
 VOCAB, D, SEQ = 20, 16, 6
 
 
@@ -98,8 +100,9 @@ def test_the_translation_tutorials_loop_trains_without_an_event(options):
     assert w.step_count == 3 and not w.events
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["default", "fused"])
 @pytest.mark.parametrize("value,counts", [(NAN, (1, 0, 0)), (INF, (0, 1, 0))], ids=["nan", "posinf"])
-def test_a_nan_or_posinf_in_the_mask_is_still_the_dirty_input(value, counts):
+def test_a_nan_or_posinf_in_the_mask_is_still_the_dirty_input(value, counts, fuse):
     def spoil(step, mask):
         if step == 1:
             mask = mask.clone()
@@ -107,11 +110,34 @@ def test_a_nan_or_posinf_in_the_mask_is_still_the_dirty_input(value, counts):
         return mask
 
     with pytest.warns(RuntimeWarning, match="is dirty"):
-        w = _train(Seq2Seq(), 2, spoil, action="warn")  # the last step: the NaN it spreads is not read
+        w = _train(Seq2Seq(), 2, spoil, action="warn", fuse=fuse)  # the last step: the NaN it spreads is not read
     (event,) = w.events
     assert event.step == 1 and event.first.phase == "input"
     (entry,) = event.first.entries
     assert entry.name == "tgt_mask" and (entry.nan, entry.posinf, entry.neginf) == counts  # its -inf not counted
+
+
+def test_a_fused_step_leaves_a_masks_minus_inf_uncounted_without_a_launch_of_its_own():
+    """The -inf of an input's mask rows were zeroed out of its counts by a zero_ per mask row: with a GPU's
+    bookkeeping, a launch per step for the tutorial's tgt_mask. A fused watch folds them into its flush's
+    one multiply (NOTE: [Rows a flush zeroes, in one multiply]); still no event."""
+    from op_recorder import OpRecorder
+
+    model = Seq2Seq()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with nanfast.watch(model, optimizer, fuse=True) as w:
+        for _ in range(3):
+            src = torch.randint(1, VOCAB, (SEQ, 4), generator=g)
+            tgt = torch.randint(1, VOCAB, (SEQ + 1, 4), generator=g)
+            src_mask, tgt_mask, src_pad, tgt_pad = _masks(src, tgt[:-1])
+            logits = model(src, tgt[:-1], src_mask, tgt_mask, src_pad, tgt_pad, src_pad)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tgt[1:].reshape(-1)).backward()
+            with OpRecorder() as ops:
+                optimizer.step()  # the step's end: the flush
+            assert "aten.zero_.default" not in ops.counts  # (Adam's own step makes none)
+    assert w.step_count == 3 and not w.events
 
 
 def test_an_neginf_in_an_input_not_named_as_a_mask_is_reported():

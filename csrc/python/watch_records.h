@@ -149,22 +149,32 @@ struct Records {
 
   // Fills `entry` with rows [row, row + rows) of one fused call whose inputs' limits are `limits`
   // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
-  // [Overflow headroom in the recorder]). The -inf of its mask rows are zeroed first, in the call's
-  // counts (one small write per mask row, on any device: only an input that has a mask pays it).
+  // [Overflow headroom in the recorder]). The -inf of its mask rows are not counted: zeroed in the host's
+  // numbers, or in device counts by a small write per mask row (only an input that has a mask pays
+  // it), or, given `zeroed`, with the flush's other cells (NOTE: [Rows a flush zeroes, in one multiply]).
   void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
-            int64_t row, int64_t rows) const {
+            int64_t row, int64_t rows, std::vector<int64_t>* zeroed = nullptr) const {
     entry.row = row;
     entry.rows = rows;
     for (const int64_t mask : entry.masks) {
       TORCH_INTERNAL_ASSERT(mask >= 0 && mask < rows, "nanfast.watch: a mask row outside its record");
-      counts.select(0, row + mask).select(0, 2).zero_();
     }
     if (counts_on_host) {  // see NOTE: [CPU counts kept as numbers]
       TORCH_INTERNAL_ASSERT(counts.is_contiguous() && counts.scalar_type() == at::kLong,
                             "nanfast.watch: the fused op's counts are not contiguous int64");
       const int64_t* values = counts.const_data_ptr<int64_t>() + 3 * row;
       entry.host.assign(values, values + 3 * rows);
+      for (const int64_t mask : entry.masks) {
+        entry.host[3 * mask + 2] = 0;
+      }
     } else {
+      for (const int64_t mask : entry.masks) {
+        if (zeroed != nullptr) {
+          zeroed->push_back((row + mask) * 3 + 2);
+        } else {
+          counts.select(0, row + mask).select(0, 2).zero_();
+        }
+      }
       entry.counts = counts;
     }
     if (limits.empty()) {
@@ -266,14 +276,14 @@ struct Records {
       all.insert(all.end(), extra.begin(), extra.end());
       auto [counts, norm, absmax] = stats_on(all, device);
       const std::vector<double> limits = limits_of(all);
+      std::vector<int64_t> zeroed;  // device counts: row * 3 + from, for each row counting less
       int64_t row = 0;
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        fill(entries[d.entry], counts, absmax, limits, row, rows);
+        fill(entries[d.entry], counts, absmax, limits, row, rows, &zeroed);
         row += rows;
       }
-      std::vector<int64_t> zeroed;  // device counts: row * 3 + from, for each row counting less
       zero_rewritten_rows(deferred, [&](size_t e, int64_t k, int64_t from) {
         Entry& entry = entries[e];
         if (!entry.limits.empty()) {
@@ -306,11 +316,12 @@ struct Records {
   }  // `done` releases the tensors here, outside the mutex
 
   // NOTE: [Rows a flush zeroes, in one multiply]
-  // The rows of device counts that a flush keeps less of (deferred_records.h) were each a zero_ launch:
-  // 17 per fused step of ResNet-18 and 49 of ResNet-50, whose every block rewrites its bn2 output in
-  // place, on a GPU step that its host bounds. They are one multiply by a mask of 0s and 1s instead,
-  // made on the host and copied to the device when the cells it zeroes differ from the last flush's
-  // (a model's steps zero the same ones: the mask is kept), so a flush adds one launch.
+  // The rows of device counts that a flush keeps less of (deferred_records.h; an input's mask rows,
+  // whose -inf are not counted) were each a zero_ launch: 17 per fused step of ResNet-18 and 49 of
+  // ResNet-50, whose every block rewrites its bn2 output in place, on a GPU step that its host bounds.
+  // They are one multiply by a mask of 0s and 1s instead, made on the host and copied to the device
+  // when the cells it zeroes differ from the last flush's (a model's steps zero the same ones: the mask
+  // is kept), so a flush adds one launch.
   // `counts`: the flush's own rows; `zeroed`: row * 3 + the first column to zero, of each row.
   void keep_counts(const at::Tensor& counts, const std::vector<int64_t>& zeroed) {
     if (zeroed != zeroed_cells || !zero_mask.defined() || !zero_mask.sizes().equals(counts.sizes()) ||
