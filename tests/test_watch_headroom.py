@@ -234,6 +234,23 @@ def test_one_host_read_per_checked_step(op_recorder, sync, per_step):
     assert len(headroom_events(w)) > 5  # the fractions were read: every place warned
 
 
+def test_a_low_precision_step_whose_max_values_are_one_tensor_copies_them_once(op_recorder):
+    """The step's max |x| of its low-precision places go to the host in one copy. Where they were one
+    tensor already (a float16 model's records, fused or not), they went through a cat of that one
+    tensor first: a copy more per step (a launch on a GPU, its host time on the step's path). The fused
+    watch (the default on a GPU) has them in one tensor, its one call's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanfast.watch(model, opt, fuse=True, params=False, grads=False) as w:
+        for _ in range(3):
+            with op_recorder() as rec:
+                opt.zero_grad()
+                model(torch.randn(4, 8).half()).float().sum().backward()
+                opt.step()
+    assert "aten.cat.default" not in rec.counts and w.history[-1].headroom > 0
+
+
 def test_a_float32_model_runs_the_same_ops_with_headroom_on_or_off(op_recorder):
     ops = []
     for headroom in (hr.DEFAULT_THRESHOLDS, None):

@@ -198,8 +198,9 @@ class Headroom:
         if scale is not None and any(entry[2] for entry in keys if entry is not None):
             scale_index = len(keys)
             parts.append(scale.detach().reshape(1).to(device=device, dtype=torch.float64))
-        with torch.no_grad():
-            values = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts])
+        with torch.no_grad():  # one part is taken as it is (a cat of one tensor is a copy: a launch on a GPU)
+            parts = [p.to(device=device, dtype=torch.float64) for p in parts]
+            values = parts[0] if len(parts) == 1 else torch.cat(parts)
         return Pending(values, keys, scale_index, input_rows)
 
     def observe(self, step: int, pending: Optional[Pending],
