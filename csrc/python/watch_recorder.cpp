@@ -169,6 +169,7 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   }
   {
     const std::lock_guard<std::mutex> lock(records_->mutex);
+    records_->flushes_this_step = 0;  // the next flush is the next step's first
     if (first_slot == 0) {
       entries.swap(records_->entries);
     } else {  // by slot, not position: a backward records earlier slots after later ones

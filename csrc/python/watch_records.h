@@ -320,21 +320,25 @@ struct Records {
   // whose -inf are not counted) were each a zero_ launch: 17 per fused step of ResNet-18 and 49 of
   // ResNet-50, whose every block rewrites its bn2 output in place, on a GPU step that its host bounds.
   // They are one multiply by a mask of 0s and 1s instead, made on the host and copied to the device
-  // when the cells it zeroes differ from the last flush's (a model's steps zero the same ones: the mask
-  // is kept), so a flush adds one launch.
+  // when the cells it zeroes differ from those of the same flush of the step before (the k-th flush of
+  // a step, of several where the deferred tensors reach their bound: ResNet-18 at 224x224 makes nine;
+  // a model's steps zero the same cells: the masks are kept), so a flush adds one launch.
   // `counts`: the flush's own rows; `zeroed`: row * 3 + the first column to zero, of each row.
   void keep_counts(const at::Tensor& counts, const std::vector<int64_t>& zeroed) {
-    if (zeroed != zeroed_cells || !zero_mask.defined() || !zero_mask.sizes().equals(counts.sizes()) ||
-        zero_mask.device() != counts.device()) {
-      at::Tensor mask = at::ones(counts.sizes(), at::TensorOptions().dtype(at::kLong));
-      int64_t* cells = mask.mutable_data_ptr<int64_t>();
-      for (const int64_t cell : zeroed) {
-        std::fill(cells + cell, cells + (cell / 3 + 1) * 3, 0);
-      }
-      zero_mask = mask.to(counts.device(), /*non_blocking=*/true);
-      zeroed_cells = zeroed;
+    if (flushes_this_step == zero_masks.size()) {
+      zero_masks.emplace_back();
     }
-    counts.mul_(zero_mask);
+    auto& [cells, mask] = zero_masks[flushes_this_step++];
+    if (zeroed != cells || !mask.defined() || !mask.sizes().equals(counts.sizes()) || mask.device() != counts.device()) {
+      at::Tensor made = at::ones(counts.sizes(), at::TensorOptions().dtype(at::kLong));
+      int64_t* values = made.mutable_data_ptr<int64_t>();
+      for (const int64_t cell : zeroed) {
+        std::fill(values + cell, values + (cell / 3 + 1) * 3, 0);
+      }
+      mask = made.to(counts.device(), /*non_blocking=*/true);
+      cells = zeroed;
+    }
+    counts.mul_(mask);
   }
 
   // NOTE: [A backward that raised]
@@ -373,8 +377,10 @@ struct Records {
   // runs the device's bookkeeping (views, zeroed rows, the unknown verdict), which the tests run on a CPU.
   const bool counts_on_host;
   const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
-  std::vector<int64_t> zeroed_cells;  // the cells the last mask zeroes (NOTE: [Rows a flush zeroes, in one multiply])
-  at::Tensor zero_mask;
+  // Per flush of a step, the cells its mask zeroes and the mask (NOTE: [Rows a flush zeroes, in one
+  // multiply]); the count of flushes that used one since the step's records were taken.
+  std::vector<std::pair<std::vector<int64_t>, at::Tensor>> zero_masks;
+  size_t flushes_this_step = 0;
   // NOTE: [Profiling the watch]
   // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
   // the benchmark reads): an ordinary watch reads no clock on its hot path.
