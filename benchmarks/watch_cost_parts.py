@@ -7,9 +7,12 @@ against no checks.
 
 Each variant trains its own copy of the model (same weights and batches) with its watch left on; the
 copies' steps are interleaved in a rotating order; overheads are medians of per-repeat ratios to the
-unwatched copy (a step is timed from a synchronize to a synchronize on a GPU). With --profile, one
-torch.profiler table per workload of the watch's host time by function, and the kernels each variant
-launches per step.
+unwatched copy (a step is timed from a synchronize to a synchronize on a GPU). The kernels each variant
+adds per step: on a GPU as torch.profiler counts them; on a CPU, the ops the same variant would launch
+on a GPU, counted with a GPU's bookkeeping (a recorder keeping its counts as tensors, as on a GPU; views
+and allocations aside, the read's copy counted, a nanfast call counted once though its stats make two
+launches there). With --profile, one torch.profiler table per workload of the watch's host time by
+function.
 
     python benchmarks/watch_cost_parts.py --device cuda --workloads mlp,transformer-small,resnet18-64
 """
@@ -17,11 +20,15 @@ launches per step.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
+import functools
 import statistics
+from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
 from nanfast import _C
@@ -107,18 +114,51 @@ def _installed(stack: contextlib.ExitStack, variant, model, optimizer, device: s
         stack.enter_context(nanfast.watch(model, optimizer, **variant))
 
 
-def kernels_per_step(runs: dict, batch, device: str, steps: int = 3) -> dict[str, float]:
-    """Device kernels launched per step by each variant (torch.profiler), or CPU ops on a CPU."""
-    from torch.profiler import ProfilerActivity, profile
+# Ops that launch nothing on a GPU: allocations and type queries (views are told by their schema).
+_NO_LAUNCH = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+              "aten.promote_types.default", "aten.lift_fresh.default", "aten.result_type.Tensor"}
 
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops a code would launch on a GPU: all but views and _NO_LAUNCH."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        if not view and str(func) not in _NO_LAUNCH:
+            self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kernels_per_step(runs: dict, model: torch.nn.Module, batch, device: str, steps: int = 3) -> dict[str, float]:
+    """Device kernels launched per step by each variant: on a GPU, of `runs` (torch.profiler); on a CPU,
+    of copies of `model` whose watches keep their counts as tensors, as on a GPU (see the docstring)."""
+    if device.startswith("cuda"):
+        from torch.profiler import ProfilerActivity, profile
+
+        counts = {}
+        for name, (copy_, optimizer) in runs.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    bench_watch._timed_step(copy_, optimizer, batch, device)
+            counts[name] = sum(1 for e in prof.events() if str(e.device_type).lower().endswith("cuda")) / steps
+        return counts
+    as_on_a_gpu = functools.partial(_C.WatchRecorder, counts_as_tensors=True)
     counts = {}
-    for name, (model, optimizer) in runs.items():
-        activities = [ProfilerActivity.CUDA] if device.startswith("cuda") else [ProfilerActivity.CPU]
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                bench_watch._timed_step(model, optimizer, batch, device)
-        kind = "cuda" if device.startswith("cuda") else "cpu"
-        counts[name] = sum(1 for e in prof.events() if str(e.device_type).lower().endswith(kind)) / steps
+    with mock.patch.object(_C, "WatchRecorder", as_on_a_gpu), contextlib.ExitStack() as stack:
+        for name, variant in VARIANTS.items():
+            copy_ = copy.deepcopy(model)
+            optimizer = bench_watch._optimizer(copy_)
+            _installed(stack, variant, copy_, optimizer, device)
+            for _ in range(steps):  # a step left on, as timed: past the first step's full reads
+                bench_watch._timed_step(copy_, optimizer, batch, device)
+            with _Launches() as launches:
+                bench_watch._timed_step(copy_, optimizer, batch, device)
+            counts[name] = sum(launches.counts.values())
     return counts
 
 
@@ -154,7 +194,7 @@ def measure(key: str, device: str, repeats: int, profiled: bool) -> list[dict]:
         for repeat in bench_watch.rotated_repeats(list(runs), step, repeats):
             for name, t in repeat.items():
                 times[name].append(t)
-        kernels = kernels_per_step(runs, batch, device)
+        kernels = kernels_per_step(runs, model, batch, device)
         if profiled:
             print(f"\n### host time by function, watch, {key}\n\n```\n"
                   f"{host_profile(*runs['watch'], batch, device)}\n```\n", flush=True)

@@ -345,10 +345,13 @@ def test_the_watch_cost_benchmarks_run_every_variant(monkeypatch):
     monkeypatch.setitem(watch_workloads.MLP, "batch", 4)
     rows = {r["variant"]: r for r in watch_cost_parts.measure("mlp", "cpu", repeats=3, profiled=False)}
     assert list(rows) == list(watch_cost_parts.VARIANTS)
-    assert rows["bare module hooks"]["kernels"] == 0 and rows["watch"]["kernels"] > 0  # ops on a CPU
-    assert rows["watch, the other fuse"]["kernels"] < rows["watch"]["kernels"]  # fused on a CPU: fewer calls
+    # On a CPU, the ops each would launch on a GPU (counted with a GPU's bookkeeping, views aside):
+    assert rows["bare module hooks"]["kernels"] == 0 and rows["watch"]["kernels"] > 0
+    # fused (the GPU default): the pass with every record in it, the summary, the read
+    assert rows["watch, the other fuse"]["kernels"] == 3
     # the bare gradient reads: one call at the optimizer step, one per parameter in backward
-    assert 0 < rows["bare gradient pass at the optimizer step"]["kernels"] < rows["bare gradient checks in backward"]["kernels"]
+    assert rows["bare gradient pass at the optimizer step"]["kernels"] == 1
+    assert rows["bare gradient checks in backward"]["kernels"] == 8  # 4 Linear layers
     # the glue reads no parameters or gradients: no pass
     assert rows["watch(modules=False, params=False, grads=False)"]["kernels"] < rows["watch(modules=False)"]["kernels"]
     pack = nanfast.watcher.step.Step.pack
