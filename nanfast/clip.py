@@ -47,8 +47,8 @@ def total_norm(norms: list[torch.Tensor], absmaxes: list[torch.Tensor], norm_typ
     (from per-tensor max |x|) of the finite elements of all tensors (`grads`, those the norms are of).
     No host sync."""
     device = norms[0].device
-    if norm_type == 2.0:
-        return combine_norms(torch.cat([n.to(device, non_blocking=True) for n in norms]))
+    if norm_type == 2.0:  # one device's norms are taken as they are (a cat of one tensor is a copy)
+        return combine_norms(norms[0] if len(norms) == 1 else torch.cat([n.to(device, non_blocking=True) for n in norms]))
     total = torch.stack([a.max().to(device, non_blocking=True) if a.numel() else torch.zeros((), dtype=torch.float64, device=device)
                          for a in absmaxes]).max()
     # The kernels' max |x| of a complex tensor is of its real and imaginary parts, and torch's inf-norm is

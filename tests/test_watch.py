@@ -937,6 +937,19 @@ def test_watch_clip_grad_norm_reuses_the_step_pass():
     w.remove()
 
 
+def test_a_clip_on_one_device_copies_no_norms():
+    """The total norm is combined from the pass's per-gradient norms; on one device they were put through
+    a cat of that one tensor first: a copy more per clipped step (a launch on a GPU)."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanfast.watch(model, opt) as w:
+        F.mse_loss(model(batch()[0]), batch()[1]).backward()
+        with OpRecorder() as ops:
+            w.clip_grad_norm_(0.1)
+            nanfast.clip_grad_norm_(model.parameters(), 0.1)
+        assert "aten.cat.default" not in ops.counts
+
+
 @pytest.mark.parametrize("change", ["divided in place", "replaced"])
 def test_gradients_changed_after_the_watchs_clip_are_read_again(change):
     """A loop that clips, then normalises the gradients by a token count that was 0 (or sets one anew):
