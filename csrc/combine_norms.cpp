@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "ops.h"
 
 namespace nanfast {
@@ -19,8 +21,12 @@ at::Tensor combine_norms(const at::Tensor& norms) {
   if (norms.sym_numel() == 0) {  // symbolic under torch.compile: a guard on the size
     return at::zeros({}, norms.options());
   }
-  const at::Tensor top = norms.amax();
-  const at::Tensor scale = at::where(at::isfinite(top).logical_and(top > 0), top, at::ones_like(top));
+  // The scale: the largest part, 1 where that is +inf (or NaN), and where it is 0 (all parts 0: the norm
+  // is 0 at any scale) the smallest double; as step_summary's CUDA kernel scales the norms it is given,
+  // in three ops where a finiteness test and a select were eight (each a launch on a GPU; the step
+  // summary combines twice a step on a CPU). |x|: negative numbers are scaled by their largest magnitude.
+  const at::Tensor top = norms.abs().amax();
+  const at::Tensor scale = at::nan_to_num(top, 1.0, 1.0).clamp_min(std::numeric_limits<double>::denorm_min());
   return scale * at::linalg_vector_norm(norms / scale);
 }
 

@@ -306,6 +306,19 @@ def test_total_norm_of_float64_norms_near_max_does_not_overflow():
     assert math.isclose(s.total_norm.item(), 6e300, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("norms", [
+    [0.0, 0.0], [3.0, 4.0], [1e300, 1e300], [5e-324, 5e-324, 1e-310], [0.0, 1e-320], [math.inf, 2.0], [7.5], [],
+    [2.0 ** k for k in range(-1074, 1024, 37)], [-3.0, -4.0],
+], ids=["zeros", "3-4-5", "near max", "subnormal", "one subnormal", "inf", "one", "empty", "every scale", "negative"])
+def test_combine_norms_is_the_norm_of_the_parts(norms):
+    """combine_norms (the total of clip_grad_norm_ and of the step summary) against math.hypot, which
+    neither overflows nor underflows in between: float64 norms at every scale, 0, +inf."""
+    got = nanfast.ops.combine_norms(torch.tensor(norms, dtype=torch.float64))
+    assert got.dtype == torch.float64 and got.dim() == 0
+    expected = math.hypot(*norms)
+    assert got.item() == expected if expected in (0.0, math.inf) else math.isclose(got.item(), expected, rel_tol=1e-13)
+
+
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16, torch.float16))
 def test_subnormal_values(dtype):
     tiny = torch.finfo(dtype).smallest_normal / 8  # a subnormal
