@@ -289,8 +289,8 @@ def places(rows: list, read: Read, scaler_skipped: bool, nan_only: bool, forward
             for name, (nan, posinf, neginf) in zip(label, rows[i:i + n]):
                 if _reported(nan, posinf, neginf, nan_only):
                     found.append(Place(phase, name, "", int(nan), int(posinf), int(neginf), call, microbatch))
-        else:
-            nan, posinf, neginf = (int(sum(r[k] for r in rows[i:i + n])) for k in range(3))
+        else:  # a record's rows summed (most hold one: a step with -inf masked at every step walks them all)
+            nan, posinf, neginf = rows[i] if n == 1 else [sum(column) for column in zip(*rows[i:i + n])] or (0, 0, 0)
             if _reported(nan, posinf, neginf, nan_only):
                 entries = ()
                 if phase == "input":
