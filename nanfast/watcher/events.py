@@ -271,8 +271,8 @@ class Event:
 # parameters again to name a non-finite one (NOTE: [Parameters read when they add information]), and a
 # -inf bias makes -inf in the output just as a mask does, so the first step with -inf at some places
 # reads them; a later step with -inf at the same places alone does not (a read of every parameter at
-# every step: with it, a 1.1M-parameter masked policy's watch cost 3.4 points more than with `ignore=`,
-# without it 0.2). A module's weight or bias gone -inf since then makes a new place (that module's
+# every step: a 1.1M-parameter masked policy's steps cost 3.1 points more than the same policy's
+# unmasked, 1.8 without it and with the places summed faster). A module's weight or bias gone -inf since then makes a new place (that module's
 # output): the parameters are read and it is named at once. One whose -inf lands only at places already
 # taken for masked (the model's own offset added to the masked logits) did no harm the watch can see
 # either; the full read every `params_every` steps names it (tested). Where it cannot see the harm (an
