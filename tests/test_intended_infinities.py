@@ -324,10 +324,9 @@ def test_masked_logits_train_with_one_notice_and_are_ignored_under_the_models_na
 
 def test_steps_whose_minus_inf_were_absorbed_before_read_no_more_than_healthy_ones():
     """A bad step reads the parameters again, to name a non-finite one; an RL policy masking its
-    actions read them at every step, as if every step were bad (a read of every parameter per step, 3.4
-    points of a 1.1M-parameter policy's step). Once -inf at some places were taken for masked, a step
-    with -inf there alone reads what a healthy step reads: as much as the same steps with no action
-    masked."""
+    actions read them at every step, as if every step were bad. Once -inf at some places were taken for
+    masked, a step with -inf there alone reads what a healthy step reads: as much as the same steps with
+    no action masked."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         read = {masked: _policy_steps(steps=6, masked=masked, profile=True).costs()["pass_bytes"]
