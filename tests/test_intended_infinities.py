@@ -19,6 +19,7 @@ import nanfast
 from nanfast import scan
 from nanfast.cli import main
 from nanfast.intended import is_additive_mask, is_mask_name, is_sentinel
+from op_recorder import OpRecorder
 
 NAN, INF = float("nan"), float("inf")
 
@@ -121,8 +122,6 @@ def test_a_fused_step_leaves_a_masks_minus_inf_uncounted_without_a_launch_of_its
     """The -inf of an input's mask rows were zeroed out of its counts by a zero_ per mask row: with a GPU's
     bookkeeping, a launch per step for the tutorial's tgt_mask. A fused watch folds them into its flush's
     one multiply (NOTE: [Rows a flush zeroes, in one multiply]); still no event."""
-    from op_recorder import OpRecorder
-
     model = Seq2Seq()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,10 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nanfast
+from op_recorder import OpRecorder
 from training_state import equal, state_of
 
 torchvision = pytest.importorskip("torchvision")  # in the `test` extra: CI installs it
@@ -174,9 +176,6 @@ def test_a_fused_resnet_step_zeroes_its_rewritten_rows_in_one_op(recorder_counts
     one per flush where the deferred tensors reach their bound several times a step (NOTE: [Rows a
     flush zeroes, in one multiply]); on a CPU the counts are numbers and no op is made. A NaN in a
     block's bn2 is still named there."""
-    from op_recorder import OpRecorder
-    import torch.nn.functional as F
-
     if bound is not None:
         monkeypatch.setattr(nanfast.watcher, "FUSE_BYTES", bound)
     torch.manual_seed(0)

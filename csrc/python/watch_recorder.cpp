@@ -169,7 +169,6 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   }
   {
     const std::lock_guard<std::mutex> lock(records_->mutex);
-    records_->flushes_this_step = 0;  // the next flush is the next step's first
     if (first_slot == 0) {
       entries.swap(records_->entries);
     } else {  // by slot, not position: a backward records earlier slots after later ones
@@ -235,6 +234,7 @@ void WatchRecorder::clear() {
   records_->entries.clear();
   dropped.swap(records_->deferred);  // released after the lock (declared before it)
   records_->deferred_bytes = 0;
+  records_->flushes_this_step = 0;  // see NOTE: [Rows a flush zeroes, in one multiply]
   records_->backward_finished = false;
   ++records_->epoch;
 }

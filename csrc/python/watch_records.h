@@ -378,7 +378,8 @@ struct Records {
   const bool counts_on_host;
   const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
   // Per flush of a step, the cells its mask zeroes and the mask (NOTE: [Rows a flush zeroes, in one
-  // multiply]); the count of flushes that used one since the step's records were taken.
+  // multiply]); the count of flushes that used one since the step began (clear(): every step, the
+  // dropped ones too, so the masks are never more than one step's flushes).
   std::vector<std::pair<std::vector<int64_t>, at::Tensor>> zero_masks;
   size_t flushes_this_step = 0;
   // NOTE: [Profiling the watch]
