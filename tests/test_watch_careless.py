@@ -316,19 +316,23 @@ def test_event_warnings_work_in_code_run_without_a_file(how):
 
 
 def test_hooks_of_modules_swapped_out_are_not_kept():
-    """A head swapped in at every step: the handles of the heads gone piled up in the watch. (A head and
-    its hooks hold each other: the garbage collector frees them.)"""
+    """A head swapped in at every step: the handles of the heads gone piled up in the watch. Now the
+    watch holds neither the heads nor their hooks' handles (NOTE: [Module hooks without a Python frame])."""
     import gc
+    import weakref
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    heads = []
     with nanfast.watch(model, optimizer) as w:
         for _ in range(20):
             model[1] = nn.Linear(8, 2)
-            gc.collect()
+            heads.append(weakref.ref(model[1]))
             optimizer.zero_grad()
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
+        gc.collect()
+        assert [head() is None for head in heads] == [True] * 19 + [False]
         assert len(w._handles) < 20
 
 

@@ -76,8 +76,12 @@ void bind_watch_recorder(py::module_& m);
 // for any other object (csrc/python/module_hooks.cpp).
 py::object plain_floating_tensors(py::handle obj);
 
-// Defines nanfast._C.WatchSite, nanfast._C.ModuleHooks and nanfast._C.plain_floating_tensors
-// (csrc/python/module_hooks.cpp).
+// Defines nanfast._C.WatchSite, nanfast._C.ModuleHooks (csrc/python/module_hooks.h) and
+// nanfast._C.plain_floating_tensors (csrc/python/module_hooks.cpp).
 void bind_module_hooks(py::module_& m);
+
+// Defines nanfast._C.module_pre_hook, module_hook, hook_module, unhook_module and module_hooked
+// (csrc/python/hooked_modules.cpp).
+void bind_hooked_modules(py::module_& m);
 
 }  // namespace nanfast::python

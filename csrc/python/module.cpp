@@ -493,6 +493,7 @@ PYBIND11_MODULE(_C, m) {
   bind_spike_windows(m);
   bind_watch_recorder(m);
   bind_module_hooks(m);
+  bind_hooked_modules(m);
   m.def("cpu_isa", [] { return std::string(nanfast::cpu::simd_kernels().isa); },
         "The instruction set of the CPU kernels in use: avx512, avx2 or baseline.");
   m.def("set_cpu_isa", [](const std::string& isa) { return std::string(nanfast::cpu::set_cpu_isa(isa.c_str())); },

@@ -1,6 +1,6 @@
 #pragma once
 // nanfast._C.WatchRecorder: where nanfast.watch's hooks leave the counts of a step (see NOTE: [The
-// watch's recorder] in watch_records.h). Declared here so that the module hooks (module_hooks.cpp)
+// watch's recorder] in watch_records.h). Declared here so that the module hooks (module_hooks.h)
 // call it directly, without a round trip through Python.
 #include <memory>
 #include <tuple>

@@ -31,7 +31,7 @@ from .inputs import walked_tensors
 from .options import (ACTIONS, FUSE_BYTES, ON_EVENT, PARAMS_EVERY, PASS_THROUGH, SKIPPING, SYNC_MODES,
                       checks, fused_records, ignored, patterns, results_device, rollback_options, stepped_optimizer,
                       steps_option, typed_options, unknown_options, validate)
-from .owned_hook import remove_inert_hooks
+from .owned_hook import remove_inert_hooks, unhook_modules
 from .profile import Profile
 from .readings import Readings
 from .restore import BufferUndo
@@ -161,7 +161,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         self._pass_op = self._recorder.stats_with_deferred if self.fuse else _C.stats_on
         # What the module hooks share within a forward (see NOTE: [Module hooks in C++]).
         self._hooks = _C.ModuleHooks(self._recorder, walked_tensors, recomputation,
-                                     weakly_bound(self, "_outside_forward"), self._check_grads)
+                                     weakly_bound(self, "_outside_forward"), self._check_grads, profiled=profile)
         self._outside_evaluation: Optional[int] = None  # see NOTE: [Submodules called outside the model's forward]
         self._profile: Optional[Profile] = Profile() if profile else None
         self._steps = StepState(model)
@@ -238,6 +238,7 @@ class Watch(Installation, Hooks, StepEnd, Actions, Readings):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        unhook_modules(self._hooked, self._hooks)
         remove_inert_hooks(self.model)
         if self._retire is not None:
             self._retire.detach()  # its global hooks are removed (NOTE: [Global hooks of a watch never removed])

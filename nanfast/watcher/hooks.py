@@ -184,7 +184,7 @@ class Hooks:
     def _outside_forward(self, grad: bool) -> None:
         """Called by ModuleHooks when hooked submodules run outside the model's forward, at the first such
         call and whenever the grad mode of such calls changes (NOTE: [Submodules called outside the
-        model's forward], module_hooks.cpp): the evaluation they ended is read, and calls without
+        model's forward], module_hooks.h): the evaluation they ended is read, and calls without
         gradients in an evaluation (an optimizer, the model in eval mode) begin one."""
         self._end_outside_evaluation()
         self._hooks.forward_id += 1  # their calls are numbered from 1, as in a forward of the model's
@@ -206,8 +206,9 @@ class Hooks:
 
     # NOTE: [The watch and torch.compile]
     # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
-    # while tracing): reading a tensor's grad_fn and keeping Python state per call would break the
-    # graph at every module. What runs compiled is therefore not checked module by module; the fused
+    # while tracing; the submodules' hooks, functions of the extension, are traced as stand-ins that do
+    # nothing: NOTE: [Module hooks without a Python frame]): reading a tensor's grad_fn and keeping Python
+    # state per call would break the graph at every module. What runs compiled is therefore not checked module by module; the fused
     # pass over parameters and gradients at optimizer.step(), outside the compiled region, still sees
     # every non-finite value the step leaves in them, and anything run eagerly is hooked as usual.
     # Activation checkpointing re-runs modules inside backward (nanfast/recompute.py): that is neither

@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from .. import _C
 from . import scaler_hook
 from .closure import run_closure_first, runs_closure_first
 from .events import MODEL
 from .options import KEEPS_NONFINITE_IN_PLACE, SKIPPING, ignored
-from .owned_hook import OwnedHook
+from .owned_hook import OwnedHook, hook_module
 
 
 def hooked_modules(model: torch.nn.Module, pass_through: tuple[type, ...]) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -83,21 +82,6 @@ class Installation:
         keeps = type(module) in KEEPS_NONFINITE_IN_PLACE and getattr(module, "inplace", False) is True
         skipped = ignored(self.ignore, name) or (model and ignored(self.ignore, MODEL))
         return _C.WatchSite(name, module_class, skipped, keeps)
-
-    def _hooks_of(self, site: Any) -> tuple:
-        """A module's pre-hook and forward hook: each one call into C++ (see NOTE: [The watch and
-        torch.compile])."""
-        is_compiling, hooks = torch.compiler.is_compiling, self._hooks
-
-        def before(module: torch.nn.Module, args: tuple) -> None:
-            if not is_compiling():
-                hooks.before_module(site, args)
-
-        def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not is_compiling():
-                hooks.after_module(site, output)
-
-        return before, after
 
     def _hook(self, fn: Any) -> Any:
         """What is registered for `fn`: itself, or timed in a profiled watch (see NOTE: [Profiling the watch])."""
@@ -175,13 +159,8 @@ class Installation:
             self._written.relist()
         if not (self._hook_modules and (self._check_activations or self._check_grads)):
             return
-        # The handles of hooks on modules gone since (a head swapped out) are dropped.
-        self._handles = [h for h in self._handles if not isinstance(h, RemovableHandle) or h.hooks_dict_ref() is not None]
         for name, module in hooked_modules(self.model, self.pass_through):
             if module in self._hooked:
                 continue
             self._hooked.add(module)
-            before, after = self._hooks_of(self._site(name, type(module).__name__, module))
-            self._handles.append(module.register_forward_pre_hook(OwnedHook(module, self._hook(before))))
-            if self._check_activations:
-                self._handles.append(module.register_forward_hook(OwnedHook(module, self._hook(after))))
+            hook_module(module, self._hooks, self._site(name, type(module).__name__, module), self._check_activations)

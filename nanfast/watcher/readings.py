@@ -28,7 +28,7 @@ class Readings:
             RuntimeError: the watch was made without profile=True (it measures nothing)."""
         if self._profile is None:
             raise RuntimeError("Watch.costs: this watch measures nothing; make it with nanfast.watch(..., profile=True)")
-        return self._profile.totals(self._recorder)
+        return self._profile.totals(self._recorder, self._hooks)
 
     def stats(self) -> dict[str, float]:
         """The last checked step's numbers, from the same fused pass: total grad norm, param norm and max
