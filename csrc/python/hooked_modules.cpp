@@ -34,7 +34,8 @@ namespace {
 struct Watcher {
   py::object hooks;  // holds *impl alive
   ModuleHooks* impl;
-  py::object site;
+  py::object site;  // holds *site_impl alive
+  Site* site_impl;
   bool checks_output;
 };
 
@@ -82,13 +83,13 @@ void for_each_watcher(py::handle module, const Fn& fn) {
 }
 
 void module_pre_hook(py::handle module, py::handle args) {
-  for_each_watcher(module, [&](const Watcher& w) { w.impl->before_module(w.site, args); });
+  for_each_watcher(module, [&](const Watcher& w) { w.impl->before_module(w.site, *w.site_impl, args); });
 }
 
 void module_hook(py::handle module, py::handle /*args*/, py::handle output) {
   for_each_watcher(module, [&](const Watcher& w) {
     if (w.checks_output) {
-      w.impl->after_module(w.site, output);
+      w.impl->after_module(w.site, *w.site_impl, output);
     }
   });
 }
@@ -104,7 +105,8 @@ bool hook_module(py::handle module, py::object hooks, py::object site, bool chec
     it = table().emplace(key, Hooked{py::weakref(module, forget), {}}).first;
   }
   ModuleHooks* impl = hooks.cast<ModuleHooks*>();
-  it->second.watchers.push_back(Watcher{std::move(hooks), impl, std::move(site), checks_output});
+  Site* site_impl = site.cast<Site*>();
+  it->second.watchers.push_back(Watcher{std::move(hooks), impl, std::move(site), site_impl, checks_output});
   return first;
 }
 

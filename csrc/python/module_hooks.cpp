@@ -85,12 +85,19 @@ void bind_module_hooks(py::module_& m) {
       .def(py::init<py::object, py::object, py::object, py::object, bool, bool>(), py::arg("recorder"),
            py::arg("walk"), py::arg("recomputation"), py::arg("outside"), py::arg("check_grads"),
            py::arg("profiled") = false)
-      .def("before_module", &ModuleHooks::before_module, py::arg("site"), py::arg("args"))
-      .def("after_module", &ModuleHooks::after_module, py::arg("site"), py::arg("output"))
-      .def("enter", &ModuleHooks::enter, py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
+      .def(
+          "enter",
+          [](ModuleHooks& hooks, py::handle site, py::handle args, bool recomputed) {
+            hooks.enter(site, site.cast<Site&>(), args, recomputed);
+          },
+          py::arg("site"), py::arg("args"), py::arg("recomputed") = false)
       .def("hook_grads", &ModuleHooks::hook_grads, py::arg("obj"), py::arg("phase"), py::arg("site"), py::arg("call"))
-      .def("check_output", &ModuleHooks::check_output, py::arg("phase"), py::arg("site"), py::arg("output"),
-           py::arg("walked") = py::none())
+      .def(
+          "check_output",
+          [](ModuleHooks& hooks, py::str phase, py::handle site, py::handle output, py::handle walked) {
+            return hooks.check_output(phase, site, site.cast<const Site&>(), output, walked);
+          },
+          py::arg("phase"), py::arg("site"), py::arg("output"), py::arg("walked") = py::none())
       .def("slot", &ModuleHooks::slot, py::arg("phase"), py::arg("site"), py::arg("call"))
       .def("forget", &ModuleHooks::forget)
       .def("new_step", &ModuleHooks::new_step, py::arg("slots"), py::arg("outputs"), py::arg("checked"))

@@ -75,8 +75,8 @@ class NANFAST_HIDDEN ModuleHooks {
         outside_(std::move(outside)),
         check_grads_(check_grads) {}
 
-  // A module's forward pre-hook.
-  void before_module(py::handle site, py::handle args) {
+  // A module's forward pre-hook; `s` is `site`'s Site.
+  void before_module(py::handle site, Site& s, py::handle args) {
     if (!active || transformed()) {
       return;
     }
@@ -97,21 +97,20 @@ class NANFAST_HIDDEN ModuleHooks {
     }
     const Recomputed recomputed = recomputation();
     if (recomputed != Recomputed::kUnpack) {
-      enter(site, args, recomputed == Recomputed::kReentrant);
+      enter(site, s, args, recomputed == Recomputed::kReentrant);
     }
   }
 
-  // A module's forward hook.
-  void after_module(py::handle site, py::handle output) {
+  // A module's forward hook; `s` is `site`'s Site.
+  void after_module(py::handle site, const Site& s, py::handle output) {
     if (active && !transformed() && recomputation() == Recomputed::kNo) {
-      check_output(kForward, site, output, py::none());
+      check_output(phase_name(kForward), site, s, output, py::none());
     }
   }
 
   // A call of `site` begins: its call count (unless the call is a recomputation, which is not another
   // call) and the check of the gradients w.r.t. its floating inputs.
-  void enter(py::handle site, py::handle args, bool recomputed) {
-    Site& s = site.cast<Site&>();
+  void enter(py::handle site, Site& s, py::handle args, bool recomputed) {
     if (!recomputed) {
       if (s.forward_id != forward_id) {
         s.forward_id = forward_id;
@@ -123,13 +122,13 @@ class NANFAST_HIDDEN ModuleHooks {
       }
     }
     if (check_grads_ && !s.ignored && at::GradMode::is_enabled()) {
-      hook_grads(args, kBackward, site, s.calls);
+      hook_grads(args, phase_name(kBackward), site, s.calls);
     }
   }
 
   // Places the checks of the gradients w.r.t. the floating tensors in `obj` as a new slot (phase,
   // site, call).
-  void hook_grads(py::handle obj, const char* phase, py::handle site, int64_t call) {
+  void hook_grads(py::handle obj, py::handle phase, py::handle site, int64_t call) {
     const py::list tensors = floating(obj).first;
     if (!tensors.empty()) {
       recorder_.hook_grads(tensors, slot(phase, site, call));
@@ -139,7 +138,7 @@ class NANFAST_HIDDEN ModuleHooks {
   // Records the check of an output of `site`; returns whether its floating values are checked (an
   // ignored site's are not; a tensor checked last and unchanged since is in the slot that checked it).
   // `walked`: what walk(output) gave, where the caller walked it already for its own use (None: found here).
-  bool check_output(const char* phase, py::handle site, py::handle output, py::handle walked) {
+  bool check_output(py::handle phase, py::handle site, const Site& s, py::handle output, py::handle walked) {
     const auto [tensors, layout] = walked.is_none() ? floating(output) : as_floating(walked);
     if (tensors.empty()) {
       return false;
@@ -148,7 +147,6 @@ class NANFAST_HIDDEN ModuleHooks {
     if (single && checked_before(THPVariable_Unpack(tensors[0].ptr()))) {
       return last_recorded_;
     }
-    const Site& s = site.cast<const Site&>();
     const bool recorded = !s.ignored;
     if (recorded) {
       const int64_t id = slot(phase, site, s.calls);
@@ -164,7 +162,7 @@ class NANFAST_HIDDEN ModuleHooks {
   }
 
   // A new slot id for records of `site` in `phase` (call `call`, the running forward's microbatch).
-  int64_t slot(const char* phase, py::handle site, int64_t call) {
+  int64_t slot(py::handle phase, py::handle site, int64_t call) {
     slots.append(py::make_tuple(phase, site, call, microbatch));
     return static_cast<int64_t>(slots.size()) - 1;
   }
@@ -206,8 +204,13 @@ class NANFAST_HIDDEN ModuleHooks {
 
  private:
   enum class Recomputed { kNo, kReentrant, kUnpack };
-  static constexpr const char* kForward = "forward";
-  static constexpr const char* kBackward = "backward";
+  enum Phase { kForward, kBackward };
+
+  // The phase's name as the slots hold it: one string made once, not one per slot.
+  static py::handle phase_name(Phase phase) {
+    static PyObject* names[] = {PyUnicode_InternFromString("forward"), PyUnicode_InternFromString("backward")};
+    return names[phase];
+  }
 
   void forget_last() {
     last_output_.reset();
