@@ -5,6 +5,7 @@ tests/test_compile.py."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import weakref
@@ -106,3 +107,21 @@ def test_an_export_of_a_watched_model_records_nothing_and_traces_no_check(strict
         assert not any("nanfast" in str(node.target) for node in exported.graph.nodes)
         x = torch.randn(3, 4)
         assert torch.equal(exported.module()(x), model(x))
+
+
+def test_a_copy_of_a_watched_model_watched_on_its_own_runs_each_hook_once():
+    """A deep copy carries the extension's hooks, inert; a watch of the copy takes them off before putting
+    its own on. Had they stayed, each of the copy's module calls would have run its watch twice."""
+    model = _model()
+    watched = nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    copied = copy.deepcopy(model)
+    assert [_hook_count(m) for m in copied] == [2, 2, 2]  # inert: the copy is in no table
+    opt = torch.optim.SGD(copied.parameters(), lr=0.1)
+    with nanfast.watch(copied, opt, action="skip") as w:
+        assert [_hook_count(m) for m in copied] == [2, 2, 2]
+        copied[2].weight.data.fill_(3e38)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            _step(copied, opt, torch.full((3, 4), 5.0))
+    assert [(e.phase, e.name, e.first.call) for e in w.events] == [("forward", "2", 1)]
+    assert watched.events == [] and watched._step.slots == []
+    watched.remove()

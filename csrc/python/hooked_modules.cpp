@@ -94,12 +94,11 @@ void module_hook(py::handle module, py::handle /*args*/, py::handle output) {
   });
 }
 
-// Adds a watch's hooks of `module` to the table; true if the module was not in it (the caller then puts
-// this file's two hooks on it).
-bool hook_module(py::handle module, py::object hooks, py::object site, bool checks_output) {
+// Adds a watch's hooks of `module` to the table (the caller puts this file's two hooks on a module not
+// in it yet).
+void hook_module(py::handle module, py::object hooks, py::object site, bool checks_output) {
   auto it = table().find(module.ptr());
-  const bool first = it == table().end();
-  if (first) {
+  if (it == table().end()) {
     PyObject* key = module.ptr();
     const py::cpp_function forget([key](py::handle /*weak*/) { table().erase(key); });
     it = table().emplace(key, Hooked{py::weakref(module, forget), {}}).first;
@@ -107,7 +106,6 @@ bool hook_module(py::handle module, py::object hooks, py::object site, bool chec
   ModuleHooks* impl = hooks.cast<ModuleHooks*>();
   Site* site_impl = site.cast<Site*>();
   it->second.watchers.push_back(Watcher{std::move(hooks), impl, std::move(site), site_impl, checks_output});
-  return first;
 }
 
 // Takes a watch's hooks of `module` out of the table; true if no watch hooks it any more (the caller
@@ -141,7 +139,7 @@ void bind_hooked_modules(py::module_& m) {
         "The forward hook nanfast.watch puts on a module (NOTE: [Module hooks without a Python frame]).",
         py::arg("module"), py::arg("args"), py::arg("output"));
   m.def("hook_module", &hook_module,
-        "Adds a watch's ModuleHooks and site for `module`; True if no watch hooked it before.", py::arg("module"),
+        "Adds a watch's ModuleHooks and site for `module` to the table of watched modules.", py::arg("module"),
         py::arg("hooks"), py::arg("site"), py::arg("checks_output"));
   m.def("unhook_module", &unhook_module,
         "Takes a watch's hooks of `module` out; True if no watch hooks it any more.", py::arg("module"),

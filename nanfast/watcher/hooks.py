@@ -207,10 +207,11 @@ class Hooks:
     # NOTE: [The watch and torch.compile]
     # Inside a region torch.compile traces, the hooks do nothing (is_compiling() is constant-folded
     # while tracing; the submodules' hooks, functions of the extension, are traced as stand-ins that do
-    # nothing: NOTE: [Module hooks without a Python frame]): reading a tensor's grad_fn and keeping Python
-    # state per call would break the graph at every module. What runs compiled is therefore not checked module by module; the fused
-    # pass over parameters and gradients at optimizer.step(), outside the compiled region, still sees
-    # every non-finite value the step leaves in them, and anything run eagerly is hooked as usual.
+    # nothing: NOTE: [Module hooks without a Python frame]): reading a tensor's grad_fn and keeping
+    # Python state per call would break the graph at every module. What runs compiled is therefore not
+    # checked module by module; the fused pass over parameters and gradients at optimizer.step(),
+    # outside the compiled region, still sees every non-finite value the step leaves in them, and
+    # anything run eagerly is hooked as usual.
     # Activation checkpointing re-runs modules inside backward (nanfast/recompute.py): that is neither
     # another call nor another forward, and its values were checked when the forward ran. Only with
     # use_reentrant=True does backward flow through the graph it rebuilds: its gradients are hooked there.

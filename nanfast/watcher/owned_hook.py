@@ -69,8 +69,10 @@ def _hook_traced(module: torch.nn.Module, args: Any, output: Any) -> None:
 
 @functools.cache
 def _trace_stand_ins() -> None:
-    """Has torch.compile trace the stand-ins for the extension's hooks (once; it imports Dynamo, which
-    an optimizer's construction imports anyway)."""
+    """Has torch.compile trace the stand-ins for the extension's hooks. Once, at the first module hooked:
+    it imports Dynamo (about 0.9 s), which an optimizer's construction, torchvision and transformers
+    import anyway; registered later, a model compiled before its first eager forward would have traced
+    the functions themselves (a graph break at every module)."""
     for original, stand_in in ((_C.module_pre_hook, _pre_hook_traced), (_C.module_hook, _hook_traced)):
         torch.compiler.substitute_in_graph(original)(stand_in)
 
@@ -79,10 +81,13 @@ def hook_module(module: torch.nn.Module, hooks: Any, site: Any, checks_output: b
     """Makes `module`'s calls run the watch's ModuleHooks `hooks` for `site`: its forward pre-hook, and
     with `checks_output` its forward hook too."""
     _trace_stand_ins()
-    if _C.hook_module(module, hooks, site, checks_output):
-        _remove_inert(module)  # the copies of these hooks the module was made with (a copy of a watched one)
+    if not _C.module_hooked(module):
+        # A copy of a watched module carries the functions, inert (it is in no table): taken off first, or
+        # each of its calls would run its watches twice.
+        _remove_inert(module)
         _HANDLES[module] = (module.register_forward_pre_hook(_C.module_pre_hook),
                             module.register_forward_hook(_C.module_hook))
+    _C.hook_module(module, hooks, site, checks_output)
 
 
 def unhook_modules(modules: Any, hooks: Any) -> None:

@@ -52,6 +52,7 @@ class Profile:
         """Everything so far, with the recorder's part (its kernel calls, its gradient checks) and the
         module hooks' (ModuleHooks.seconds), which run in C++ where no Python hook sees them."""
         kernel_s, grad_checks_s, recorded_bytes, recorded_calls = recorder.costs()
-        return {"hooks": self.seconds["hooks"] + grad_checks_s + module_hooks.seconds, "kernels": self.seconds["pass"] + kernel_s,
+        return {"hooks": self.seconds["hooks"] + grad_checks_s + module_hooks.seconds,
+                "kernels": self.seconds["pass"] + kernel_s,
                 "bytes": self.pass_bytes + recorded_bytes, "calls": self.pass_calls + recorded_calls,
                 "pass": self.seconds["pass"], "pass_bytes": self.pass_bytes}
