@@ -57,6 +57,9 @@ bool compiling() {
   static const bool has_flag = PyObject_HasAttr(compiler, name);
   if (has_flag) {
     const py::object flag = py::reinterpret_steal<py::object>(PyObject_GetAttr(compiler, name));
+    if (!flag) {
+      throw py::error_already_set();  // (the flag deleted since: never left pending for a later call)
+    }
     return flag.ptr() == Py_True;
   }
   return py::handle(compiler).attr("is_compiling")().cast<bool>();

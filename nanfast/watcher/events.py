@@ -272,13 +272,13 @@ class Event:
 # -inf bias makes -inf in the output just as a mask does, so the first step with -inf at some places
 # reads them; a later step with -inf at the same places alone does not (a read of every parameter at
 # every step: a 1.1M-parameter masked policy's steps cost 3.1 points more than the same policy's
-# unmasked, 1.8 without it and with the places summed faster). A module's weight or bias gone -inf since then makes a new place (that module's
-# output): the parameters are read and it is named at once. One whose -inf lands only at places already
-# taken for masked (the model's own offset added to the masked logits) did no harm the watch can see
-# either; the full read every `params_every` steps names it (tested). Where it cannot see the harm (an
-# inference or evaluation forward; a step whose loss it was not given: -inf * 0 makes a NaN loss with
-# finite gradients; a step whose gradients it does not read) the event stands, and its message names
-# that `ignore=`.
+# unmasked, 1.8 without it and with the places summed faster). A module's weight or bias gone -inf
+# since then makes a new place (that module's output): the parameters are read and it is named at
+# once. One whose -inf lands only at places already taken for masked (the model's own offset added to
+# the masked logits) did no harm the watch can see either; the full read every `params_every` steps
+# names it (tested). Where it cannot see the harm (an inference or evaluation forward; a step whose
+# loss it was not given: -inf * 0 makes a NaN loss with finite gradients; a step whose gradients it
+# does not read) the event stands, and its message names that `ignore=`.
 def minus_inf_in_outputs_only(places: tuple[Place, ...]) -> bool:
     """Whether every place holds only -inf, in a forward output (see NOTE: [-inf that did no harm])."""
     return all(p.phase == "forward" and p.nan == 0 and p.posinf == 0 for p in places)
