@@ -48,7 +48,14 @@ def total_norm(norms: list[torch.Tensor], absmaxes: list[torch.Tensor], norm_typ
     No host sync."""
     device = norms[0].device
     if norm_type == 2.0:  # one device's norms are taken as they are (a cat of one tensor is a copy)
-        return combine_norms(norms[0] if len(norms) == 1 else torch.cat([n.to(device, non_blocking=True) for n in norms]))
+        parts = norms[0] if len(norms) == 1 else torch.cat([n.to(device, non_blocking=True) for n in norms])
+        # combine_norms scales the parts so that their squares cannot overflow float64 (NOTE: [Combining
+        # norms]): seven ops, each a launch on a GPU, where torch's clip makes two. Only a float64
+        # tensor's norm can pass 1e154; a float32 one's is below 3.5e38 * sqrt(numel), whose square and a
+        # sum of millions of them are far inside float64's range, so one vector norm is exact enough.
+        if all(_REAL.get(g.dtype, g.dtype).itemsize <= 4 for g in grads):
+            return torch.linalg.vector_norm(parts)
+        return combine_norms(parts)
     total = torch.stack([a.max().to(device, non_blocking=True) if a.numel() else torch.zeros((), dtype=torch.float64, device=device)
                          for a in absmaxes]).max()
     # The kernels' max |x| of a complex tensor is of its real and imaginary parts, and torch's inf-norm is

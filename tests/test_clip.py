@@ -1,11 +1,13 @@
 """nanfast.clip_grad_norm_ and Watch.clip_grad_norm_ against torch's (session 44's probe): gradients named
 as intended infinities, the inf-norm of complex gradients, the norm a watch records after clipping a
-sparse gradient."""
+sparse gradient; the ops the watch's clip launches, and float64 norms past the range of their squares."""
 
+import copy
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanfast
 
@@ -100,3 +102,57 @@ def test_a_one_element_tensor_max_norm_is_its_value_as_in_torch():
     total = nanfast.clip_grad_norm_([ours], torch.tensor([1.0]))
     assert torch.equal(total, torch.nn.utils.clip_grad_norm_([theirs], torch.tensor([1.0])))
     assert torch.allclose(ours.grad, theirs.grad, rtol=1e-6)
+
+
+class _Launches(TorchDispatchMode):
+    """The ops a code would launch on a GPU, by name: all but views and dtype queries."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        if not view and func is not torch.ops.aten.promote_types.default:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_watchs_clip_launches_no_more_than_torchs_beside_the_check():
+    """Each op is a launch on a GPU: the watch's clip combined the gradients' norms in seven ops (overflow-
+    safe scaling) where torch's clip makes two, eight launches more than torch's clip beside the step's
+    check. Gradients of 32 bits or fewer cannot reach that overflow: their norms take one vector norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8) * 10
+    with nanfast.watch(model, torch.optim.SGD(model.parameters(), lr=0.1)) as w:
+        model(x).sum().backward()
+        with _Launches() as ours:
+            total = w.clip_grad_norm_(1.0)
+    reference(x).sum().backward()
+    with _Launches() as theirs:
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    assert ours.ops.count("nanfast.stats.default") == 1  # the step's check, which the clip reuses
+    assert len(ours.ops) <= len(theirs.ops) + 1, (ours.ops, theirs.ops)
+    assert total.dtype == expected.dtype and torch.allclose(total, expected, rtol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["function", "watch"])
+def test_float64_gradients_past_the_range_of_their_squares_keep_their_norm(watched):
+    """A float64 gradient's norm can pass 1e154, whose square overflows: those norms are still combined
+    relative to the largest (NOTE: [Combining norms])."""
+    p, q = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    p.grad, q.grad = torch.tensor([3e200, 4e200, 0.0], dtype=torch.float64), torch.tensor([12e200], dtype=torch.float64)
+    if watched:
+        model = torch.nn.Module()
+        model.p, model.q = p, q
+        with nanfast.watch(model, torch.optim.SGD([p, q], lr=0.0)) as w:
+            total = w.clip_grad_norm_(1.0)
+    else:
+        total = nanfast.clip_grad_norm_([p, q], 1.0)
+    assert total.item() == pytest.approx(13e200, rel=1e-12)
+    torch.testing.assert_close(torch.cat([p.grad, q.grad]), torch.tensor([3, 4, 0, 12], dtype=torch.float64) / 13)
