@@ -3,7 +3,7 @@ of its checks turned off in turn, down to its glue (nothing read but input, outp
 step end), against bare Python module hooks on the same modules (what any per-module check pays before it
 does anything), against one bare stats call over the gradients at the optimizer step (what the watch's
 pass reads) or one per gradient in backward (the same reads while the gradient may be in cache), and
-against no checks.
+against no checks, beside a second copy without checks (what two copies differ by).
 
 Each variant trains its own copy of the model (same weights and batches) with its watch left on; the
 copies' steps are interleaved in a rotating order; overheads are medians of per-repeat ratios to the
@@ -47,6 +47,9 @@ from step_end_floor import FEATURES_OFF
 GLUE = dict(modules=False, params=False, grads=False)
 VARIANTS = {
     "none": None,
+    # Two copies of one model differ in one process (NOTE: [The run's own null] in nanfast/cli/bench_watch.py):
+    # variants within this row's distance of each other are not told apart.
+    bench_watch.NULL: None,
     "bare module hooks": "hooks",
     "bare gradient pass at the optimizer step": "grad pass",
     "bare gradient checks in backward": "grad hooks",

@@ -363,6 +363,7 @@ def test_the_watch_cost_benchmarks_run_every_variant(monkeypatch):
     assert list(rows) == list(watch_cost_parts.VARIANTS)
     # On a CPU, the ops each would launch on a GPU (counted with a GPU's bookkeeping, views aside):
     assert rows["bare module hooks"]["kernels"] == 0 and rows["watch"]["kernels"] > 0
+    assert rows[bench_watch.NULL]["kernels"] == 0 and math.isfinite(rows[bench_watch.NULL]["overhead_pct"])
     # fused (the GPU default): the pass with every record in it, the summary, the read
     assert rows["watch, the other fuse"]["kernels"] == 3
     # the bare gradient reads: one call at the optimizer step, one per parameter in backward
