@@ -164,13 +164,13 @@ def test_the_watch_suite_reports_its_own_null(monkeypatch):
     """NOTE: [The run's own null]: a second copy without checks, timed against the first like every
     method, its overhead in the per-step table."""
     monkeypatch.setattr(watch_workloads, "MLP", dict(features=6, width=5, layers=4, classes=3, batch=4))
-    copied = []
-    real_deepcopy = copy.deepcopy
-    monkeypatch.setattr(bench_watch.copy, "deepcopy", lambda obj: copied.append(real_deepcopy(obj)) or copied[-1])
+    trained = []  # each model the suite makes an optimizer for: one copy per method, then the "inside" table's
+    optimizer = bench_watch._optimizer
+    monkeypatch.setattr(bench_watch, "_optimizer", lambda model: trained.append(model) or optimizer(model))
     suite = bench_watch.run_suite("cpu", repeats=3, only=["mlp"])
     [null] = [r for r in suite["rows"] if r["method"] == bench_watch.NULL]
     assert null["baseline"] == "none" and null["samples"] == 3
-    assert len(copied) == len(bench_watch.methods("cpu")) and len({id(m) for m in copied}) == len(copied)
+    assert len(trained) == len(bench_watch.methods("cpu")) + 1 and len({id(m) for m in trained}) == len(trained)
     low, high = null["overhead_pct_ci95"]
     assert suite["markdown"].splitlines()[4].endswith(f"| {null['overhead_pct']:+.1f}% ({low:+.1f}..{high:+.1f}%) |")
     assert "(the run's null)" in suite["markdown"]
