@@ -30,7 +30,10 @@ namespace {
 // hook; an export that traces without Dynamo runs the hooks, which then read torch.compiler's flag.
 // Measured against the same watch with the Python hooks put back (one process, interleaved steps,
 // medians of per-repeat ratios, 2-vCPU AMD EPYC, 2 threads): the watch suite's small transformer
-// -0.55% of its step (-0.91..-0.17%, 300 repeats), the MLP -0.71% (-1.06..-0.25%, 400 repeats).
+// -0.55% of its step (-0.91..-0.17%, 300 repeats), the MLP -0.71% (-1.06..-0.25%, 400 repeats). Each
+// watch was on its own copy of the model, and two copies differ by as much (NOTE: [The run's own
+// null] in nanfast/cli/bench_watch.py); tree against tree, in alternating processes, the MLP's
+// overhead fell by a median 1.4 points, the others' within their spread.
 struct Watcher {
   py::object hooks;  // holds *impl alive
   ModuleHooks* impl;

@@ -31,9 +31,9 @@ inline bool transformed() {
 // hooks without a Python frame] in hooked_modules.cpp), which holds the state the hooks of one forward
 // share: whether the step is checked, the forward's number and microbatch, the step's slots (the Step's
 // Python list, appended to here and by the Python side alike) and the last output checked (NOTE:
-// [Checking each tensor once]). What is
-// rare stays in Python: the container walk of an output that is not a tensor or a tuple of them, and
-// telling a checkpoint's recomputation apart, which is asked only when an autograd node is running.
+// [Checking each tensor once]). What is rare stays in Python: the container walk of an output that is
+// not a tensor or a tuple of them, and telling a checkpoint's recomputation apart, which is asked only
+// when an autograd node is running.
 
 // A place that records slots: a watched module (or the model's input or output, or a loss), with its
 // call count in the current forward.
