@@ -156,6 +156,65 @@ def test_deferred_tensors_are_checked_when_they_reach_the_bound():
     assert slots == [(7, 1)] and counts.tolist() == [[1, 1, 0]]
 
 
+def test_deferred_tensors_something_else_keeps_alive_are_not_counted_until_it_lets_go():
+    """A storage another tensor shares (a view, as autograd's saved outputs are) is not the records'
+    alone: past the bound they wait, until it goes (NOTE: [Deferred bytes that only the records keep
+    alive])."""
+    recorder = nanfast._C.WatchRecorder(torch.device("cpu"), True, 4000)
+    tensors = [torch.full((250,), float(slot)) for slot in range(5)]  # 1000 bytes each
+    views = [t[:] for t in tensors]
+    for slot, t in enumerate(tensors):
+        recorder.record([t], slot)
+    assert recorder.costs()[3] == 0  # 5000 bytes deferred, none held by the records alone
+    del views
+    recorder.record([torch.zeros(1)], 5)
+    assert recorder.costs()[3] == 1  # counted once the views let go, though the list holds them still
+    counts, slots, _, _ = recorder.take()
+    assert slots == [(s, 1) for s in range(6)] and counts.sum() == 0
+
+
+class _Chain(torch.nn.Module):
+    """Linear and GELU in turn: autograd saves every output but the last for backward (GELU its input,
+    Linear its input); with `side`, each block also makes an output that nothing keeps but the watch."""
+
+    def __init__(self, side: bool):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(8))
+        self.act = torch.nn.GELU()
+        self.side = torch.nn.Linear(128, 128) if side else None
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.side is not None:
+                self.side(x)  # recorded by the watch, then dropped
+            x = self.act(block(x))
+        return x
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["saved by autograd", "dropped"])
+def test_the_bound_counts_the_bytes_only_the_deferred_records_keep_alive(side, monkeypatch):
+    """NOTE: [Deferred bytes that only the records keep alive]: a forward's records that autograd saves for
+    backward keep nothing alive, so they wait for the pass however many bytes they are (the d=256
+    transformer's were read in 3 calls a step, ResNet-18 224x224's in 9, counted by every deferred
+    byte); outputs that nothing else holds are still read at the bound (64 KiB here)."""
+    monkeypatch.setattr(nanfast.watcher, "FUSE_BYTES", 64 << 10)
+    torch.manual_seed(0)
+    model = _Chain(side)
+    x = torch.randn(64, 128)
+    with nanfast.watch(model, fuse=True) as w:
+        for _ in range(2):
+            with OpRecorder() as forward:
+                out = model(x)
+            with OpRecorder() as rest:
+                w.loss(out.square().mean()).backward()
+                w.step()
+            # saved: 16 records of 32 KiB, read at the pass (by every byte: 8 calls in forward); dropped:
+            # 8 side outputs of 32 KiB that only the records hold, read two by two
+            assert forward.counts["nanfast.stats.default"] == (4 if side else 0)
+            assert rest.counts["nanfast.stats.default"] >= 1  # backward's gradients pass it too
+        assert w.events == []
+
+
 def test_fused_by_default_where_the_results_live_on_an_accelerator():
     """NOTE: [Fused records by default on accelerators]: the default is by device, an explicit value wins."""
     from nanfast.watcher.options import fused_records

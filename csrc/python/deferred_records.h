@@ -4,6 +4,8 @@
 // the rules that keep the producer's name what the default watch gives.
 #include <algorithm>
 #include <cstdint>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -74,6 +76,81 @@ struct Deferred {
   // the entries from there on were made inside that call (NOTE: [A child's output a module changes in
   // place and returns]).
   int64_t call_began = -1;
+};
+
+// NOTE: [Deferred bytes that only the records keep alive]
+// The bound on deferred tensors (NOTE: [Fused records]) is a bound on memory kept alive past its use.
+// Most of a forward's records hold tensors that autograd saves for backward anyway (a Linear's input, a
+// GELU's, a BatchNorm's output), and a tensor is recorded while its caller still holds it: keeping
+// those costs nothing until backward lets them go. Counted by every deferred byte, the bound read the
+// d=256 transformer's records in 3 calls a step and ResNet-18 224x224's in 9 (each two launches and a
+// multiply on a GPU) though the records alone held few of those bytes. So once the deferred bytes reach
+// the bound, each record adds up the storages that nothing but the records keeps alive, and flushes
+// when that reaches the bound: now 1 and 4 calls (benchmarks/results/watch-profile.md). A storage is
+// the records' alone when every tensor on it is theirs and each of those has at most one reference
+// besides theirs: its Python object, which torch (2.14) counts as long as C++ holds the tensor, and
+// which this cannot tell from Python code keeping the tensor (counted as the records', so flushed
+// sooner: the bound errs toward reading early, never toward holding more). A view keeps its whole
+// storage. What it gives up: memory between two records can pass the bound by what backward released
+// in between (one module's saved tensors), and a record past the bound asks two reference counts of
+// each deferred storage not yet known to be the records' alone (a few hundred at most).
+class HeldStorages {
+ public:
+  // A deferred tensor, kept alive by its record as long as this.
+  void add(const at::Tensor& t) {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    // unsafe_storage(): no throw for a tensor that refuses storage access; one without a storage to
+    // ask about counts as held, by its elements
+    const c10::Storage& storage = impl->unsafe_storage();
+    if (!storage) {
+      storageless_bytes_ += t.numel() * t.element_size();
+      return;
+    }
+    const auto [at, added] = index_.try_emplace(storage.unsafeGetStorageImpl(), storages_.size());
+    if (added) {
+      storages_.push_back(Storage{storage, {}, 0});
+    }
+    Storage& held = storages_[at->second];
+    alone_bytes_ -= std::exchange(held.alone_bytes, 0);  // held by the caller too now
+    const auto ref = std::find_if(held.tensors.begin(), held.tensors.end(),
+                                  [&](const auto& tensor) { return tensor.first == impl; });
+    if (ref == held.tensors.end()) {
+      held.tensors.emplace_back(impl, 1);
+    } else {
+      ++ref->second;
+    }
+  }
+
+  // The bytes of the storages that nothing but the records keeps alive. A storage found alone stays
+  // so until a record adds it again (nothing else can take a reference to it but through them).
+  int64_t alone_bytes() {
+    for (Storage& held : storages_) {
+      // The records' tensors on it, and the reference this holds
+      if (held.alone_bytes > 0 || held.storage.use_count() != held.tensors.size() + 1) {
+        continue;
+      }
+      const bool alone = std::all_of(held.tensors.begin(), held.tensors.end(), [](const auto& tensor) {
+        return c10::raw::intrusive_ptr::use_count(tensor.first) <= tensor.second + 1;  // its Python object's
+      });
+      if (alone) {
+        held.alone_bytes = std::max<int64_t>(static_cast<int64_t>(held.storage.nbytes()), 1);
+        alone_bytes_ += held.alone_bytes;
+      }
+    }
+    return alone_bytes_ + storageless_bytes_;
+  }
+
+
+ private:
+  struct Storage {
+    c10::Storage storage;  // held: a tensor's storage can be replaced (set_) while it waits
+    std::vector<std::pair<c10::TensorImpl*, uint32_t>> tensors;  // the records' tensors on it, their references
+    int64_t alone_bytes;  // > 0: nothing but the records keeps it alive (its bytes then, at least 1)
+  };
+  std::vector<Storage> storages_;
+  std::unordered_map<const c10::StorageImpl*, size_t> index_;
+  int64_t alone_bytes_ = 0;
+  int64_t storageless_bytes_ = 0;
 };
 
 // Which counts the deferred records (in execution order) keep of the tensors changed in place since their

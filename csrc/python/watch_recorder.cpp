@@ -230,9 +230,11 @@ py::object WatchRecorder::finite() {
 
 void WatchRecorder::clear() {
   std::vector<Deferred> dropped;
+  HeldStorages dropped_held;
   const std::lock_guard<std::mutex> lock(records_->mutex);
   records_->entries.clear();
   dropped.swap(records_->deferred);  // released after the lock (declared before it)
+  std::swap(dropped_held, records_->held);
   records_->deferred_bytes = 0;
   records_->flushes_this_step = 0;  // see NOTE: [Rows a flush zeroes, in one multiply]
   records_->backward_finished = false;

@@ -242,8 +242,12 @@ struct Records {
       std::transform(tensors.begin(), tensors.end(), versions.begin(), version_of);
       deferred.push_back(
           Deferred{entries.size() - 1, tensors.vec(), std::move(versions), kept_in_place, call_began});
+      for (const at::Tensor& t : tensors) {
+        held.add(t);
+      }
       deferred_bytes += nbytes;
-      full = deferred_bytes >= fuse_bytes;
+      // NOTE: [Deferred bytes that only the records keep alive] (deferred_records.h)
+      full = deferred_bytes >= fuse_bytes && held.alone_bytes() >= fuse_bytes;
     }
     if (full) {
       flush();
@@ -258,6 +262,7 @@ struct Records {
   // dropping the last reference to a tensor may take the GIL.
   std::optional<Stats> flush(at::TensorList extra = {}) {
     std::vector<Deferred> done;
+    HeldStorages done_held;
     std::optional<Stats> result;
     {
       const std::lock_guard<std::mutex> lock(mutex);
@@ -310,10 +315,11 @@ struct Records {
         }
       }
       done.swap(deferred);
+      std::swap(done_held, held);
       deferred_bytes = 0;
     }
     return result;
-  }  // `done` releases the tensors here, outside the mutex
+  }  // `done` and `done_held` release the tensors here, outside the mutex
 
   // NOTE: [Rows a flush zeroes, in one multiply]
   // The rows of device counts that a flush keeps less of (deferred_records.h; an input's mask rows,
@@ -394,6 +400,7 @@ struct Records {
   std::vector<Entry> entries;
   std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
   int64_t deferred_bytes = 0;
+  HeldStorages held;  // the deferred tensors' storages (under `mutex`)
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   bool backward_finished = false;  // one of the whole graph finished, not yet told (under `mutex`)
   // What the checks cost, when profiled (under `mutex`): time in the kernel calls, the part of it

@@ -313,7 +313,7 @@ def watch(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     watch reads no clock), ``fuse`` (check the forward's activations and the backward's gradients in the
     step's pass over parameters and gradients: two calls per step with the summary instead of two per
     module, for GPUs, where each is a launch; a value an in-place op later made finite is not seen;
-    keeps up to 64 MiB of checked tensors alive until their call; default None: on when the model's
+    keeps checked tensors alive until their call, up to 64 MiB that nothing else would; default None: on when the model's
     parameters are on an accelerator, off on a CPU), ``headroom`` (thresholds, as fractions of the dtype's largest finite value,
     at which a float16, bfloat16 or float8 place's max |x| gives a warning event of kind "headroom", once
     per place and threshold; default DEFAULT_THRESHOLDS = (0.25, 0.5, 0.9); None or () turns it off).
