@@ -81,19 +81,22 @@ struct Deferred {
 // NOTE: [Deferred bytes that only the records keep alive]
 // The bound on deferred tensors (NOTE: [Fused records]) is a bound on memory kept alive past its use.
 // Most of a forward's records hold tensors that autograd saves for backward anyway (a Linear's input, a
-// GELU's, a BatchNorm's output), and a tensor is recorded while its caller still holds it: keeping
-// those costs nothing until backward lets them go. Counted by every deferred byte, the bound read the
-// d=256 transformer's records in 3 calls a step and ResNet-18 224x224's in 9 (each two launches and a
-// multiply on a GPU) though the records alone held few of those bytes. So once the deferred bytes reach
-// the bound, each record adds up the storages that nothing but the records keeps alive, and flushes
-// when that reaches the bound: now 1 and 4 calls (benchmarks/results/watch-profile.md). A storage is
-// the records' alone when every tensor on it is theirs and each of those has at most one reference
-// besides theirs: its Python object, which torch (2.14) counts as long as C++ holds the tensor, and
-// which this cannot tell from Python code keeping the tensor (counted as the records', so flushed
-// sooner: the bound errs toward reading early, never toward holding more). A view keeps its whole
-// storage. What it gives up: memory between two records can pass the bound by what backward released
-// in between (one module's saved tensors), and a record past the bound asks two reference counts of
-// each deferred storage not yet known to be the records' alone (a few hundred at most).
+// GELU's, a BatchNorm's output), and a tensor is recorded while its caller still holds it: keeping those
+// costs nothing until backward lets them go. Counted by every deferred byte, the bound read the d=256
+// transformer's records in 3 calls a step and ResNet-18 224x224's in 9 (a flush is two launches on a
+// GPU, and a multiply on ResNet) though the records alone held few of those bytes. So once the deferred
+// bytes reach the bound, each record adds up the storages that nothing but the records keeps alive, and
+// flushes when that reaches the bound: now 1 and 5 calls (benchmarks/results/watch-profile.md). A
+// storage is the records' alone when every tensor on it is theirs and each of those has at most one
+// reference besides theirs: its Python object, which torch (2.14) counts as long as C++ holds the
+// tensor, and which this cannot tell from Python code keeping the tensor (counted as the records', so
+// flushed sooner: the bound errs toward reading early, never toward holding more). A view keeps its
+// whole storage. What it gives up: memory between two records can pass the bound by what backward
+// released in between (one module's saved tensors), and a record past the bound asks two reference
+// counts of each deferred storage not yet known to be the records' alone (a few hundred at most).
+
+// The deferred tensors' storages, each with the records' tensors on it and their references: kept as
+// records come, so that a check asks only the reference counts (see the NOTE above).
 class HeldStorages {
  public:
   // A deferred tensor, kept alive by its record as long as this.
