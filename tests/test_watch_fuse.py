@@ -5,6 +5,7 @@ whatever the model, no host read before the step's one, and the memory bound on 
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -191,12 +192,24 @@ class _Chain(torch.nn.Module):
         return x
 
 
+def _python_object_counted_while_cpp_holds() -> bool:
+    """Whether this torch counts a tensor's Python object's reference while C++ holds the tensor (since
+    pytorch/pytorch#167564): a C++ holder then adds one to the object's own count."""
+    t = torch.ones(1)
+    before = sys.getrefcount(t)
+    recorder = nanfast._C.WatchRecorder(torch.device("cpu"), False, 1 << 40)
+    recorder.record([t], 0)
+    return sys.getrefcount(t) > before
+
+
 @pytest.mark.parametrize("side", [False, True], ids=["saved by autograd", "dropped"])
 def test_the_bound_counts_the_bytes_only_the_deferred_records_keep_alive(side, monkeypatch):
     """NOTE: [Deferred bytes that only the records keep alive]: a forward's records that autograd saves for
     backward keep nothing alive, so they wait for the pass however many bytes they are (the d=256
     transformer's were read in 3 calls a step, ResNet-18 224x224's in 9, counted by every deferred
     byte); outputs that nothing else holds are still read at the bound (64 KiB here)."""
+    if not side and not _python_object_counted_while_cpp_holds():
+        pytest.skip("an older torch: a tensor autograd saved as itself counts as the records' (see the NOTE)")
     monkeypatch.setattr(nanfast.watcher, "FUSE_BYTES", 64 << 10)
     torch.manual_seed(0)
     model = _Chain(side)

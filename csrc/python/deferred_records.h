@@ -88,10 +88,13 @@ struct Deferred {
 // bytes reach the bound, each record adds up the storages that nothing but the records keeps alive, and
 // flushes when that reaches the bound: now 1 and 5 calls (benchmarks/results/watch-profile.md). A
 // storage is the records' alone when every tensor on it is theirs and each of those has at most one
-// reference besides theirs: its Python object, which torch (2.14) counts as long as C++ holds the
-// tensor, and which this cannot tell from Python code keeping the tensor (counted as the records', so
-// flushed sooner: the bound errs toward reading early, never toward holding more). A view keeps its
-// whole storage. What it gives up: memory between two records can pass the bound by what backward
+// reference besides theirs: since pytorch/pytorch#167564 (late 2025; torch 2.14 has it) a tensor that
+// has a Python object counts that object's reference for as long as C++ holds the tensor, whether or not
+// Python code still uses the object, and a count cannot tell the two apart. So a tensor Python code
+// keeps counts as the records' (flushed sooner: the rule errs toward reading early, never toward holding
+// more); with an older torch so does one that autograd saved as itself (an op's input), and little is
+// saved there. A view keeps
+// its whole storage. What it gives up: memory between two records can pass the bound by what backward
 // released in between (one module's saved tensors), and a record past the bound asks two reference
 // counts of each deferred storage not yet known to be the records' alone (a few hundred at most).
 
@@ -142,7 +145,6 @@ class HeldStorages {
     }
     return alone_bytes_ + storageless_bytes_;
   }
-
 
  private:
   struct Storage {
