@@ -174,6 +174,16 @@ def test_deferred_tensors_something_else_keeps_alive_are_not_counted_until_it_le
     assert slots == [(s, 1) for s in range(6)] and counts.sum() == 0
 
 
+def test_a_small_view_that_keeps_a_large_storage_alive_is_weighed_by_its_storage():
+    """A record of one element of an 8000-byte tensor nothing else holds keeps those 8000 bytes: over a
+    4000-byte bound, it is read at once (weighed by its own 4 bytes, it waited for the take)."""
+    recorder = nanfast._C.WatchRecorder(torch.device("cpu"), True, 4000)
+    recorder.record([torch.full((2000,), NAN)[:1]], 0)
+    assert recorder.costs()[3] == 1
+    counts, slots, _, _ = recorder.take()
+    assert slots == [(0, 1)] and counts.tolist() == [[1, 0, 0]]
+
+
 class _Chain(torch.nn.Module):
     """Linear and GELU in turn: autograd saves every output but the last for backward (GELU its input,
     Linear its input); with `side`, each block also makes an output that nothing keeps but the watch."""

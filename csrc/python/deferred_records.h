@@ -82,21 +82,24 @@ struct Deferred {
 // The bound on deferred tensors (NOTE: [Fused records]) is a bound on memory kept alive past its use.
 // Most of a forward's records hold tensors that autograd saves for backward anyway (a Linear's input, a
 // GELU's, a BatchNorm's output), and a tensor is recorded while its caller still holds it: keeping those
-// costs nothing until backward lets them go. Counted by every deferred byte, the bound read the d=256
-// transformer's records in 3 calls a step and ResNet-18 224x224's in 9 (a flush is two launches on a
-// GPU, and a multiply on ResNet) though the records alone held few of those bytes. So once the deferred
-// bytes reach the bound, each record adds up the storages that nothing but the records keeps alive, and
-// flushes when that reaches the bound: now 1 and 5 calls (benchmarks/results/watch-profile.md). A
-// storage is the records' alone when every tensor on it is theirs and each of those has at most one
-// reference besides theirs: since pytorch/pytorch#167564 (late 2025; torch 2.14 has it) a tensor that
-// has a Python object counts that object's reference for as long as C++ holds the tensor, whether or not
-// Python code still uses the object, and a count cannot tell the two apart. So a tensor Python code
-// keeps counts as the records' (flushed sooner: the rule errs toward reading early, never toward holding
-// more); with an older torch so does one that autograd saved as itself (an op's input), and little is
-// saved there. A view keeps
-// its whole storage. What it gives up: memory between two records can pass the bound by what backward
-// released in between (one module's saved tensors), and a record past the bound asks two reference
-// counts of each deferred storage not yet known to be the records' alone (a few hundred at most).
+// costs nothing until backward lets them go. Counted by every deferred byte, the bound flushed (two
+// launches on a GPU, and a multiply on ResNet) memory autograd held anyway: ResNet-18 224x224's records
+// were read in 9 calls a step. So once the deferred bytes reach the bound, each record adds up the
+// storages that nothing but the records keeps alive, and flushes when that reaches the bound: now 5
+// calls (the d=256 transformer's stay at 3: there the records do hold that much alone;
+// benchmarks/results/watch-profile.md). A storage is the records' alone when every tensor on it is
+// theirs and each of those has at most one reference besides theirs: since pytorch/pytorch#167564 (late
+// 2025; torch 2.14 has it) a tensor that has a Python object counts that object's reference for as long
+// as C++ holds the tensor, whether or not Python code still uses the object, and a count cannot tell the
+// two apart. So a tensor Python code keeps counts as the records' (flushed sooner: the rule errs toward
+// reading early, never toward holding more); with an older torch so does one that autograd saved as
+// itself (an op's input), and little is saved there. A view keeps its whole storage. What it gives up:
+// memory between two records can pass the bound by what backward released in between (one module's saved
+// tensors), and a record past the bound asks two reference counts of each deferred storage not yet known
+// to be the records' alone (a few hundred at most). "Past the bound" is weighed by storages too: a small
+// view recorded of a large tensor (a model's last token's logits, `logits[:, -1]`) keeps the whole of it
+// alive, and a bound on the views' own bytes never looked at it. A view holds its base (autograd's view
+// metadata), so the base counts as the records' where nothing else holds it either.
 
 // The deferred tensors' storages, each with the records' tensors on it and their references: kept as
 // records come, so that a check asks only the reference counts (see the NOTE above).
@@ -115,23 +118,31 @@ class HeldStorages {
     const auto [at, added] = index_.try_emplace(storage.unsafeGetStorageImpl(), storages_.size());
     if (added) {
       storages_.push_back(Storage{storage, {}, 0});
+      storage_bytes_ += static_cast<int64_t>(storage.nbytes());
     }
     Storage& held = storages_[at->second];
     alone_bytes_ -= std::exchange(held.alone_bytes, 0);  // held by the caller too now
-    const auto ref = std::find_if(held.tensors.begin(), held.tensors.end(),
-                                  [&](const auto& tensor) { return tensor.first == impl; });
-    if (ref == held.tensors.end()) {
-      held.tensors.emplace_back(impl, 1);
-    } else {
-      ++ref->second;
+    if (allow(held, impl) && t.is_view()) {
+      // A view holds its base (autograd's view metadata, for any view made outside inference mode),
+      // which nothing else may hold: a temporary the view was taken from.
+      const at::TensorBase& base = t._base();
+      if (base.defined() && base.unsafeGetTensorImpl()->unsafe_storage().is_alias_of(storage)) {
+        allow(held, base.unsafeGetTensorImpl());
+      }
     }
+  }
+
+  // The bytes of the storages the records' tensors are on (a view's whole storage), whoever else holds
+  // them: at least alone_bytes().
+  int64_t referenced_bytes() const {
+    return storage_bytes_ + storageless_bytes_;
   }
 
   // The bytes of the storages that nothing but the records keeps alive. A storage found alone stays
   // so until a record adds it again (nothing else can take a reference to it but through them).
   int64_t alone_bytes() {
     for (Storage& held : storages_) {
-      // The records' tensors on it, and the reference this holds
+      // The tensors on it that the records hold or their views' bases, and the reference this holds
       if (held.alone_bytes > 0 || held.storage.use_count() != held.tensors.size() + 1) {
         continue;
       }
@@ -149,11 +160,27 @@ class HeldStorages {
  private:
   struct Storage {
     c10::Storage storage;  // held: a tensor's storage can be replaced (set_) while it waits
-    std::vector<std::pair<c10::TensorImpl*, uint32_t>> tensors;  // the records' tensors on it, their references
+    // The tensors on it that the records hold, or that their views hold as their base, each with the
+    // references those make to it (a base lives as long as its views: the pointer stays valid).
+    std::vector<std::pair<c10::TensorImpl*, uint32_t>> tensors;
     int64_t alone_bytes;  // > 0: nothing but the records keeps it alive (its bytes then, at least 1)
   };
+
+  // One more reference from the records' side to `impl`, on `held`; whether `impl` is new there.
+  static bool allow(Storage& held, c10::TensorImpl* impl) {
+    const auto ref = std::find_if(held.tensors.begin(), held.tensors.end(),
+                                  [&](const auto& tensor) { return tensor.first == impl; });
+    if (ref != held.tensors.end()) {
+      ++ref->second;
+      return false;
+    }
+    held.tensors.emplace_back(impl, 1);
+    return true;
+  }
+
   std::vector<Storage> storages_;
   std::unordered_map<const c10::StorageImpl*, size_t> index_;
+  int64_t storage_bytes_ = 0;
   int64_t alone_bytes_ = 0;
   int64_t storageless_bytes_ = 0;
 };

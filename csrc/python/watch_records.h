@@ -247,7 +247,7 @@ struct Records {
       }
       deferred_bytes += nbytes;
       // NOTE: [Deferred bytes that only the records keep alive] (deferred_records.h)
-      full = deferred_bytes >= fuse_bytes && held.alone_bytes() >= fuse_bytes;
+      full = held.referenced_bytes() >= fuse_bytes && held.alone_bytes() >= fuse_bytes;
     }
     if (full) {
       flush();
@@ -399,7 +399,7 @@ struct Records {
   std::mutex mutex;
   std::vector<Entry> entries;
   std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
-  int64_t deferred_bytes = 0;
+  int64_t deferred_bytes = 0;  // what the next flush reads (a profiled watch counts it)
   HeldStorages held;  // the deferred tensors' storages (under `mutex`)
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   bool backward_finished = false;  // one of the whole graph finished, not yet told (under `mutex`)
