@@ -85,21 +85,34 @@ struct Deferred {
 // costs nothing until backward lets them go. Counted by every deferred byte, the bound flushed (two
 // launches on a GPU, and a multiply on ResNet) memory autograd held anyway: ResNet-18 224x224's records
 // were read in 9 calls a step. So once the deferred bytes reach the bound, each record adds up the
-// storages that nothing but the records keeps alive, and flushes when that reaches the bound: now 5
-// calls (the d=256 transformer's stay at 3: there the records do hold that much alone;
-// benchmarks/results/watch-profile.md). A storage is the records' alone when every tensor on it is
-// theirs and each of those has at most one reference besides theirs: since pytorch/pytorch#167564 (late
-// 2025; torch 2.14 has it) a tensor that has a Python object counts that object's reference for as long
-// as C++ holds the tensor, whether or not Python code still uses the object, and a count cannot tell the
-// two apart. So a tensor Python code keeps counts as the records' (flushed sooner: the rule errs toward
-// reading early, never toward holding more); with an older torch so does one that autograd saved as
-// itself (an op's input), and little is saved there. A view keeps its whole storage. What it gives up:
-// memory between two records can pass the bound by what backward released in between (one module's saved
+// storages that nothing but the records keeps alive, and flushes when that reaches the bound: now 4
+// calls, and the d=256 transformer's 2 where they were 3 (benchmarks/results/watch-profile.md). A
+// storage is the records' alone when every tensor on it is theirs and each of those has no reference
+// besides theirs but its Python object's, where it has one: since pytorch/pytorch#167564 (late 2025;
+// torch 2.14 has it) a tensor's Python object holds a reference for as long as C++ holds the tensor,
+// whether or not Python code still uses the object, and a count cannot tell the two apart. So a tensor
+// Python code keeps counts as the records' (flushed sooner: the rule errs toward reading early, never
+// toward holding more); with an older torch, whose slot cannot say whether there is an object, one
+// reference is allowed to every tensor, so one that autograd saved as itself (an op's input) counts as
+// the records' too, and little is saved there. A view keeps its whole storage. What it gives up: memory
+// between two records can pass the bound by what backward released in between (one module's saved
 // tensors), and a record past the bound asks two reference counts of each deferred storage not yet known
 // to be the records' alone (a few hundred at most). "Past the bound" is weighed by storages too: a small
 // view recorded of a large tensor (a model's last token's logits, `logits[:, -1]`) keeps the whole of it
 // alive, and a bound on the views' own bytes never looked at it. A view holds its base (autograd's view
 // metadata), so the base counts as the records' where nothing else holds it either.
+
+// The reference a tensor's Python object holds while C++ holds the tensor (see the NOTE above): 1 where
+// it has one, 0 where it has none (a gradient made in backward, an op's intermediate); 1 where this
+// torch's PyObjectSlot cannot say (an older torch: the allowance then errs toward reading early).
+template <typename Slot>
+auto python_object_references(const Slot* slot, int) -> decltype(slot->load_pyobj(), uint32_t{}) {
+  return slot->load_pyobj() != nullptr ? 1 : 0;
+}
+template <typename Slot>
+uint32_t python_object_references(const Slot*, long) {
+  return 1;
+}
 
 // The deferred tensors' storages, each with the records' tensors on it and their references: kept as
 // records come, so that a check asks only the reference counts (see the NOTE above).
@@ -147,7 +160,9 @@ class HeldStorages {
         continue;
       }
       const bool alone = std::all_of(held.tensors.begin(), held.tensors.end(), [](const auto& tensor) {
-        return c10::raw::intrusive_ptr::use_count(tensor.first) <= tensor.second + 1;  // its Python object's
+        const c10::TensorImpl* impl = tensor.first;
+        return c10::raw::intrusive_ptr::use_count(tensor.first) <=
+            tensor.second + python_object_references(impl->pyobj_slot(), 0);
       });
       if (alone) {
         held.alone_bytes = std::max<int64_t>(static_cast<int64_t>(held.storage.nbytes()), 1);
