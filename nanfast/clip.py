@@ -53,7 +53,7 @@ def total_norm(norms: list[torch.Tensor], absmaxes: list[torch.Tensor], norm_typ
         # norms]): seven ops, each a launch on a GPU, where torch's clip makes two. Only a float64
         # tensor's norm can pass 1e154; a float32 one's is below 3.5e38 * sqrt(numel), whose square and a
         # sum of millions of them are far inside float64's range, so one vector norm is exact enough.
-        if all(_REAL.get(g.dtype, g.dtype).itemsize <= 4 for g in grads):
+        if norm_dtype(grads).itemsize <= 4:
             return torch.linalg.vector_norm(parts)
         return combine_norms(parts)
     total = torch.stack([a.max().to(device, non_blocking=True) if a.numel() else torch.zeros((), dtype=torch.float64, device=device)

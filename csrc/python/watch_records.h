@@ -231,7 +231,7 @@ struct Records {
   // Keeps `tensors` for the next flush, as slot `slot` (see NOTE: [Fused records]).
   void defer(at::TensorList tensors, int64_t slot, std::vector<int64_t> masks, bool kept_in_place,
              int64_t call_began) {
-    const int64_t nbytes = bytes_of(tensors);
+    const int64_t nbytes = profiled ? bytes_of(tensors) : 0;  // only a profiled watch reports bytes read
     bool full = false;
     {
       const std::lock_guard<std::mutex> lock(mutex);
@@ -399,7 +399,7 @@ struct Records {
   std::mutex mutex;
   std::vector<Entry> entries;
   std::vector<Deferred> deferred;  // records waiting for flush() (under `mutex`)
-  int64_t deferred_bytes = 0;  // what the next flush reads (a profiled watch counts it)
+  int64_t deferred_bytes = 0;  // what the next flush reads (counted only by a profiled watch)
   HeldStorages held;  // the deferred tensors' storages (under `mutex`)
   std::unordered_set<int> backwards;  // graph tasks a check fired in that have not finished (under `mutex`)
   bool backward_finished = false;  // one of the whole graph finished, not yet told (under `mutex`)
