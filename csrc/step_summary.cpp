@@ -19,12 +19,15 @@ namespace nanfast {
 // other devices the same arithmetic as ATen ops (below). Nothing here reads a value on the host.
 // * counts: the fused pass's rows (parameters first, n_params of them, then gradients) are summed
 //   where `counted` is 1 (the ignored names and the switched-off checks are 0); `recorded`'s always.
+//   `recorded` is a list: the records' rows as the fused calls that checked them gave them (a fused
+//   watch's calls where its deferred tensors reached their bound, then the pass's), summed where they
+//   lie, so that a step of several calls needs no cat to join them (one launch on a GPU).
 // * norms: combine_norms of the parameters' and of the gradients' norms; max |grad| over the
 //   gradients' rows; with `grad_scale` (a fused optimizer under a GradScaler: its gradients are still
 //   scaled) the gradient norms and max are divided by it. Module norms: sqrt of the sum of the squared
 //   norms of the gradients whose `groups` entry is the module's number.
 
-void check_step_summary_inputs(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::Tensor>& counts,
                                const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
                                int64_t n_params, const std::optional<at::Tensor>& counted,
                                const std::optional<at::Tensor>& found_inf,
@@ -32,9 +35,15 @@ void check_step_summary_inputs(const at::Tensor& recorded, const std::optional<a
                                at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                                const std::optional<at::Tensor>& groups, int64_t n_groups) {
   constexpr const char* kOp = "nanfast.step_summary";
-  const at::Device device = recorded.device();
-  TORCH_CHECK(recorded.dim() == 2 && recorded.size(1) == 3 && recorded.scalar_type() == at::kLong, kOp,
-              ": recorded must be int64 [rows, 3], got ", recorded.scalar_type(), " ", recorded.sizes());
+  TORCH_CHECK(!recorded.empty(), kOp,
+              ": recorded is empty; pass one int64 [0, 3] tensor for no records (it gives the device)");
+  const at::Device device = recorded[0].device();
+  for (size_t i = 0; i < recorded.size(); ++i) {
+    const at::Tensor& part = recorded[i];
+    TORCH_CHECK(part.dim() == 2 && part.size(1) == 3 && part.scalar_type() == at::kLong, kOp, ": recorded[", i,
+                "] must be int64 [rows, 3], got ", part.scalar_type(), " ", part.sizes());
+    TORCH_CHECK(part.device() == device, kOp, ": recorded[", i, "] is on ", part.device(), ", recorded[0] on ", device);
+  }
   auto on_device = [&](const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
     TORCH_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), ", recorded on ", device);
     TORCH_CHECK(t.scalar_type() == dtype || (dtype == at::kFloat && at::isFloatingType(t.scalar_type())), kOp, ": ",
@@ -96,7 +105,7 @@ at::Tensor as_double(const at::Tensor& t) {
   return t.detach().reshape({1}).to(at::kDouble);
 }
 
-at::Tensor step_summary_aten(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+at::Tensor step_summary_aten(at::TensorList recorded, const std::optional<at::Tensor>& counts,
                              const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
                              int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
@@ -104,8 +113,8 @@ at::Tensor step_summary_aten(const at::Tensor& recorded, const std::optional<at:
                              const std::optional<at::Tensor>& groups, int64_t n_groups) {
   check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
                             loss_calls, scale, groups, n_groups);
-  const at::TensorOptions f64 = recorded.options().dtype(at::kDouble);
-  at::Tensor totals = recorded.sum(0);
+  const at::TensorOptions f64 = recorded[0].options().dtype(at::kDouble);
+  at::Tensor totals = (recorded.size() == 1 ? recorded[0] : at::cat(recorded)).sum(0);
   const at::Tensor zero = at::zeros({1}, f64);
   at::Tensor grad_norm = zero, grad_max = zero, param_norm = zero, modules;
   if (counts.has_value()) {

@@ -52,7 +52,7 @@ def _step_summary_fake(recorded, counts, norm, absmax, n_params, counted, nan_on
     # The watch's per-step summary (see NOTE: [The step's summary in one call]): 8 values, one per loss
     # name, the scale, one per module.
     size = 8 + len(loss_calls) + (scale is not None) + n_groups
-    return torch.empty((size,), dtype=torch.float64, device=recorded.device)
+    return torch.empty((size,), dtype=torch.float64, device=recorded[0].device)
 
 
 def _as_tuple(tensors: TensorOrTensors, api: str) -> tuple[torch.Tensor, ...]:

@@ -71,8 +71,10 @@ def test_one_launch(summary):
         assert torch.ops.nanfast_emu.last_launches() == [1, 1], seed
 
 
-def test_nonfinite_norms_and_many_rows(summary):
-    # More rows and modules than the block has threads; a NaN and an inf among the norms.
+@pytest.mark.parametrize("parts", [1, 3, 20], ids=lambda n: f"{n}-parts")
+def test_nonfinite_norms_and_many_rows(summary, parts):
+    # More rows and modules than the block has threads; a NaN and an inf among the norms; the records'
+    # rows in `parts` parts (more than the kernel's arguments hold: joined first).
     rows, n_params, n_groups = 1000, 300, 300
     gen = torch.Generator().manual_seed(0)
     norm = torch.rand(rows, generator=gen, dtype=torch.float64)
@@ -81,7 +83,8 @@ def test_nonfinite_norms_and_many_rows(summary):
             n = norm.clone()
             if bad_at is not None:
                 n[bad_at] = bad
-            args = (torch.randint(0, 5, (700, 3), generator=gen), torch.randint(0, 5, (rows, 3), generator=gen), n,
+            recorded = list(torch.randint(0, 5, (700, 3), generator=gen).tensor_split(parts))
+            args = (recorded, torch.randint(0, 5, (rows, 3), generator=gen), n,
                     torch.rand(rows, generator=gen, dtype=torch.float64), n_params,
                     torch.randint(0, 2, (rows,), generator=gen), False, None, torch.tensor(512.0),
                     [torch.tensor(1.5, dtype=torch.float64)], [1], None,

@@ -42,7 +42,7 @@ def combined(norms: list[float]) -> float:
 
 def reference(recorded, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, losses,
               loss_calls, scale, groups, n_groups) -> list[float]:
-    totals = [sum(int(r[k]) for r in recorded.tolist()) for k in range(3)]
+    totals = [sum(int(r[k]) for part in recorded for r in part.tolist()) for k in range(3)]
     grad_norm = grad_max = param_norm = 0.0
     modules = [0.0] * n_groups
     if counts is not None:
@@ -79,7 +79,8 @@ def reference(recorded, counts, norm, absmax, n_params, counted, nan_only, found
 def random_inputs(seed: int):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    recorded = torch.randint(0, 4, (rng.randint(0, 12), 3), generator=gen)
+    # The records' rows as the fused calls that checked them gave them: one part, or several (some empty).
+    recorded = [torch.randint(0, 4, (rng.randint(0, 12), 3), generator=gen) for _ in range(rng.choice([1, 1, 2, 5]))]
     args = dict(recorded=recorded, counts=None, norm=None, absmax=None, n_params=0, counted=None, groups=None,
                 n_groups=0)
     if rng.random() < 0.8:
@@ -120,7 +121,7 @@ def test_norm_parts_that_are_nan_or_inf_make_the_norm_so():
     for impl in (cpu_kernel, aten):
         for bad in (math.nan, math.inf):
             norm = torch.tensor([1.0, bad, 3.0, 4.0], dtype=torch.float64)
-            args = (torch.zeros(0, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long), norm,
+            args = ([torch.zeros(0, 3, dtype=torch.long)], torch.zeros(4, 3, dtype=torch.long), norm,
                     torch.zeros(4, dtype=torch.float64), 2, None, False, None, None, [], [], None, None, 0)
             out = impl(*args).tolist()
             assert out[4] == 5.0  # the gradients' rows: 3 and 4
@@ -142,7 +143,9 @@ def test_the_cpu_kernel_reads_nothing_on_the_host_and_calls_no_other_op(impl):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(recorded=torch.zeros(2, 2, dtype=torch.long)), "recorded must be int64 \\[rows, 3\\]"),
+    (dict(recorded=[torch.zeros(1, 3, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)]),
+     "recorded\\[1\\] must be int64 \\[rows, 3\\]"),
+    (dict(recorded=[]), "recorded is empty"),
     (dict(norm=None), "counts, norm and absmax come together"),
     (dict(norm=torch.zeros(3)), "norm must be Double"),
     (dict(absmax=torch.zeros(5, dtype=torch.float64)), "absmax must have 4 elements, got 5"),
@@ -154,7 +157,7 @@ def test_the_cpu_kernel_reads_nothing_on_the_host_and_calls_no_other_op(impl):
     (dict(losses=[torch.tensor(1.0)], loss_calls=[1]), "losses\\[i\\] must be Double"),
 ], ids=lambda x: "" if isinstance(x, dict) else x[:24])
 def test_bad_inputs_are_named(change, message):
-    args = dict(recorded=torch.zeros(1, 3, dtype=torch.long), counts=torch.zeros(4, 3, dtype=torch.long),
+    args = dict(recorded=[torch.zeros(1, 3, dtype=torch.long)], counts=torch.zeros(4, 3, dtype=torch.long),
                 norm=torch.ones(4, dtype=torch.float64), absmax=torch.ones(4, dtype=torch.float64), n_params=2,
                 counted=None, nan_only=False, found_inf=None, grad_scale=None, losses=[], loss_calls=[], scale=None,
                 groups=None, n_groups=0)

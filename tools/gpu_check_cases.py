@@ -55,7 +55,7 @@ def hard_cases() -> None:
     # kernels' results (the norms above differ in their last bits, and a summary of them would too).
     groups = torch.arange(len(cpu) - 2) % 3
     summaries = [torch.ops.nanfast.step_summary(
-        c[:4], c, n, a, 2, None, False, None, None, [torch.full((), 1.5, dtype=torch.float64, device=c.device)], [1],
+        [c[:4], c[4:]], c, n, a, 2, None, False, None, None, [torch.full((), 1.5, dtype=torch.float64, device=c.device)], [1],
         None, groups.to(c.device), 3) for c, n, a in ([r.cuda() for r in expected], expected)]
     torch.testing.assert_close(summaries[0].cpu(), summaries[1], rtol=1e-12, atol=0, equal_nan=True)
     torch.cuda.synchronize()

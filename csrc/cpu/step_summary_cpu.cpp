@@ -50,7 +50,7 @@ double combine_norms(const double* x, int64_t n) {
   return scale * std::sqrt(sum);
 }
 
-at::Tensor step_summary_cpu(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+at::Tensor step_summary_cpu(at::TensorList recorded, const std::optional<at::Tensor>& counts,
                             const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
                             int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
                             const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
@@ -59,11 +59,13 @@ at::Tensor step_summary_cpu(const at::Tensor& recorded, const std::optional<at::
   check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
                             loss_calls, scale, groups, n_groups);
   int64_t totals[3] = {0, 0, 0};
-  const at::Tensor rec = recorded.contiguous();
-  const int64_t* r = rec.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < rec.size(0); ++i) {
-    for (int k = 0; k < 3; ++k) {
-      totals[k] += r[3 * i + k];
+  for (const at::Tensor& part : recorded) {
+    const at::Tensor rec = part.contiguous();
+    const int64_t* r = rec.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < rec.size(0); ++i) {
+      for (int k = 0; k < 3; ++k) {
+        totals[k] += r[3 * i + k];
+      }
     }
   }
   double grad_norm = 0.0, grad_max = 0.0, param_norm = 0.0;
@@ -108,7 +110,7 @@ at::Tensor step_summary_cpu(const at::Tensor& recorded, const std::optional<at::
     }
   }
   at::Tensor out = at::empty({step_summary_size(loss_calls, scale.has_value(), n_groups)},
-                             recorded.options().dtype(at::kDouble));
+                             recorded[0].options().dtype(at::kDouble));
   double* o = out.mutable_data_ptr<double>();
   o[0] = static_cast<double>(nan_only ? totals[0] : totals[0] + totals[1] + totals[2]);
   for (int k = 0; k < 3; ++k) {

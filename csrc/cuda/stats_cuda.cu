@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -287,6 +288,8 @@ __global__ void __launch_bounds__(kThreads) finish_stats_kernel(
 // stack of the losses' means when there are any. Every sum runs in a fixed order (deterministic).
 
 constexpr int kMaxLossNames = 64;
+// The records' parts read where they lie (a fused step's calls: a few); more are joined by one cat first.
+constexpr int kMaxRecordedParts = 16;
 
 // A one-value float32 or float64 tensor's data; data == nullptr: absent.
 struct Scalar {
@@ -295,8 +298,9 @@ struct Scalar {
 };
 
 struct SummaryArgs {
-  const int64_t* recorded;
-  int64_t recorded_rows;
+  const int64_t* recorded[kMaxRecordedParts];  // each part's rows, [rows, 3]
+  int64_t recorded_rows[kMaxRecordedParts];
+  int recorded_parts;
   const int64_t* counts;  // the fused pass's rows: n_params parameters, then gradients
   const double* norm;
   const double* absmax;
@@ -369,9 +373,11 @@ __device__ double block_combine_norms(const double* x, int64_t n) {
 __global__ void __launch_bounds__(kThreads) step_summary_kernel(SummaryArgs a, double* out) {
   const int tid = threadIdx.x;
   Sum3 mine{{0, 0, 0}};
-  for (int64_t i = tid; i < a.recorded_rows; i += kThreads) {
-    for (int k = 0; k < 3; ++k) {
-      mine.v[k] += a.recorded[3 * i + k];
+  for (int p = 0; p < a.recorded_parts; ++p) {
+    for (int64_t i = tid; i < a.recorded_rows[p]; i += kThreads) {
+      for (int k = 0; k < 3; ++k) {
+        mine.v[k] += a.recorded[p][3 * i + k];
+      }
     }
   }
   for (int64_t i = tid; i < a.rows; i += kThreads) {
@@ -601,7 +607,7 @@ Scalar scalar_of(const std::optional<at::Tensor>& t, at::Tensor& keep) {
   return {keep.const_data_ptr(), keep.scalar_type() == at::kDouble};
 }
 
-at::Tensor step_summary_cuda(const at::Tensor& recorded, const std::optional<at::Tensor>& counts,
+at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Tensor>& counts,
                              const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
                              int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
@@ -611,12 +617,22 @@ at::Tensor step_summary_cuda(const at::Tensor& recorded, const std::optional<at:
                             loss_calls, scale, groups, n_groups);
   TORCH_CHECK(static_cast<int64_t>(loss_calls.size()) <= kMaxLossNames, "nanfast.step_summary: at most ",
               kMaxLossNames, " loss names on CUDA, got ", loss_calls.size());
-  const c10::cuda::CUDAGuard device_guard(recorded.device());
+  const c10::cuda::CUDAGuard device_guard(recorded[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   SummaryArgs args{};
-  const at::Tensor rec = recorded.contiguous();
-  args.recorded = rec.const_data_ptr<int64_t>();
-  args.recorded_rows = rec.size(0);
+  std::vector<at::Tensor> parts;  // kept alive until the launch
+  if (recorded.size() > static_cast<size_t>(kMaxRecordedParts)) {
+    parts.push_back(at::cat(recorded));
+  } else {
+    for (const at::Tensor& part : recorded) {
+      parts.push_back(part.contiguous());
+    }
+  }
+  args.recorded_parts = static_cast<int>(parts.size());
+  for (size_t p = 0; p < parts.size(); ++p) {
+    args.recorded[p] = parts[p].const_data_ptr<int64_t>();
+    args.recorded_rows[p] = parts[p].size(0);
+  }
   at::Tensor c, nm, am, mask, g, means, found_keep, grad_scale_keep, scale_keep;
   if (counts.has_value()) {
     c = counts->contiguous();
@@ -650,7 +666,7 @@ at::Tensor step_summary_cuda(const at::Tensor& recorded, const std::optional<at:
   args.scale = scalar_of(scale, scale_keep);
   args.nan_only = nan_only;
   at::Tensor out = at::empty({step_summary_size(loss_calls, scale.has_value(), n_groups)},
-                             recorded.options().dtype(at::kDouble));
+                             recorded[0].options().dtype(at::kDouble));
   step_summary_kernel<<<1, kThreads, 0, stream>>>(args, out.mutable_data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

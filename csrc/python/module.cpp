@@ -395,7 +395,7 @@ using OptTensor = std::optional<at::Tensor>;
 // torch.ops.nanfast.step_summary, unboxed: the watch calls it once per step, right after the model's
 // own kernels, where each boxed argument's conversion pays cold caches (see NOTE: [The step's summary
 // in one call]).
-at::Tensor call_step_summary(const at::Tensor& recorded, const OptTensor& counts, const OptTensor& norm,
+at::Tensor call_step_summary(py::handle recorded, const OptTensor& counts, const OptTensor& norm,
                              const OptTensor& absmax, int64_t n_params, const OptTensor& counted, bool nan_only,
                              const OptTensor& found_inf, const OptTensor& grad_scale, py::handle losses,
                              const std::vector<int64_t>& loss_calls, const OptTensor& scale, const OptTensor& groups,
@@ -403,12 +403,13 @@ at::Tensor call_step_summary(const at::Tensor& recorded, const OptTensor& counts
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("nanfast::step_summary", "")
-          .typed<at::Tensor(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
+          .typed<at::Tensor(at::TensorList, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
                             const OptTensor&, bool, const OptTensor&, const OptTensor&, at::TensorList,
                             at::IntArrayRef, const OptTensor&, const OptTensor&, int64_t)>();
+  const BorrowedTensors parts("nanfast.step_summary", recorded);
   const BorrowedTensors loss_means("nanfast.step_summary", losses);
   py::gil_scoped_release no_gil;
-  return op.call(recorded, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, loss_means.list(),
+  return op.call(parts.list(), counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, loss_means.list(),
                  loss_calls, scale, groups, n_groups);
 }
 

@@ -76,15 +76,18 @@ class GradCheck final : public torch::autograd::FunctionPreHook {
 // A fused call checks many records at once (every deferred one: NOTE: [Fused records]); each record's
 // rows are a range of that call's results, kept as the whole result and a first row rather than a view
 // each (a narrow per record is host time in every step on a GPU, where the host bounds a small step).
-// take() joins adjacent ranges of one call's results into one view: a step whose records came from one
-// call is taken without an op that launches; a cat only joins the results of different calls.
+// take() joins adjacent ranges of one call's results into one view, and hands the counts over as those
+// views, one per call, which nanfast.step_summary sums where they lie: a step is taken without an op
+// that launches however many calls checked its records (a cat of two calls' counts was the fifth launch
+// of the d=256 transformer's fused step, past the "three and one read" of issue 19). The max |x| of
+// low-precision records (headroom), read by ops of their own, are joined by a cat where they span calls.
 struct RowRange {
   at::Tensor base;  // one fused call's results
   int64_t row;
   int64_t rows;
 };
 
-at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
+std::vector<at::Tensor> row_views(const std::vector<RowRange>& ranges) {
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < ranges.size();) {
     const RowRange& first = ranges[i];
@@ -95,8 +98,8 @@ at::Tensor packed_rows(const std::vector<RowRange>& ranges) {
     const bool whole = first.row == 0 && end == first.base.size(0);
     parts.push_back(whole ? first.base : first.base.narrow(0, first.row, end - first.row));
   }
-  TORCH_INTERNAL_ASSERT(!parts.empty(), "nanfast.watch: packed_rows of no records");
-  return parts.size() == 1 ? parts[0] : at::cat(parts);
+  TORCH_INTERNAL_ASSERT(!parts.empty(), "nanfast.watch: row_views of no records");
+  return parts;
 }
 
 }  // namespace
@@ -202,22 +205,25 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
       absmax.push_back(RowRange{std::move(entry.absmax), entry.row, entry.rows});
     }
   }
-  at::Tensor packed;
+  std::vector<at::Tensor> packed;
   at::Tensor packed_absmax;
   {
     py::gil_scoped_release no_gil;
     if (on_host) {
-      packed = at::empty({rows, 3}, at::kLong);
-      int64_t* out = packed.mutable_data_ptr<int64_t>();
+      at::Tensor numbers = at::empty({rows, 3}, at::kLong);
+      int64_t* out = numbers.mutable_data_ptr<int64_t>();
       for (const Entry& entry : entries) {
         out = std::copy(entry.host.begin(), entry.host.end(), out);
       }
+      packed.push_back(std::move(numbers));
+    } else if (counts.empty()) {
+      packed.push_back(at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device)));
     } else {
-      packed = counts.empty() ? at::empty({0, 3}, at::TensorOptions().dtype(at::kLong).device(records_->device))
-                              : packed_rows(counts);
+      packed = row_views(counts);
     }
     if (!absmax.empty()) {
-      packed_absmax = packed_rows(absmax);
+      const std::vector<at::Tensor> parts = row_views(absmax);
+      packed_absmax = parts.size() == 1 ? parts[0] : at::cat(parts);
     }
   }
   return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);

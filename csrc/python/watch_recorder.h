@@ -51,8 +51,9 @@ class NANFAST_HIDDEN WatchRecorder {
   // records wait for the step's pass (see NOTE: [Fused records]).
   void forget();
 
-  // The step's records, in execution order, which are emptied: the counts packed ([rows, 3] int64 on the
-  // device); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
+  // The step's records, in execution order, which are emptied: the counts packed (a list of int64
+  // [rows, 3] on the device, one per fused call that checked them, in row order; at least one, of no
+  // rows for none: NOTE: [Records taken as views]); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
   // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
   // when there is none) with (slot, largest finite value of the row's dtype or 0) per row. With
   // `first_slot`, only the records of slots `first_slot` and later are taken; the earlier ones stay (an

@@ -31,7 +31,7 @@ class Read:
 
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
-    recorded_counts: torch.Tensor  # int64 [rows, 3]: the hooks' records' counts, in execution order
+    recorded_counts: list  # int64 [rows, 3] tensors: the hooks' records' counts, in execution order (WatchRecorder.take)
     labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)
     recorded: list  # (slot id, rows) of each record, in row order
     # The rows of the step's pass: (its counts, how many are parameters', the parameters' names, the
@@ -81,7 +81,7 @@ class Read:
         if self._layout is None:
             front: list = []
             back: list = []
-            parts: list = [(self.recorded_counts, 0, self.recorded_counts.shape[0], None)]
+            parts: list = [(counts, 0, counts.shape[0], None) for counts in self.recorded_counts]
             if self.pass_rows is not None:
                 counts, n, param_names, grad_names = self.pass_rows
                 ignore, params, grads = self.reported
@@ -134,7 +134,7 @@ class Step:
         for slot in [slot for slot in self.outputs if slot >= first_slot]:
             del self.outputs[slot]
 
-    def pack(self, recorded: torch.Tensor, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
+    def pack(self, recorded: list, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
              ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
              grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool,
              scale: Optional[torch.Tensor] = None, groups: Optional[Any] = None) -> Read:

@@ -541,7 +541,7 @@ at::Tensor any_nonfinite(at::TensorList tensors) {
   return run_op("nanfast_emu.any_nonfinite", kernels().any_nonfinite, tensors);
 }
 
-at::Tensor step_summary(const at::Tensor& recorded, OptionalTensor counts, OptionalTensor norm, OptionalTensor absmax,
+at::Tensor step_summary(at::TensorList recorded, OptionalTensor counts, OptionalTensor norm, OptionalTensor absmax,
                         int64_t n_params, OptionalTensor counted, bool nan_only, OptionalTensor found_inf,
                         OptionalTensor grad_scale, at::TensorList losses, at::IntArrayRef loss_calls,
                         OptionalTensor scale, OptionalTensor groups, int64_t n_groups) {
@@ -566,7 +566,7 @@ TORCH_LIBRARY(nanfast_emu, m) {
   m.def("stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)");
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor");
   m.def(
-      "step_summary(Tensor recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
+      "step_summary(Tensor[] recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
       "bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, int[] loss_calls, Tensor? scale, "
       "Tensor? groups, int n_groups) -> Tensor");
   m.def("configure(str order, int seed=0) -> ()", &cuda_emu::configure);
