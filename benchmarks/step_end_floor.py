@@ -37,8 +37,9 @@ def _floor_end(w: nanfast.watcher.Watch):
     def end_step(found_inf=None, grad_scale=None, scaler_skipped=False, fused_pass=True, defer_undo=False):
         _, _, grads, _ = w._params.gather(w.optimizer.param_groups, groups=True)
         counts, norm, absmax = _C.stats_on(grads, w._device)
-        recorded, _, _, _ = w._recorder.take()
-        summary = _C.step_summary(recorded, counts, norm, absmax, 0, None, False, None, None, [], [], None, None, 0)
+        recorded, counted, _, _, _ = w._recorder.take()
+        summary = _C.step_summary(recorded, counted, counts, norm, absmax, 0, None, False, None, None, [], [], None,
+                                  None, 0)
         _C.read_summary(summary)
         w.step_count += 1
         w._reset_step()

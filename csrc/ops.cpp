@@ -181,9 +181,9 @@ TORCH_LIBRARY(nanfast, m) {
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("combine_norms(Tensor norms) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def(
-      "step_summary(Tensor[] recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
-      "bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, int[] loss_calls, Tensor? scale, "
-      "Tensor? groups, int n_groups) -> Tensor",
+      "step_summary(Tensor[] recorded, Tensor? recorded_counted, Tensor? counts, Tensor? norm, Tensor? absmax, "
+      "int n_params, Tensor? counted, bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, "
+      "int[] loss_calls, Tensor? scale, Tensor? groups, int n_groups) -> Tensor",
       {at::Tag::pt2_compliant_tag});
 }
 

@@ -72,8 +72,9 @@ at::Tensor combine_norms(const at::Tensor& norms);
 
 // Checks the inputs of nanfast.step_summary (csrc/step_summary.cpp, see NOTE: [The step's summary in one
 // call]); errors name the argument.
-void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::Tensor>& counts,
-                               const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
+void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::Tensor>& recorded_counted,
+                               const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& norm,
+                               const std::optional<at::Tensor>& absmax,
                                int64_t n_params, const std::optional<at::Tensor>& counted,
                                const std::optional<at::Tensor>& found_inf,
                                const std::optional<at::Tensor>& grad_scale, at::TensorList losses,

@@ -21,13 +21,16 @@ namespace nanfast {
 //   where `counted` is 1 (the ignored names and the switched-off checks are 0); `recorded`'s always.
 //   `recorded` is a list: the records' rows as the fused calls that checked them gave them (a fused
 //   watch's calls where its deferred tensors reached their bound, then the pass's), summed where they
-//   lie, so that a step of several calls needs no cat to join them (one launch on a GPU).
+//   lie, so that a step of several calls needs no cat to join them (one launch on a GPU);
+//   `recorded_counted` (0/1 per cell of those rows, in order) leaves out the cells a record does not
+//   count (NOTE: [Cells a record does not count] in csrc/python/watch_recorder.cpp).
 // * norms: combine_norms of the parameters' and of the gradients' norms; max |grad| over the
 //   gradients' rows; with `grad_scale` (a fused optimizer under a GradScaler: its gradients are still
 //   scaled) the gradient norms and max are divided by it. Module norms: sqrt of the sum of the squared
 //   norms of the gradients whose `groups` entry is the module's number.
 
-void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::Tensor>& counts,
+void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::Tensor>& recorded_counted,
+                               const std::optional<at::Tensor>& counts,
                                const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
                                int64_t n_params, const std::optional<at::Tensor>& counted,
                                const std::optional<at::Tensor>& found_inf,
@@ -38,11 +41,13 @@ void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::
   TORCH_CHECK(!recorded.empty(), kOp,
               ": recorded is empty; pass one int64 [0, 3] tensor for no records (it gives the device)");
   const at::Device device = recorded[0].device();
+  int64_t recorded_rows = 0;
   for (size_t i = 0; i < recorded.size(); ++i) {
     const at::Tensor& part = recorded[i];
     TORCH_CHECK(part.dim() == 2 && part.size(1) == 3 && part.scalar_type() == at::kLong, kOp, ": recorded[", i,
                 "] must be int64 [rows, 3], got ", part.scalar_type(), " ", part.sizes());
     TORCH_CHECK(part.device() == device, kOp, ": recorded[", i, "] is on ", part.device(), ", recorded[0] on ", device);
+    recorded_rows += part.size(0);
   }
   auto on_device = [&](const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t numel) {
     TORCH_CHECK(t.device() == device, kOp, ": ", name, " is on ", t.device(), ", recorded on ", device);
@@ -52,6 +57,9 @@ void check_step_summary_inputs(at::TensorList recorded, const std::optional<at::
     TORCH_CHECK(numel < 0 || t.numel() == numel, kOp, ": ", name, " must have ", numel, " elements, got ",
                 t.numel());
   };
+  if (recorded_counted.has_value()) {
+    on_device(*recorded_counted, "recorded_counted", at::kLong, 3 * recorded_rows);
+  }
   TORCH_CHECK(counts.has_value() == norm.has_value() && norm.has_value() == absmax.has_value(), kOp,
               ": counts, norm and absmax come together (the fused pass's results)");
   int64_t rows = 0;
@@ -105,16 +113,18 @@ at::Tensor as_double(const at::Tensor& t) {
   return t.detach().reshape({1}).to(at::kDouble);
 }
 
-at::Tensor step_summary_aten(at::TensorList recorded, const std::optional<at::Tensor>& counts,
-                             const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
+at::Tensor step_summary_aten(at::TensorList recorded, const std::optional<at::Tensor>& recorded_counted,
+                             const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& norm,
+                             const std::optional<at::Tensor>& absmax,
                              int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                              at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                              const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
                             loss_calls, scale, groups, n_groups);
   const at::TensorOptions f64 = recorded[0].options().dtype(at::kDouble);
-  at::Tensor totals = (recorded.size() == 1 ? recorded[0] : at::cat(recorded)).sum(0);
+  const at::Tensor rows = recorded.size() == 1 ? recorded[0] : at::cat(recorded);
+  at::Tensor totals = (recorded_counted.has_value() ? rows * recorded_counted->reshape({-1, 3}) : rows).sum(0);
   const at::Tensor zero = at::zeros({1}, f64);
   at::Tensor grad_norm = zero, grad_max = zero, param_norm = zero, modules;
   if (counts.has_value()) {

@@ -47,8 +47,8 @@ def _any_nonfinite_fake(tensors):
 
 
 @torch.library.register_fake("nanfast::step_summary")
-def _step_summary_fake(recorded, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, losses,
-                       loss_calls, scale, groups, n_groups):
+def _step_summary_fake(recorded, recorded_counted, counts, norm, absmax, n_params, counted, nan_only, found_inf,
+                       grad_scale, losses, loss_calls, scale, groups, n_groups):
     # The watch's per-step summary (see NOTE: [The step's summary in one call]): 8 values, one per loss
     # name, the scale, one per module.
     size = 8 + len(loss_calls) + (scale is not None) + n_groups

@@ -84,7 +84,8 @@ def test_nonfinite_norms_and_many_rows(summary, parts):
             if bad_at is not None:
                 n[bad_at] = bad
             recorded = list(torch.randint(0, 5, (700, 3), generator=gen).tensor_split(parts))
-            args = (recorded, torch.randint(0, 5, (rows, 3), generator=gen), n,
+            recorded_counted = torch.randint(0, 2, (700, 3), generator=gen)
+            args = (recorded, recorded_counted, torch.randint(0, 5, (rows, 3), generator=gen), n,
                     torch.rand(rows, generator=gen, dtype=torch.float64), n_params,
                     torch.randint(0, 2, (rows,), generator=gen), False, None, torch.tensor(512.0),
                     [torch.tensor(1.5, dtype=torch.float64)], [1], None,

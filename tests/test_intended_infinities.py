@@ -120,8 +120,8 @@ def test_a_nan_or_posinf_in_the_mask_is_still_the_dirty_input(value, counts, fus
 
 def test_a_fused_step_leaves_a_masks_minus_inf_uncounted_without_a_launch_of_its_own():
     """The -inf of an input's mask rows were zeroed out of its counts by a zero_ per mask row: with a GPU's
-    bookkeeping, a launch per step for the tutorial's tgt_mask. A fused watch folds them into its flush's
-    one multiply (NOTE: [Rows a flush zeroes, in one multiply]); still no event."""
+    bookkeeping, a launch per step for the tutorial's tgt_mask. They are cells the summary leaves out as
+    it sums (NOTE: [Cells a record does not count]): no op of their own; still no event."""
     model = Seq2Seq()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)

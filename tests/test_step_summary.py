@@ -40,9 +40,11 @@ def combined(norms: list[float]) -> float:
     return scale * math.sqrt(sum((x / scale) ** 2 for x in norms))
 
 
-def reference(recorded, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, losses,
-              loss_calls, scale, groups, n_groups) -> list[float]:
-    totals = [sum(int(r[k]) for part in recorded for r in part.tolist()) for k in range(3)]
+def reference(recorded, recorded_counted, counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale,
+              losses, loss_calls, scale, groups, n_groups) -> list[float]:
+    rows = [r for part in recorded for r in part.tolist()]
+    weights = recorded_counted.tolist() if recorded_counted is not None else [[1, 1, 1]] * len(rows)
+    totals = [sum(int(r[k]) * w[k] for r, w in zip(rows, weights)) for k in range(3)]
     grad_norm = grad_max = param_norm = 0.0
     modules = [0.0] * n_groups
     if counts is not None:
@@ -81,6 +83,9 @@ def random_inputs(seed: int):
     gen = torch.Generator().manual_seed(seed)
     # The records' rows as the fused calls that checked them gave them: one part, or several (some empty).
     recorded = [torch.randint(0, 4, (rng.randint(0, 12), 3), generator=gen) for _ in range(rng.choice([1, 1, 2, 5]))]
+    # Which cells count (NOTE: [Cells a record does not count]): all, or some left out.
+    rows = sum(part.shape[0] for part in recorded)
+    recorded_counted = torch.randint(0, 2, (rows, 3), generator=gen) if rng.random() < 0.5 else None
     args = dict(recorded=recorded, counts=None, norm=None, absmax=None, n_params=0, counted=None, groups=None,
                 n_groups=0)
     if rng.random() < 0.8:
@@ -100,7 +105,7 @@ def random_inputs(seed: int):
     losses = [torch.randn((), generator=gen, dtype=torch.float64) for _ in range(sum(loss_calls))]
     scale_dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
     some = rng.random() < 0.5
-    return (args["recorded"], args["counts"], args["norm"], args["absmax"], args["n_params"], args["counted"],
+    return (args["recorded"], recorded_counted, args["counts"], args["norm"], args["absmax"], args["n_params"], args["counted"],
             rng.random() < 0.3, torch.tensor([float(rng.random() < 0.5)]) if some else None,
             torch.tensor(2.0 ** rng.randint(-4, 16), dtype=scale_dtype) if some and rng.random() < 0.5 else None,
             losses, loss_calls, torch.tensor(65536.0, dtype=scale_dtype) if rng.random() < 0.5 else None,
@@ -121,7 +126,7 @@ def test_norm_parts_that_are_nan_or_inf_make_the_norm_so():
     for impl in (cpu_kernel, aten):
         for bad in (math.nan, math.inf):
             norm = torch.tensor([1.0, bad, 3.0, 4.0], dtype=torch.float64)
-            args = ([torch.zeros(0, 3, dtype=torch.long)], torch.zeros(4, 3, dtype=torch.long), norm,
+            args = ([torch.zeros(0, 3, dtype=torch.long)], None, torch.zeros(4, 3, dtype=torch.long), norm,
                     torch.zeros(4, dtype=torch.float64), 2, None, False, None, None, [], [], None, None, 0)
             out = impl(*args).tolist()
             assert out[4] == 5.0  # the gradients' rows: 3 and 4
@@ -146,6 +151,8 @@ def test_the_cpu_kernel_reads_nothing_on_the_host_and_calls_no_other_op(impl):
     (dict(recorded=[torch.zeros(1, 3, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long)]),
      "recorded\\[1\\] must be int64 \\[rows, 3\\]"),
     (dict(recorded=[]), "recorded is empty"),
+    (dict(recorded_counted=torch.ones(2, 3, dtype=torch.long)), "recorded_counted must have 3 elements, got 6"),
+    (dict(recorded_counted=torch.ones(1, 3)), "recorded_counted must be Long"),
     (dict(norm=None), "counts, norm and absmax come together"),
     (dict(norm=torch.zeros(3)), "norm must be Double"),
     (dict(absmax=torch.zeros(5, dtype=torch.float64)), "absmax must have 4 elements, got 5"),
@@ -157,7 +164,8 @@ def test_the_cpu_kernel_reads_nothing_on_the_host_and_calls_no_other_op(impl):
     (dict(losses=[torch.tensor(1.0)], loss_calls=[1]), "losses\\[i\\] must be Double"),
 ], ids=lambda x: "" if isinstance(x, dict) else x[:24])
 def test_bad_inputs_are_named(change, message):
-    args = dict(recorded=[torch.zeros(1, 3, dtype=torch.long)], counts=torch.zeros(4, 3, dtype=torch.long),
+    args = dict(recorded=[torch.zeros(1, 3, dtype=torch.long)], recorded_counted=None,
+                counts=torch.zeros(4, 3, dtype=torch.long),
                 norm=torch.ones(4, dtype=torch.float64), absmax=torch.ones(4, dtype=torch.float64), n_params=2,
                 counted=None, nan_only=False, found_inf=None, grad_scale=None, losses=[], loss_calls=[], scale=None,
                 groups=None, n_groups=0)

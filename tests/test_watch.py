@@ -522,7 +522,7 @@ def test_context_manager_removes_on_error_and_hooks_left_in_the_graph_are_inert(
     assert not model.l1._forward_hooks and not opt._optimizer_step_pre_hooks
     costs = w.costs()
     loss.backward()  # the gradient checks of that forward fire into a removed watch
-    assert w.events == [] and w._recorder.take()[1] == [] and w.costs() == costs
+    assert w.events == [] and w._recorder.take()[2] == [] and w.costs() == costs
 
 
 def test_no_activation_outlives_the_step():

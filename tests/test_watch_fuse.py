@@ -138,7 +138,7 @@ def test_the_pass_checks_the_deferred_records_in_its_call():
     counts, norm, absmax = recorder.stats_with_deferred(grads, torch.device("cpu"))
     assert counts.tolist() == [[0, 1, 0], [0, 0, 0]] and norm.tolist() == [2.0, 0.0]  # the pass's own rows
     assert recorder.costs()[3] == 0  # the call is the pass's (its caller counts it)
-    recorded, slots, _, _ = recorder.take()  # nothing left to check
+    recorded, _, slots, _, _ = recorder.take()  # nothing left to check
     assert slots == [(0, 1), (1, 2)] and torch.cat(recorded).tolist() == [[1, 0, 0], [0, 0, 1], [0, 0, 0]]
     assert recorder.costs()[3] == 0
     with pytest.raises(RuntimeError, match="is not the recorder's"):
@@ -150,10 +150,10 @@ def test_deferred_tensors_are_checked_when_they_reach_the_bound():
     for slot in range(5):
         recorder.record([torch.full((250,), float(slot))], slot)  # 1000 bytes each
     assert recorder.costs()[3] == 1  # the fourth record reached the bound: one call for four
-    counts, slots, _, _ = recorder.take()  # the fifth, at the take
+    counts, _, slots, _, _ = recorder.take()  # the fifth, at the take
     assert recorder.costs()[3] == 2 and slots == [(s, 1) for s in range(5)] and torch.cat(counts).sum() == 0
     recorder.record([torch.tensor([NAN, INF])], 7)
-    counts, slots, _, _ = recorder.take()
+    counts, _, slots, _, _ = recorder.take()
     assert slots == [(7, 1)] and torch.cat(counts).tolist() == [[1, 1, 0]]
 
 
@@ -170,7 +170,7 @@ def test_deferred_tensors_something_else_keeps_alive_are_not_counted_until_it_le
     del views
     recorder.record([torch.zeros(1)], 5)
     assert recorder.costs()[3] == 1  # counted once the views let go, though the list holds them still
-    counts, slots, _, _ = recorder.take()
+    counts, _, slots, _, _ = recorder.take()
     assert slots == [(s, 1) for s in range(6)] and torch.cat(counts).sum() == 0
 
 
@@ -180,7 +180,7 @@ def test_a_small_view_that_keeps_a_large_storage_alive_is_weighed_by_its_storage
     recorder = nanfast._C.WatchRecorder(torch.device("cpu"), True, 4000)
     recorder.record([torch.full((2000,), NAN)[:1]], 0)
     assert recorder.costs()[3] == 1
-    counts, slots, _, _ = recorder.take()
+    counts, _, slots, _, _ = recorder.take()
     assert slots == [(0, 1)] and torch.cat(counts).tolist() == [[1, 0, 0]]
 
 
@@ -213,7 +213,7 @@ def _python_object_counted_while_cpp_holds() -> bool:
 
 
 @pytest.mark.parametrize("side", [False, True], ids=["saved by autograd", "dropped"])
-def test_the_bound_counts_the_bytes_only_the_deferred_records_keep_alive(side, monkeypatch, recorder_counts):
+def test_the_bound_counts_the_bytes_only_the_deferred_records_keep_alive(side, monkeypatch):
     """NOTE: [Deferred bytes that only the records keep alive]: a forward's records that autograd saves for
     backward keep nothing alive, so they wait for the pass however many bytes they are (ResNet-18
     224x224's were read in 9 calls a step, counted by every deferred byte); outputs that nothing else

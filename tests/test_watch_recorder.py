@@ -35,12 +35,12 @@ def test_take_hands_over_every_records_counts_in_order(fuse_bytes):
         rec.record(tensors, slot)
         expected += reference_counts(tensors)
         slots.append((slot, len(tensors)))
-    parts, got_slots, absmax, limited = rec.take()
+    parts, _, got_slots, absmax, limited = rec.take()
     counts = torch.cat(parts)
     assert counts.dtype == torch.int64 and counts.shape == (len(expected), 3)
     assert counts.tolist() == expected and got_slots == slots
     assert absmax is None and limited == []
-    empty, no_slots, _, _ = rec.take()  # the next step starts with nothing
+    empty, _, no_slots, _, _ = rec.take()  # the next step starts with nothing
     assert [part.shape for part in empty] == [(0, 3)] and no_slots == []
 
 
@@ -53,7 +53,7 @@ def test_take_leaves_out_discarded_records():
     rec.record([planted(80, rng)], 2)  # a forward that raised: its records go
     rec.record([planted(9, rng), planted(9, rng)], 3)
     rec.discard(2)
-    counts, slots, _, _ = rec.take()
+    counts, _, slots, _, _ = rec.take()
     assert torch.cat(counts).tolist() == reference_counts([t for ts in kept for t in ts])
     assert slots == [(0, 1), (1, 2)]
 
@@ -65,7 +65,7 @@ def test_records_are_read_when_made():
     t[3] = float("nan")
     rec.record([t], 0)
     t.fill_(float("inf"))
-    counts, _, _, _ = rec.take()
+    counts, _, _, _, _ = rec.take()
     assert torch.cat(counts).tolist() == [[1, 0, 0]]
 
 
@@ -109,7 +109,7 @@ def test_a_device_recorder_takes_one_calls_records_as_one_view():
     counts, norm, _ = fused.stats_with_deferred([torch.empty(5, device=meta)] * 2, meta)
     assert counts.shape == (2, 3) and norm.shape == (2,)  # the pass's own rows
     with OpRecorder() as ops:
-        packed, slots, absmax, limited = fused.take()
+        packed, _, slots, absmax, limited = fused.take()
     assert [part.shape for part in packed] == [(6, 3)] and slots == [(0, 1), (1, 2), (2, 3)]
     assert absmax is None and limited == []
     assert dict(ops.counts) == {"aten.slice.Tensor": 1}  # rows 0-5 of the pass's call: one view
@@ -117,7 +117,7 @@ def test_a_device_recorder_takes_one_calls_records_as_one_view():
     bounded = _C.WatchRecorder(meta, False, 8)  # 8 bytes: records 0 and 1 (1 + 3 bfloat16 values) reach it
     with OpRecorder() as ops:
         records(bounded, [1, 2, 1], dtype=torch.bfloat16)
-        packed, slots, absmax, limited = bounded.take()
+        packed, _, slots, absmax, limited = bounded.take()
     assert [part.shape for part in packed] == [(3, 3), (1, 3)] and slots == [(0, 1), (1, 2), (2, 1)]
     assert absmax.shape == (4,) and [slot for slot, _ in limited] == [0, 1, 1, 2]
     # The bound's call (records 0 and 1: whole) and the take's (record 2: whole): the counts as they
@@ -128,5 +128,5 @@ def test_a_device_recorder_takes_one_calls_records_as_one_view():
     at_once = _C.WatchRecorder(meta, False, 0)
     records(at_once, [2, 1])
     with OpRecorder() as ops:
-        packed, slots, _, _ = at_once.take()
+        packed, _, slots, _, _ = at_once.take()
     assert [part.shape for part in packed] == [(2, 3), (1, 3)] and not ops.counts  # one part per call, no op

@@ -54,9 +54,11 @@ def hard_cases() -> None:
     # The watch's per-step summary: the one-block kernel against the CPU kernel's, both over the CPU
     # kernels' results (the norms above differ in their last bits, and a summary of them would too).
     groups = torch.arange(len(cpu) - 2) % 3
+    # The records' rows in two parts, every other cell counted (NOTE: [Cells a record does not count]).
     summaries = [torch.ops.nanfast.step_summary(
-        [c[:4], c[4:]], c, n, a, 2, None, False, None, None, [torch.full((), 1.5, dtype=torch.float64, device=c.device)], [1],
-        None, groups.to(c.device), 3) for c, n, a in ([r.cuda() for r in expected], expected)]
+        [c[:4], c[4:]], torch.arange(c.numel(), device=c.device).reshape(c.shape) % 2, c, n, a, 2, None, False, None,
+        None, [torch.full((), 1.5, dtype=torch.float64, device=c.device)], [1], None, groups.to(c.device), 3)
+        for c, n, a in ([r.cuda() for r in expected], expected)]
     torch.testing.assert_close(summaries[0].cpu(), summaries[1], rtol=1e-12, atol=0, equal_nan=True)
     torch.cuda.synchronize()
     print(f"hard cases: {len(cpu)} tensors, results equal to the CPU kernels' (the step summary too)")

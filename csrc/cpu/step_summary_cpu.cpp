@@ -50,22 +50,23 @@ double combine_norms(const double* x, int64_t n) {
   return scale * std::sqrt(sum);
 }
 
-at::Tensor step_summary_cpu(at::TensorList recorded, const std::optional<at::Tensor>& counts,
-                            const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
-                            int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
+at::Tensor step_summary_cpu(at::TensorList recorded, const std::optional<at::Tensor>& recorded_counted,
+                            const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& norm,
+                            const std::optional<at::Tensor>& absmax, int64_t n_params,
+                            const std::optional<at::Tensor>& counted, bool nan_only,
                             const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                             at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
                             loss_calls, scale, groups, n_groups);
   int64_t totals[3] = {0, 0, 0};
+  const at::Tensor weights = recorded_counted.has_value() ? recorded_counted->contiguous() : at::Tensor();
+  const int64_t* w = weights.defined() ? weights.const_data_ptr<int64_t>() : nullptr;  // cell by cell, in row order
   for (const at::Tensor& part : recorded) {
     const at::Tensor rec = part.contiguous();
     const int64_t* r = rec.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < rec.size(0); ++i) {
-      for (int k = 0; k < 3; ++k) {
-        totals[k] += r[3 * i + k];
-      }
+    for (int64_t i = 0; i < 3 * rec.size(0); ++i) {
+      totals[i % 3] += w != nullptr ? r[i] * *w++ : r[i];
     }
   }
   double grad_norm = 0.0, grad_max = 0.0, param_norm = 0.0;

@@ -301,6 +301,7 @@ struct SummaryArgs {
   const int64_t* recorded[kMaxRecordedParts];  // each part's rows, [rows, 3]
   int64_t recorded_rows[kMaxRecordedParts];
   int recorded_parts;
+  const int64_t* recorded_counted;  // 0/1 per cell of the parts' rows, in order; nullptr: every cell counts
   const int64_t* counts;  // the fused pass's rows: n_params parameters, then gradients
   const double* norm;
   const double* absmax;
@@ -373,11 +374,15 @@ __device__ double block_combine_norms(const double* x, int64_t n) {
 __global__ void __launch_bounds__(kThreads) step_summary_kernel(SummaryArgs a, double* out) {
   const int tid = threadIdx.x;
   Sum3 mine{{0, 0, 0}};
+  const int64_t* weights = a.recorded_counted;
   for (int p = 0; p < a.recorded_parts; ++p) {
     for (int64_t i = tid; i < a.recorded_rows[p]; i += kThreads) {
       for (int k = 0; k < 3; ++k) {
-        mine.v[k] += a.recorded[p][3 * i + k];
+        mine.v[k] += a.recorded[p][3 * i + k] * (weights != nullptr ? weights[3 * i + k] : 1);
       }
+    }
+    if (weights != nullptr) {
+      weights += 3 * a.recorded_rows[p];
     }
   }
   for (int64_t i = tid; i < a.rows; i += kThreads) {
@@ -607,13 +612,14 @@ Scalar scalar_of(const std::optional<at::Tensor>& t, at::Tensor& keep) {
   return {keep.const_data_ptr(), keep.scalar_type() == at::kDouble};
 }
 
-at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Tensor>& counts,
-                             const std::optional<at::Tensor>& norm, const std::optional<at::Tensor>& absmax,
-                             int64_t n_params, const std::optional<at::Tensor>& counted, bool nan_only,
+at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Tensor>& recorded_counted,
+                             const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& norm,
+                             const std::optional<at::Tensor>& absmax, int64_t n_params,
+                             const std::optional<at::Tensor>& counted, bool nan_only,
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                              at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                              const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
                             loss_calls, scale, groups, n_groups);
   TORCH_CHECK(static_cast<int64_t>(loss_calls.size()) <= kMaxLossNames, "nanfast.step_summary: at most ",
               kMaxLossNames, " loss names on CUDA, got ", loss_calls.size());
@@ -633,7 +639,11 @@ at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Te
     args.recorded[p] = parts[p].const_data_ptr<int64_t>();
     args.recorded_rows[p] = parts[p].size(0);
   }
-  at::Tensor c, nm, am, mask, g, means, found_keep, grad_scale_keep, scale_keep;
+  at::Tensor recorded_mask, c, nm, am, mask, g, means, found_keep, grad_scale_keep, scale_keep;
+  if (recorded_counted.has_value()) {
+    recorded_mask = recorded_counted->contiguous();
+    args.recorded_counted = recorded_mask.const_data_ptr<int64_t>();
+  }
   if (counts.has_value()) {
     c = counts->contiguous();
     nm = norm->contiguous();

@@ -395,22 +395,23 @@ using OptTensor = std::optional<at::Tensor>;
 // torch.ops.nanfast.step_summary, unboxed: the watch calls it once per step, right after the model's
 // own kernels, where each boxed argument's conversion pays cold caches (see NOTE: [The step's summary
 // in one call]).
-at::Tensor call_step_summary(py::handle recorded, const OptTensor& counts, const OptTensor& norm,
-                             const OptTensor& absmax, int64_t n_params, const OptTensor& counted, bool nan_only,
+at::Tensor call_step_summary(py::handle recorded, const OptTensor& recorded_counted, const OptTensor& counts,
+                             const OptTensor& norm, const OptTensor& absmax, int64_t n_params, const OptTensor& counted,
+                             bool nan_only,
                              const OptTensor& found_inf, const OptTensor& grad_scale, py::handle losses,
                              const std::vector<int64_t>& loss_calls, const OptTensor& scale, const OptTensor& groups,
                              int64_t n_groups) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("nanfast::step_summary", "")
-          .typed<at::Tensor(at::TensorList, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
-                            const OptTensor&, bool, const OptTensor&, const OptTensor&, at::TensorList,
+          .typed<at::Tensor(at::TensorList, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                            int64_t, const OptTensor&, bool, const OptTensor&, const OptTensor&, at::TensorList,
                             at::IntArrayRef, const OptTensor&, const OptTensor&, int64_t)>();
   const BorrowedTensors parts("nanfast.step_summary", recorded);
   const BorrowedTensors loss_means("nanfast.step_summary", losses);
   py::gil_scoped_release no_gil;
-  return op.call(parts.list(), counts, norm, absmax, n_params, counted, nan_only, found_inf, grad_scale, loss_means.list(),
-                 loss_calls, scale, groups, n_groups);
+  return op.call(parts.list(), recorded_counted, counts, norm, absmax, n_params, counted, nan_only, found_inf,
+                 grad_scale, loss_means.list(), loss_calls, scale, groups, n_groups);
 }
 
 // The eager read of a step's summary (see NOTE: [One read per step]): the one host sync is the flag's
@@ -476,7 +477,7 @@ PYBIND11_MODULE(_C, m) {
         "max |x| the largest, 2-norms combined. No host read.",
         py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("owners"), py::arg("n"));
   m.def("step_summary", &call_step_summary, "torch.ops.nanfast.step_summary without the boxed call.",
-        py::arg("recorded"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
+        py::arg("recorded"), py::arg("recorded_counted"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
         py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
         py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
   m.def("loss_mean", &loss_mean,

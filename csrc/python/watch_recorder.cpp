@@ -9,6 +9,7 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -164,6 +165,33 @@ void WatchRecorder::forget() {
   hooked_.clear();
 }
 
+// NOTE: [Cells a record does not count]
+// Some cells of a record's device counts must count nothing: an input's mask rows' -inf (NOTE:
+// [Additive masks]) and, in a fused watch, the rows of a tensor written in place between its record and
+// the flush that read it (NOTE: [Deferred tensors changed in place]: every block of torchvision's
+// ResNets rewrites its bn2 output). Zeroing them was a launch each (a zero_ per mask row), then one
+// multiply per flush by a mask of the flush's cells: the fourth op of ResNet-18's fused step, past the
+// issue's "three and one read". A record notes its cells instead (Entry::uncounted); take() hands the
+// step's mask of counted cells to nanfast.step_summary, which weighs the records' counts by it as it
+// sums them, and a bad step's rows are multiplied by it when read. The mask is made on the host and
+// copied to the device only when the step's cells differ from the step before's (a model's steps
+// leave out the same cells): a healthy step adds no op for it.
+at::Tensor WatchRecorder::counted_cells(const std::vector<int64_t>& uncounted, int64_t rows) {
+  if (uncounted.empty()) {
+    return at::Tensor();
+  }
+  if (uncounted != uncounted_ || !counted_.defined() || counted_.size(0) != rows) {
+    at::Tensor made = at::ones({rows, 3}, at::TensorOptions().dtype(at::kLong));
+    int64_t* values = made.mutable_data_ptr<int64_t>();
+    for (const int64_t cell : uncounted) {
+      std::fill(values + cell, values + (cell / 3 + 1) * 3, 0);
+    }
+    counted_ = made.to(records_->device, /*non_blocking=*/true);
+    uncounted_ = uncounted;
+  }
+  return counted_;
+}
+
 py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<Entry> entries;
   {
@@ -186,11 +214,15 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<std::pair<int64_t, double>> limited;
   std::vector<RowRange> counts;
   std::vector<RowRange> absmax;
+  std::vector<int64_t> uncounted;  // row * 3 + first column, rows counted in packed order
   slots.reserve(entries.size());
   const bool on_host = records_->counts_on_host;  // see NOTE: [CPU counts kept as numbers]
   int64_t rows = 0;
   for (auto& entry : entries) {
     slots.emplace_back(entry.slot, entry.rows);
+    for (const int64_t cell : entry.uncounted) {
+      uncounted.push_back(rows * 3 + cell);
+    }
     rows += entry.rows;
     if (!on_host) {
       counts.push_back(RowRange{std::move(entry.counts), entry.row, entry.rows});
@@ -207,8 +239,10 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   }
   std::vector<at::Tensor> packed;
   at::Tensor packed_absmax;
+  at::Tensor counted;
   {
     py::gil_scoped_release no_gil;
+    counted = counted_cells(uncounted, rows);
     if (on_host) {
       at::Tensor numbers = at::empty({rows, 3}, at::kLong);
       int64_t* out = numbers.mutable_data_ptr<int64_t>();
@@ -226,7 +260,8 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
       packed_absmax = parts.size() == 1 ? parts[0] : at::cat(parts);
     }
   }
-  return py::make_tuple(packed, slots, packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
+  return py::make_tuple(packed, counted.defined() ? py::cast(counted) : py::none(), slots,
+                        packed_absmax.defined() ? py::cast(packed_absmax) : py::none(), limited);
 }
 
 py::object WatchRecorder::finite() {
@@ -242,7 +277,6 @@ void WatchRecorder::clear() {
   dropped.swap(records_->deferred);  // released after the lock (declared before it)
   std::swap(dropped_held, records_->held);
   records_->deferred_bytes = 0;
-  records_->flushes_this_step = 0;  // see NOTE: [Rows a flush zeroes, in one multiply]
   records_->backward_finished = false;
   ++records_->epoch;
 }

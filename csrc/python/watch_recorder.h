@@ -53,7 +53,8 @@ class NANFAST_HIDDEN WatchRecorder {
 
   // The step's records, in execution order, which are emptied: the counts packed (a list of int64
   // [rows, 3] on the device, one per fused call that checked them, in row order; at least one, of no
-  // rows for none: NOTE: [Records taken as views]); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
+  // rows for none: NOTE: [Records taken as views]), with which of their cells count (int64 0/1 [rows, 3]
+  // on the device, None when all do: NOTE: [Cells a record does not count]); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
   // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
   // when there is none) with (slot, largest finite value of the row's dtype or 0) per row. With
   // `first_slot`, only the records of slots `first_slot` and later are taken; the earlier ones stay (an
@@ -101,8 +102,14 @@ class NANFAST_HIDDEN WatchRecorder {
     std::shared_ptr<GradSlot> slot;
   };
 
+  // The last step's cells not counted (packed row * 3 + first column) and its mask of counted cells on the
+  // device (see NOTE: [Cells a record does not count]).
+  at::Tensor counted_cells(const std::vector<int64_t>& uncounted, int64_t rows);
+
   const std::shared_ptr<Records> records_;
   std::unordered_map<Key, Hooked, KeyHash> hooked_;
+  std::vector<int64_t> uncounted_;
+  at::Tensor counted_;
 };
 
 }  // namespace nanfast::python

@@ -82,6 +82,10 @@ struct Entry {
   // Rows (of this record) named as additive masks: their -inf are not counted (see NOTE: [Additive
   // masks] in nanfast/intended.py). Only the model's input has any.
   std::vector<int64_t> masks;
+  // Device counts: the cells of its rows that count nothing, k * 3 + the first column not counted, of
+  // each row k that counts less (a mask row's -inf, a tensor rewritten before its flush): applied by the
+  // step's summary (NOTE: [Cells a record does not count]). CPU: zeroed in `host` instead.
+  std::vector<int64_t> uncounted;
 };
 
 // The limits of `tensors` (see max_finite), or an empty vector when none of them needs one.
@@ -150,10 +154,10 @@ struct Records {
   // Fills `entry` with rows [row, row + rows) of one fused call whose inputs' limits are `limits`
   // (empty: none needs one); its max |x| is kept only if one of its rows needs it (see NOTE:
   // [Overflow headroom in the recorder]). The -inf of its mask rows are not counted: zeroed in the host's
-  // numbers, or in device counts by a small write per mask row (only an input that has a mask pays
-  // it), or, given `zeroed`, with the flush's other cells (NOTE: [Rows a flush zeroes, in one multiply]).
+  // numbers, or for device counts noted as cells the summary leaves out (NOTE: [Cells a record does not
+  // count]).
   void fill(Entry& entry, const at::Tensor& counts, const at::Tensor& absmax, const std::vector<double>& limits,
-            int64_t row, int64_t rows, std::vector<int64_t>* zeroed = nullptr) const {
+            int64_t row, int64_t rows) const {
     entry.row = row;
     entry.rows = rows;
     for (const int64_t mask : entry.masks) {
@@ -169,11 +173,7 @@ struct Records {
       }
     } else {
       for (const int64_t mask : entry.masks) {
-        if (zeroed != nullptr) {
-          zeroed->push_back((row + mask) * 3 + 2);
-        } else {
-          counts.select(0, row + mask).select(0, 2).zero_();
-        }
+        entry.uncounted.push_back(mask * 3 + 2);
       }
       entry.counts = counts;
     }
@@ -281,12 +281,11 @@ struct Records {
       all.insert(all.end(), extra.begin(), extra.end());
       auto [counts, norm, absmax] = stats_on(all, device);
       const std::vector<double> limits = limits_of(all);
-      std::vector<int64_t> zeroed;  // device counts: row * 3 + from, for each row counting less
       int64_t row = 0;
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        fill(entries[d.entry], counts, absmax, limits, row, rows, &zeroed);
+        fill(entries[d.entry], counts, absmax, limits, row, rows);
         row += rows;
       }
       zero_rewritten_rows(deferred, [&](size_t e, int64_t k, int64_t from) {
@@ -295,14 +294,11 @@ struct Records {
           entry.limits[k] = 0.0;  // and needs no headroom
         }
         if (entry.counts.defined()) {
-          zeroed.push_back((entry.row + k) * 3 + from);
+          entry.uncounted.push_back(k * 3 + from);
         } else {
           std::fill_n(entry.host.begin() + 3 * k + from, 3 - from, 0);
         }
       });
-      if (!zeroed.empty()) {
-        keep_counts(counts.narrow(0, 0, own), zeroed);
-      }
       if (!extra.empty()) {
         const int64_t n = static_cast<int64_t>(extra.size());
         result = Stats{counts.narrow(0, own, n), norm.narrow(0, own, n), absmax.narrow(0, own, n)};
@@ -320,32 +316,6 @@ struct Records {
     }
     return result;
   }  // `done` and `done_held` release the tensors here, outside the mutex
-
-  // NOTE: [Rows a flush zeroes, in one multiply]
-  // The rows of device counts that a flush keeps less of (deferred_records.h; an input's mask rows,
-  // whose -inf are not counted) were each a zero_ launch: 17 per fused step of ResNet-18 and 49 of
-  // ResNet-50, whose every block rewrites its bn2 output in place, on a GPU step that its host bounds.
-  // They are one multiply by a mask of 0s and 1s instead, made on the host and copied to the device
-  // when the cells it zeroes differ from those of the same flush of the step before (the k-th flush of
-  // a step, of several where the deferred tensors reach their bound: ResNet-18 at 224x224 makes nine;
-  // a model's steps zero the same cells: the masks are kept), so a flush adds one launch.
-  // `counts`: the flush's own rows; `zeroed`: row * 3 + the first column to zero, of each row.
-  void keep_counts(const at::Tensor& counts, const std::vector<int64_t>& zeroed) {
-    if (flushes_this_step == zero_masks.size()) {
-      zero_masks.emplace_back();
-    }
-    auto& [cells, mask] = zero_masks[flushes_this_step++];
-    if (zeroed != cells || !mask.defined() || !mask.sizes().equals(counts.sizes()) || mask.device() != counts.device()) {
-      at::Tensor made = at::ones(counts.sizes(), at::TensorOptions().dtype(at::kLong));
-      int64_t* values = made.mutable_data_ptr<int64_t>();
-      for (const int64_t cell : zeroed) {
-        std::fill(values + cell, values + (cell / 3 + 1) * 3, 0);
-      }
-      mask = made.to(counts.device(), /*non_blocking=*/true);
-      cells = zeroed;
-    }
-    counts.mul_(mask);
-  }
 
   // NOTE: [A backward that raised]
   // The first check to fire in a backward (a graph task) notes the task and queues an engine callback,
@@ -383,11 +353,6 @@ struct Records {
   // runs the device's bookkeeping (views, zeroed rows, the unknown verdict), which the tests run on a CPU.
   const bool counts_on_host;
   const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
-  // Per flush of a step, the cells its mask zeroes and the mask (NOTE: [Rows a flush zeroes, in one
-  // multiply]); the count of flushes that used one since the step began (clear(): every step, the
-  // dropped ones too, so the masks are never more than one step's flushes).
-  std::vector<std::pair<std::vector<int64_t>, at::Tensor>> zero_masks;
-  size_t flushes_this_step = 0;
   // NOTE: [Profiling the watch]
   // What the checks cost is measured only for a watch made with profile=True (Watch.costs(), which
   // the benchmark reads): an ordinary watch reads no clock on its hot path.

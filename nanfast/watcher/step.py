@@ -32,6 +32,8 @@ class Read:
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
     recorded_counts: list  # int64 [rows, 3] tensors: the hooks' records' counts, in execution order (WatchRecorder.take)
+    # Which of their cells count (int64 0/1 [rows, 3]; None: all), NOTE: [Cells a record does not count]
+    recorded_counted: Optional[torch.Tensor]
     labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)
     recorded: list  # (slot id, rows) of each record, in row order
     # The rows of the step's pass: (its counts, how many are parameters', the parameters' names, the
@@ -82,6 +84,8 @@ class Read:
             front: list = []
             back: list = []
             parts: list = [(counts, 0, counts.shape[0], None) for counts in self.recorded_counts]
+            if self.recorded_counted is not None:  # a bad step's: joined and weighed once
+                parts = [(_rows_of(parts) * self.recorded_counted, 0, self.recorded_counted.shape[0], None)]
             if self.pass_rows is not None:
                 counts, n, param_names, grad_names = self.pass_rows
                 ignore, params, grads = self.reported
@@ -134,15 +138,16 @@ class Step:
         for slot in [slot for slot in self.outputs if slot >= first_slot]:
             del self.outputs[slot]
 
-    def pack(self, recorded: list, recorded_slots: list, fused: Optional[Pass], *, params: bool, grads: bool,
-             ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
+    def pack(self, recorded: list, counted: Optional[torch.Tensor], recorded_slots: list, fused: Optional[Pass], *,
+             params: bool, grads: bool, ignore: tuple[str, ...], nan_only: bool, found_inf: Optional[torch.Tensor],
              grad_scale: Optional[torch.Tensor], device: torch.device, step: int, scaler_skipped: bool,
              scale: Optional[torch.Tensor] = None, groups: Optional[Any] = None) -> Read:
         """This step's read: the summary, [flag, nan, +inf, -inf, grad norm, max |grad|, param norm,
         scaler's found_inf] and its Tail (the losses' means, the GradScaler's `scale`, with `groups`
         (spikes.ModuleGroups) each module's gradient norm), made in one call (see NOTE: [The step's
         summary in one call]); and where its counts come from, in execution order (parameters, then the
-        hooks' slots, then gradients), put together only when they are read (Read.layout)."""
+        hooks' slots, then gradients), put together only when they are read (Read.layout). `recorded`,
+        `counted`: WatchRecorder.take()'s records' counts and which of their cells count."""
         pass_args: tuple = (None, None, None, 0, None)
         index, modules = None, ()
         if fused is not None:
@@ -154,12 +159,12 @@ class Step:
         if found_inf is not None or grad_scale is not None:
             found_inf, grad_scale = (t.to(device) if isinstance(t, torch.Tensor) else None for t in (found_inf, grad_scale))
         summary = _C.step_summary(
-            recorded, *pass_args, nan_only, found_inf, grad_scale, losses,
+            recorded, counted, *pass_args, nan_only, found_inf, grad_scale, losses,
             [len(means) for means in self.losses.values()], scale, index, len(modules))
         tail = Tail(tuple(self.losses), scale is not None, modules, grads=fused is not None and bool(fused.grads),
                     params=fused is not None and fused.n_params > 0)
         pass_rows = None if fused is None else (fused.counts, fused.n_params, fused.param_names, fused.grad_names)
-        return Read(step, summary, recorded, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
+        return Read(step, summary, recorded, counted, self.slots, recorded_slots, pass_rows, (ignore, params, grads),
                     scaler_skipped, tail=tail, inputs=self.inputs, outputs=self.outputs,
                     eval_mode_with_grad=self.eval_mode_with_grad)
 

@@ -170,8 +170,8 @@ class StepEnd:
             groups = self._spikes.groups if self._spikes is not None and self._spikes.options.modules else None
             if self._written is not None and fused_pass and not evaluation and self._step.forwards == 0:
                 self._written.record(self._record)  # a compiled forward's (NOTE: [Buffers a forward writes])
-            recorded, recorded_slots, absmax, limited = self._recorder.take()
-            read = self._step.pack(recorded, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
+            recorded, counted, recorded_slots, absmax, limited = self._recorder.take()
+            read = self._step.pack(recorded, counted, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
                                    ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count - late_loss,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
@@ -262,14 +262,14 @@ class StepEnd:
         # an evaluation's, and its slots and microbatch number are given back, so the step goes on as if
         # it had never run (its next microbatch takes the number). Nothing of the training step is put
         # back for it (`within_step`): in eval mode under no_grad it changed no buffer and no gradient.
-        recorded, recorded_slots, _, _ = self._recorder.take(first_slot)
+        recorded, counted, recorded_slots, _, _ = self._recorder.take(first_slot)
         try:
             if recorded_slots:
                 own = Step()  # none of the step's losses; numbered as an evaluation between steps is: microbatch 0
                 own.slots = self._step.slots[:first_slot] + [(*label[:3], 0) for label in self._step.slots[first_slot:]]
                 own.inputs = {0: self._step.inputs[microbatch]} if microbatch in self._step.inputs else {}
                 own.outputs = self._step.outputs  # by slot id: the same ids
-                read = own.pack(recorded, recorded_slots, None, params=False, grads=False, ignore=self.ignore,
+                read = own.pack(recorded, counted, recorded_slots, None, params=False, grads=False, ignore=self.ignore,
                                 nan_only=self.nan_only, found_inf=None, grad_scale=None, device=self._device,
                                 step=self.step_count, scaler_skipped=False)
                 read.evaluation = read.within_step = True

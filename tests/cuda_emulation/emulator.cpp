@@ -541,12 +541,12 @@ at::Tensor any_nonfinite(at::TensorList tensors) {
   return run_op("nanfast_emu.any_nonfinite", kernels().any_nonfinite, tensors);
 }
 
-at::Tensor step_summary(at::TensorList recorded, OptionalTensor counts, OptionalTensor norm, OptionalTensor absmax,
-                        int64_t n_params, OptionalTensor counted, bool nan_only, OptionalTensor found_inf,
+at::Tensor step_summary(at::TensorList recorded, OptionalTensor recorded_counted, OptionalTensor counts,
+                        OptionalTensor norm, OptionalTensor absmax, int64_t n_params, OptionalTensor counted, bool nan_only, OptionalTensor found_inf,
                         OptionalTensor grad_scale, at::TensorList losses, at::IntArrayRef loss_calls,
                         OptionalTensor scale, OptionalTensor groups, int64_t n_groups) {
-  return run_op("nanfast_emu.step_summary", kernels().step_summary, recorded, counts, norm, absmax, n_params, counted,
-                nan_only, found_inf, grad_scale, losses, loss_calls, scale, groups, n_groups);
+  return run_op("nanfast_emu.step_summary", kernels().step_summary, recorded, recorded_counted, counts, norm, absmax,
+                n_params, counted, nan_only, found_inf, grad_scale, losses, loss_calls, scale, groups, n_groups);
 }
 
 void configure(std::string order, int64_t seed) {
@@ -566,9 +566,9 @@ TORCH_LIBRARY(nanfast_emu, m) {
   m.def("stats(Tensor[] tensors) -> (Tensor counts, Tensor norm, Tensor absmax)");
   m.def("any_nonfinite(Tensor[] tensors) -> Tensor");
   m.def(
-      "step_summary(Tensor[] recorded, Tensor? counts, Tensor? norm, Tensor? absmax, int n_params, Tensor? counted, "
-      "bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, int[] loss_calls, Tensor? scale, "
-      "Tensor? groups, int n_groups) -> Tensor");
+      "step_summary(Tensor[] recorded, Tensor? recorded_counted, Tensor? counts, Tensor? norm, Tensor? absmax, "
+      "int n_params, Tensor? counted, bool nan_only, Tensor? found_inf, Tensor? grad_scale, Tensor[] losses, "
+      "int[] loss_calls, Tensor? scale, Tensor? groups, int n_groups) -> Tensor");
   m.def("configure(str order, int seed=0) -> ()", &cuda_emu::configure);
   m.def("last_launches() -> int[]", &cuda_emu::last_launches);
 }
