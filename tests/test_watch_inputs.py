@@ -6,6 +6,8 @@ fields])."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -289,10 +291,13 @@ def test_a_nan_in_a_transformers_kv_cache_passed_in_is_a_dirty_input():
     name = "layers.1.keys" if hasattr(cache, "layers") else "key_cache.1"
     report = nanfast.check_all({"past_key_values": cache}, raise_on_nonfinite=False)
     assert [e.name for e in report.bad] == [f"past_key_values.{name}"] and report.unchecked == ()
-    with pytest.warns(RuntimeWarning, match=r"the input batch is dirty: past_key_values\.(layers\[1\]\.keys|"
+    # Newer transformers (5.24 here) take the cache as `cache` (`past_key_values` warns that it goes in
+    # 5.40): the entry is named by the argument the cache came in.
+    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with pytest.warns(RuntimeWarning, match=rf"the input batch is dirty: {argument}\.(layers\[1\]\.keys|"
                                             r"key_cache\[1\]) \(nan=1"):
         with nanfast.watch(model, action="warn") as w, torch.no_grad():
-            model(torch.randint(0, 100, (1, 1)), past_key_values=cache, use_cache=True)
+            model(torch.randint(0, 100, (1, 1)), **{argument: cache}, use_cache=True)
     assert w.events[0].dirty_input
     # A healthy generate() with the watch on (its cache walked at every forward): no event.
     with nanfast.watch(model) as w, torch.no_grad():
