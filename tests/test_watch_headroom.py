@@ -251,6 +251,44 @@ def test_a_low_precision_step_whose_max_values_are_one_tensor_copies_them_once(o
     assert "aten.cat.default" not in rec.counts and w.history[-1].headroom > 0
 
 
+class _Alternating(torch.nn.Module):
+    """float16 and float32 places in turn, as autocast makes them (a Linear in float16, the LayerNorm
+    after it in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = (torch.nn.Linear(8, 8).half() for _ in range(3))
+        self.norm_a, self.norm_b = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.norm_a(self.a(x).float())
+        h = self.norm_b(self.b(h.half()).float())
+        return self.head(h.half())
+
+
+def test_a_fused_steps_alternating_low_precision_places_come_out_of_one_call_without_a_cat(op_recorder):
+    """NOTE: [One call's max |x| in one view]: the float16 records of one fused call, with float32 ones
+    between them, were joined by a cat (a launch more per fused step under autocast); the rows between
+    now come along with the limit 0, so the step makes no cat, and reports the same largest fraction,
+    at the same place, as a watch that checks each record at once."""
+    seen = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = _Alternating()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        with nanfast.watch(model, opt, fuse=fuse, params=False, grads=False) as w:
+            for _ in range(3):
+                with op_recorder() as rec:
+                    opt.zero_grad()
+                    model((torch.randn(4, 8, generator=g) * 100).half()).float().sum().backward()
+                    opt.step()
+        seen[fuse] = [(r.headroom, r.headroom_place) for r in w.history]
+        if fuse:
+            assert "aten.cat.default" not in rec.counts
+    assert seen[True] == seen[False] and all(fraction > 0 for fraction, _ in seen[True])
+
+
 def test_a_float32_model_runs_the_same_ops_with_headroom_on_or_off(op_recorder):
     ops = []
     for headroom in (hr.DEFAULT_THRESHOLDS, None):

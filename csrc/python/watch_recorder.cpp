@@ -192,6 +192,15 @@ at::Tensor WatchRecorder::counted_cells(const std::vector<int64_t>& uncounted, i
   return counted_;
 }
 
+// NOTE: [One call's max |x| in one view]
+// The max |x| of the low-precision records (NOTE: [Overflow headroom in the recorder]) go to the host
+// with the step. Under autocast a model's records alternate between float32 and bfloat16 (a LayerNorm's
+// output is float32, the Linear after it bfloat16), so the limited records of one fused call were
+// ranges with gaps between them, joined by a cat: a launch more in every fused step of the small
+// transformer and ResNet-18 under CPU autocast (4 ops with a GPU's bookkeeping, past "three and one
+// read"). A flush's records all keep its max |x|, and take() hands over, between two limited records
+// of one call, the rows of those in between too, each with the limit 0 (what a float32 row of a mixed
+// record has: nothing to warn of): one call's rows come out as one view.
 py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<Entry> entries;
   {
@@ -216,9 +225,13 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
   std::vector<RowRange> absmax;
   std::vector<int64_t> uncounted;  // row * 3 + first column, rows counted in packed order
   slots.reserve(entries.size());
+  const auto last_limited = std::find_if(entries.rbegin(), entries.rend(),
+                                         [](const Entry& entry) { return !entry.limits.empty(); });
+  const size_t limited_end = entries.rend() - last_limited;  // entries from here on add no max |x|
   const bool on_host = records_->counts_on_host;  // see NOTE: [CPU counts kept as numbers]
   int64_t rows = 0;
-  for (auto& entry : entries) {
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& entry = entries[i];
     slots.emplace_back(entry.slot, entry.rows);
     for (const int64_t cell : entry.uncounted) {
       uncounted.push_back(rows * 3 + cell);
@@ -234,6 +247,11 @@ py::tuple WatchRecorder::take(int64_t first_slot) {
       for (const double limit : entry.limits) {
         limited.emplace_back(entry.slot, limit);
       }
+      absmax.push_back(RowRange{std::move(entry.absmax), entry.row, entry.rows});
+    } else if (i < limited_end && !absmax.empty() && entry.absmax.defined() &&
+               absmax.back().base.is_same(entry.absmax) && absmax.back().row + absmax.back().rows == entry.row) {
+      // Between two limited records of one call: its rows keep the call's view whole (see the NOTE above).
+      limited.insert(limited.end(), entry.rows, {entry.slot, 0.0});
       absmax.push_back(RowRange{std::move(entry.absmax), entry.row, entry.rows});
     }
   }

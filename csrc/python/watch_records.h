@@ -77,7 +77,7 @@ struct Entry {
   int64_t row = 0;   // the record's first row in `counts` and `absmax`
   int64_t rows = 0;
   int64_t slot = 0;
-  at::Tensor absmax;  // undefined unless `limits` is non-empty
+  at::Tensor absmax;  // undefined unless `limits` is non-empty, or a flush's (NOTE: [One call's max |x| in one view])
   std::vector<double> limits;
   // Rows (of this record) named as additive masks: their -inf are not counted (see NOTE: [Additive
   // masks] in nanfast/intended.py). Only the model's input has any.
@@ -285,7 +285,11 @@ struct Records {
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        fill(entries[d.entry], counts, absmax, limits, row, rows);
+        Entry& entry = entries[d.entry];
+        fill(entry, counts, absmax, limits, row, rows);
+        if (!entry.absmax.defined()) {
+          entry.absmax = absmax;  // see NOTE: [One call's max |x| in one view] (watch_recorder.cpp)
+        }
         row += rows;
       }
       zero_rewritten_rows(deferred, [&](size_t e, int64_t k, int64_t from) {
