@@ -38,9 +38,10 @@ def capture_fractions(w) -> list:
     seen = []
     observe = w._headroom.observe
 
-    def spy(step, pending, input_names):
+    def spy(step, pending, input_names, scale):
+        events = observe(step, pending, input_names, scale)  # gives the pending its scale
         seen.append(None if pending is None else {key: found[:3] for key, found in pending.fractions().items()})
-        return observe(step, pending, input_names)
+        return events
 
     w._headroom.observe = spy
     return seen
@@ -287,6 +288,27 @@ def test_a_fused_steps_alternating_low_precision_places_come_out_of_one_call_wit
         if fuse:
             assert "aten.cat.default" not in rec.counts
     assert seen[True] == seen[False] and all(fraction > 0 for fraction, _ in seen[True])
+
+
+def test_a_scaled_steps_loss_scale_comes_with_the_summary_not_in_a_cat(op_recorder):
+    """NOTE: [The loss scale read with the summary]: under a GradScaler the scale was appended to the max
+    |x| copied to the host, a float64 copy and a cat in every step (two launches on a GPU); the summary
+    carries it already. A fused float16 step makes no cat, and its scaled places are measured at scale 1
+    (test_scaled_gradients_are_measured_at_scale_one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with nanfast.watch(model, opt, fuse=True, scaler=scaler) as w:
+        for _ in range(3):
+            with op_recorder() as rec:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 8)).float().sum()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    assert "aten.cat.default" not in rec.counts and w.history[-1].headroom > 0 and w.events == []
 
 
 def test_a_float32_model_runs_the_same_ops_with_headroom_on_or_off(op_recorder):

@@ -59,13 +59,13 @@ class Actions:
                     self._act(event, False, before_step)
             return
         self._summary_values, self._summary_step, self._summary_tail = summary, read.step, read.tail
+        losses, scale, modules = read.tail.unpack(summary[len(steps.SUMMARY):])
         headroom = [] if self._headroom is None else self._headroom.observe(
             read.step, read.headroom, lambda microbatch, rows: entry_names(read.inputs.get(microbatch), rows,
-                                                                             self.model.forward))
+                                                                             self.model.forward), scale)
         scaler_skipped = read.scaler_skipped or (bad and summary[7] > 0)
         if scaler_skipped:
             self.scaler_skipped_steps += 1
-        losses, scale, modules = read.tail.unpack(summary[len(steps.SUMMARY):])
         # NOTE: [A scaler skipping at a scale of 1]
         # A step the GradScaler skipped does not report its scaled phases: their infs are the scale's
         # overflow, which it backs off. A NaN that backward makes at every step (inf * 0 in a gradient) is

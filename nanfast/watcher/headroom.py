@@ -109,21 +109,25 @@ class Pending:
     """One step's max |x| of its low-precision places, on its way to the host: `values` (a HostCopy)
     and, per value, (place key, largest finite value, scaled by the GradScaler, and for a row of the
     input's record (slot, microbatch, row) to name its entry, else None) or None; the loss scale is the
-    value at `scale_index`."""
+    value at `scale_index`, or, where the step's summary carries it (`scale_in_summary`), the summary's,
+    given to Headroom.observe."""
 
-    __slots__ = ("values", "keys", "scale_index", "input_rows")
+    __slots__ = ("values", "keys", "scale_index", "input_rows", "scale_in_summary", "scale")
 
-    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int]):
+    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int],
+                 scale_in_summary: bool):
         self.values = HostCopy(values)
         self.keys = keys
         self.scale_index = scale_index
         self.input_rows = input_rows  # slot of an input record -> its rows
+        self.scale_in_summary = scale_in_summary
+        self.scale: Optional[float] = None  # the summary's, once observed
 
     def fractions(self) -> dict[tuple, tuple[float, float, bool, Optional[tuple[int, int, int]]]]:
         """Per place key: (largest fraction this step, the dtype's largest finite value, measured at scale 1,
         and for the input (slot, microbatch, row) of the row with that fraction, else None)."""
         values = self.values.tolist()  # enqueued before the step's read, which waited for it: no wait here
-        scale = values[self.scale_index] if self.scale_index is not None else None
+        scale = values[self.scale_index] if self.scale_index is not None else self.scale
         found: dict[tuple, tuple] = {}
         for entry, value in zip(self.keys, values):
             if entry is None:
@@ -150,7 +154,7 @@ class Headroom:
 
     def start(self, step_slots: list, absmax: Optional[torch.Tensor], limited: list, fused: Optional[Any], *,
               params: bool, grads: bool, ignore: tuple[str, ...], scale: Optional[torch.Tensor], grads_scaled: bool,
-              device: torch.device) -> Optional[Pending]:
+              device: torch.device, scale_in_summary: bool) -> Optional[Pending]:
         """Starts copying a step's max |x| of its low-precision places to the host.
 
         Args:
@@ -163,6 +167,7 @@ class Headroom:
             scale: the GradScaler's scale tensor, or None (no scaler, or one that does not scale).
             grads_scaled: the parameters' gradients are still scaled (a fused optimizer under GradScaler).
             device: where the watch's results are.
+            scale_in_summary: the step's summary carries `scale` (Step.pack's Tail): it is read from there.
 
         Returns:
             The Pending copy, or None when the step checked no low-precision place."""
@@ -195,16 +200,21 @@ class Headroom:
         if not any(keys):
             return None
         scale_index = None
-        if scale is not None and any(entry[2] for entry in keys if entry is not None):
+        # NOTE: [The loss scale read with the summary]
+        # Places measured at scale 1 need the GradScaler's scale. Appended to the max |x| copied to the host,
+        # it cost a float64 copy and a cat, two launches in every step of a float16 model under a GradScaler
+        # (the fused watch's step 5 ops, with a GPU's bookkeeping); the step's summary holds the scale
+        # already (its Tail), read at the same point of the stream, so it is taken from there.
+        if scale is not None and not scale_in_summary and any(entry[2] for entry in keys if entry is not None):
             scale_index = len(keys)
             parts.append(scale.detach().reshape(1).to(device=device, dtype=torch.float64))
         with torch.no_grad():  # one part is taken as it is (a cat of one tensor is a copy: a launch on a GPU)
             parts = [p.to(device=device, dtype=torch.float64) for p in parts]
             values = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return Pending(values, keys, scale_index, input_rows)
+        return Pending(values, keys, scale_index, input_rows, scale_in_summary and scale is not None)
 
-    def observe(self, step: int, pending: Optional[Pending],
-                input_names: Callable[[int, int], Optional[list[str]]]) -> list[Event]:
+    def observe(self, step: int, pending: Optional[Pending], input_names: Callable[[int, int], Optional[list[str]]],
+                scale: Optional[float]) -> list[Event]:
         """Takes a step's fractions (read with the step: see NOTE: [Headroom without a host read]).
 
         Args:
@@ -212,6 +222,8 @@ class Headroom:
             pending: what start() returned for it.
             input_names: the names of the entries of a microbatch's input record of `rows` rows (None:
                 they cannot be named), for an event at the input.
+            scale: the GradScaler's scale as the step's summary read it (None: it holds none; NOTE: [The
+                loss scale read with the summary]).
 
         Returns:
             The headroom events of this step: one per place that crossed thresholds it had not crossed
@@ -219,6 +231,8 @@ class Headroom:
         if pending is None:
             self.last = None
             return []
+        if pending.scale_in_summary:
+            pending.scale = scale
         events = []
         found = pending.fractions()
         for key, (fraction, limit, unscaled, row) in found.items():

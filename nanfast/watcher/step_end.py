@@ -193,7 +193,8 @@ class StepEnd:
                 read.headroom = self._headroom.start(
                     self._step.slots, absmax, limited, fused, params=self._check_params, grads=self._check_grads,
                     ignore=self.ignore, scale=scale,  # None until an enabled scaler scales
-                    grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device)
+                    grads_scaled=isinstance(grad_scale, torch.Tensor), device=self._device,
+                    scale_in_summary=read.tail.scale)  # see NOTE: [The loss scale read with the summary]
             if not evaluation:
                 agree.start(read, self.process_group)
         if not evaluation:  # an evaluation keeps the number of the step it comes before
