@@ -15,7 +15,7 @@ namespace nanfast {
 // where each op paid Python's argument parsing and, right after the model's own kernels, cold caches
 // for its dispatch path (a call measured 8x slower inside a step than in a loop). One op does it:
 // on CPU a kernel of plain loops over a few hundred numbers (csrc/cpu/step_summary_cpu.cpp); on CUDA
-// one launch of one block (csrc/cuda/stats_cuda.cu; two with losses, which are stacked first); on
+// one launch of one block, which reads the losses' means where they lie (csrc/cuda/stats_cuda.cu); on
 // other devices the same arithmetic as ATen ops (below). Nothing here reads a value on the host.
 // * counts: the fused pass's rows (parameters first, n_params of them, then gradients) are summed
 //   where `counted` is 1 (the ignored names and the switched-off checks are 0); `recorded`'s always.
@@ -120,8 +120,8 @@ at::Tensor step_summary_aten(at::TensorList recorded, const std::optional<at::Te
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                              at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                              const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
-                            loss_calls, scale, groups, n_groups);
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale,
+                            losses, loss_calls, scale, groups, n_groups);
   const at::TensorOptions f64 = recorded[0].options().dtype(at::kDouble);
   const at::Tensor rows = recorded.size() == 1 ? recorded[0] : at::cat(recorded);
   at::Tensor totals = (recorded_counted.has_value() ? rows * recorded_counted->reshape({-1, 3}) : rows).sum(0);

@@ -92,3 +92,18 @@ def test_nonfinite_norms_and_many_rows(summary, parts):
                     torch.randint(0, n_groups, (rows - n_params,), generator=gen), n_groups)
             want, got = CPU_KERNEL(*args).tolist(), summary(*args).tolist()
             assert all(same(g, w) for g, w in zip(got, want)), (bad_at, bad)
+
+
+@pytest.mark.parametrize("calls", [[1], [3, 2], [20, 13, 7]], ids=["one", "two-names", "stacked"])
+def test_losses_read_where_they_lie_or_stacked_past_32(summary, calls):
+    # Up to 32 loss means are read through their own pointers; more are stacked into one tensor first.
+    gen = torch.Generator().manual_seed(len(calls))
+    losses = [torch.randn((), generator=gen, dtype=torch.float64) * 100 for _ in range(sum(calls))]
+    args = ([torch.randint(0, 3, (5, 3), generator=gen)], None, None, None, None, 0, None, False, None, None,
+            losses, calls, None, None, 0)
+    want, got = CPU_KERNEL(*args).tolist(), summary(*args).tolist()
+    assert len(got) == 8 + len(calls) and all(same(g, w) for g, w in zip(got, want)), (got, want)
+    first = 0
+    for j, n in enumerate(calls):  # each name's mean over its calls, against a float64 reference
+        assert got[8 + j] == pytest.approx(sum(float(x) for x in losses[first:first + n]) / n, rel=1e-12)
+        first += n

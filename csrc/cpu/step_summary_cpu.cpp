@@ -57,8 +57,8 @@ at::Tensor step_summary_cpu(at::TensorList recorded, const std::optional<at::Ten
                             const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                             at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                             const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
-                            loss_calls, scale, groups, n_groups);
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale,
+                            losses, loss_calls, scale, groups, n_groups);
   int64_t totals[3] = {0, 0, 0};
   const at::Tensor weights = recorded_counted.has_value() ? recorded_counted->contiguous() : at::Tensor();
   const int64_t* w = weights.defined() ? weights.const_data_ptr<int64_t>() : nullptr;  // cell by cell, in row order

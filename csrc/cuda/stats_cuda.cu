@@ -284,10 +284,13 @@ __global__ void __launch_bounds__(kThreads) finish_stats_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// nanfast.step_summary (see NOTE: [The step's summary in one call]): one launch of one block, plus a
-// stack of the losses' means when there are any. Every sum runs in a fixed order (deterministic).
+// nanfast.step_summary (see NOTE: [The step's summary in one call]): one launch of one block. Every sum
+// runs in a fixed order (deterministic).
 
 constexpr int kMaxLossNames = 64;
+// The losses' means read where they lie (one per Watch.loss call of the step); more are stacked first.
+// A stack of them was the fourth launch of every fused step given its loss (Watch.loss).
+constexpr int kMaxLossValues = 32;
 // The records' parts read where they lie (a fused step's calls: a few); more are joined by one cat first.
 constexpr int kMaxRecordedParts = 16;
 
@@ -310,7 +313,8 @@ struct SummaryArgs {
   int64_t n_params;
   const int64_t* groups;  // each gradient's module number; numbers outside [0, n_groups) match none
   int64_t n_groups;
-  const double* losses;  // the means of every Watch.loss call, name after name
+  const double* losses[kMaxLossValues];  // the means of every Watch.loss call, name after name
+  const double* stacked_losses;  // all of them, where there are more than kMaxLossValues; else nullptr
   int64_t loss_first[kMaxLossNames + 1];  // name j's calls are losses[loss_first[j], loss_first[j + 1])
   int loss_names;
   Scalar found_inf, grad_scale, scale;
@@ -430,7 +434,7 @@ __global__ void __launch_bounds__(kThreads) step_summary_kernel(SummaryArgs a, d
     for (int j = 0; j < a.loss_names; ++j) {
       double sum = 0.0;
       for (int64_t i = a.loss_first[j]; i < a.loss_first[j + 1]; ++i) {
-        sum += a.losses[i];
+        sum += a.stacked_losses != nullptr ? a.stacked_losses[i] : *a.losses[i];
       }
       out[8 + j] = sum / static_cast<double>(a.loss_first[j + 1] - a.loss_first[j]);
     }
@@ -619,8 +623,8 @@ at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Te
                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_scale,
                              at::TensorList losses, at::IntArrayRef loss_calls, const std::optional<at::Tensor>& scale,
                              const std::optional<at::Tensor>& groups, int64_t n_groups) {
-  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale, losses,
-                            loss_calls, scale, groups, n_groups);
+  check_step_summary_inputs(recorded, recorded_counted, counts, norm, absmax, n_params, counted, found_inf, grad_scale,
+                            losses, loss_calls, scale, groups, n_groups);
   TORCH_CHECK(static_cast<int64_t>(loss_calls.size()) <= kMaxLossNames, "nanfast.step_summary: at most ",
               kMaxLossNames, " loss names on CUDA, got ", loss_calls.size());
   const c10::cuda::CUDAGuard device_guard(recorded[0].device());
@@ -663,9 +667,13 @@ at::Tensor step_summary_cuda(at::TensorList recorded, const std::optional<at::Te
     args.groups = g.const_data_ptr<int64_t>();
     args.n_groups = n_groups;
   }
-  if (!losses.empty()) {
+  if (losses.size() > static_cast<size_t>(kMaxLossValues)) {
     means = at::stack(losses).reshape({-1});
-    args.losses = means.const_data_ptr<double>();
+    args.stacked_losses = means.const_data_ptr<double>();
+  } else {
+    for (size_t i = 0; i < losses.size(); ++i) {
+      args.losses[i] = losses[i].const_data_ptr<double>();  // one float64 value each (checked)
+    }
   }
   args.loss_names = static_cast<int>(loss_calls.size());
   for (size_t j = 0; j < loss_calls.size(); ++j) {
