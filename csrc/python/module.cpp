@@ -477,9 +477,9 @@ PYBIND11_MODULE(_C, m) {
         "max |x| the largest, 2-norms combined. No host read.",
         py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("owners"), py::arg("n"));
   m.def("step_summary", &call_step_summary, "torch.ops.nanfast.step_summary without the boxed call.",
-        py::arg("recorded"), py::arg("recorded_counted"), py::arg("counts"), py::arg("norm"), py::arg("absmax"), py::arg("n_params"),
-        py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"), py::arg("losses"),
-        py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
+        py::arg("recorded"), py::arg("recorded_counted"), py::arg("counts"), py::arg("norm"), py::arg("absmax"),
+        py::arg("n_params"), py::arg("counted"), py::arg("nan_only"), py::arg("found_inf"), py::arg("grad_scale"),
+        py::arg("losses"), py::arg("loss_calls"), py::arg("scale"), py::arg("groups"), py::arg("n_groups"));
   m.def("loss_mean", &loss_mean,
         "The mean of a floating tensor as float64 on its device, with no graph and no host read (Watch.loss).",
         py::arg("value"));

@@ -53,12 +53,13 @@ class NANFAST_HIDDEN WatchRecorder {
 
   // The step's records, in execution order, which are emptied: the counts packed (a list of int64
   // [rows, 3] on the device, one per fused call that checked them, in row order; at least one, of no
-  // rows for none: NOTE: [Records taken as views]), with which of their cells count (int64 0/1 [rows, 3]
-  // on the device, None when all do: NOTE: [Cells a record does not count]); (slot, rows) per record; and for the records holding low-precision tensors (see NOTE:
-  // [Overflow headroom in the recorder]) their rows' max |x| packed (float64 [k] on the device; None
-  // when there is none) with (slot, largest finite value of the row's dtype or 0) per row. With
-  // `first_slot`, only the records of slots `first_slot` and later are taken; the earlier ones stay (an
-  // evaluation forward inside a training step: NOTE: [An evaluation inside a training step]).
+  // rows for none: NOTE: [Records taken as views]), with which of their cells count (int64 0/1
+  // [rows, 3] on the device, None when all do: NOTE: [Cells a record does not count]); (slot, rows)
+  // per record; and for the records holding low-precision tensors (see NOTE: [Overflow headroom in the
+  // recorder]) their rows' max |x| packed (float64 [k] on the device; None when there is none) with
+  // (slot, largest finite value of the row's dtype or 0) per row. With `first_slot`, only the records of
+  // slots `first_slot` and later are taken; the earlier ones stay (an evaluation forward inside a
+  // training step: NOTE: [An evaluation inside a training step]).
   py::tuple take(int64_t first_slot = 0);
 
   // Whether the step's records so far count nothing; None where that is not known on the host without

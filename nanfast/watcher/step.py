@@ -31,7 +31,7 @@ class Read:
 
     step: int
     summary: torch.Tensor  # float64 [len(SUMMARY) + the tail's length] on the device
-    recorded_counts: list  # int64 [rows, 3] tensors: the hooks' records' counts, in execution order (WatchRecorder.take)
+    recorded_counts: list  # int64 [rows, 3] tensors: the records' counts, in execution order (WatchRecorder.take)
     # Which of their cells count (int64 0/1 [rows, 3]; None: all), NOTE: [Cells a record does not count]
     recorded_counted: Optional[torch.Tensor]
     labels: list  # what each of the step's slot ids stands for: (phase, site, call, microbatch)

@@ -171,8 +171,8 @@ class StepEnd:
             if self._written is not None and fused_pass and not evaluation and self._step.forwards == 0:
                 self._written.record(self._record)  # a compiled forward's (NOTE: [Buffers a forward writes])
             recorded, counted, recorded_slots, absmax, limited = self._recorder.take()
-            read = self._step.pack(recorded, counted, recorded_slots, fused, params=self._check_params, grads=self._check_grads,
-                                   ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
+            read = self._step.pack(recorded, counted, recorded_slots, fused, params=self._check_params,
+                                   grads=self._check_grads, ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
                                    grad_scale=grad_scale, device=self._device, step=self.step_count - late_loss,
                                    scaler_skipped=scaler_skipped, scale=scale, groups=groups)
             read.params_unread = self._step.params_unread
