@@ -83,8 +83,8 @@ struct Deferred {
 // Most of a forward's records hold tensors that autograd saves for backward anyway (a Linear's input, a
 // GELU's, a BatchNorm's output), and a tensor is recorded while its caller still holds it: keeping those
 // costs nothing until backward lets them go. Counted by every deferred byte, the bound flushed (two
-// launches on a GPU, and a multiply on ResNet) memory autograd held anyway: ResNet-18 224x224's records
-// were read in 9 calls a step. So once the deferred bytes reach the bound, each record adds up the
+// launches on a GPU) memory autograd held anyway: ResNet-18 224x224's records were read in 9 calls a
+// step. So once the deferred bytes reach the bound, each record adds up the
 // storages that nothing but the records keeps alive, and flushes when that reaches the bound: now 4
 // calls, and the d=256 transformer's 2 where they were 3 (benchmarks/results/watch-profile.md). A
 // storage is the records' alone when every tensor on it is theirs and each of those has no reference

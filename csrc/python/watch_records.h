@@ -285,11 +285,8 @@ struct Records {
       for (const Deferred& d : deferred) {
         const int64_t rows = static_cast<int64_t>(d.tensors.size());
         TORCH_INTERNAL_ASSERT(d.entry < entries.size(), "nanfast.watch: a deferred record outlived its entry");
-        Entry& entry = entries[d.entry];
-        fill(entry, counts, absmax, limits, row, rows);
-        if (!entry.absmax.defined()) {
-          entry.absmax = absmax;  // see NOTE: [One call's max |x| in one view] (watch_recorder.cpp)
-        }
+        fill(entries[d.entry], counts, absmax, limits, row, rows);
+        entries[d.entry].absmax = absmax;  // kept by every record: NOTE: [One call's max |x| in one view]
         row += rows;
       }
       zero_rewritten_rows(deferred, [&](size_t e, int64_t k, int64_t from) {

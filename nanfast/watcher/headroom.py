@@ -109,18 +109,16 @@ class Pending:
     """One step's max |x| of its low-precision places, on its way to the host: `values` (a HostCopy)
     and, per value, (place key, largest finite value, scaled by the GradScaler, and for a row of the
     input's record (slot, microbatch, row) to name its entry, else None) or None; the loss scale is the
-    value at `scale_index`, or, where the step's summary carries it (`scale_in_summary`), the summary's,
+    value at `scale_index`, else the step's summary's (NOTE: [The loss scale read with the summary]),
     given to Headroom.observe."""
 
-    __slots__ = ("values", "keys", "scale_index", "input_rows", "scale_in_summary", "scale")
+    __slots__ = ("values", "keys", "scale_index", "input_rows", "scale")
 
-    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int],
-                 scale_in_summary: bool):
+    def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int]):
         self.values = HostCopy(values)
         self.keys = keys
         self.scale_index = scale_index
         self.input_rows = input_rows  # slot of an input record -> its rows
-        self.scale_in_summary = scale_in_summary
         self.scale: Optional[float] = None  # the summary's, once observed
 
     def fractions(self) -> dict[tuple, tuple[float, float, bool, Optional[tuple[int, int, int]]]]:
@@ -211,7 +209,7 @@ class Headroom:
         with torch.no_grad():  # one part is taken as it is (a cat of one tensor is a copy: a launch on a GPU)
             parts = [p.to(device=device, dtype=torch.float64) for p in parts]
             values = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return Pending(values, keys, scale_index, input_rows, scale_in_summary and scale is not None)
+        return Pending(values, keys, scale_index, input_rows)
 
     def observe(self, step: int, pending: Optional[Pending], input_names: Callable[[int, int], Optional[list[str]]],
                 scale: Optional[float]) -> list[Event]:
@@ -231,8 +229,7 @@ class Headroom:
         if pending is None:
             self.last = None
             return []
-        if pending.scale_in_summary:
-            pending.scale = scale
+        pending.scale = scale
         events = []
         found = pending.fractions()
         for key, (fraction, limit, unscaled, row) in found.items():
