@@ -1,7 +1,7 @@
 """Tensor subclasses that hold their values in plain tensors (a DTensor's local shard, a wrapper such as
 torch's TwoTensor or a quantized weight), and FakeTensors, which hold none: the watch and check_all read
 the former through their plain tensors (NOTE: [Tensor subclasses read through their plain tensors] in
-csrc/python/module.cpp) and refuse the latter by name; inside torch.func transforms, whose wrappers hold
+csrc/python/plain_parts.cpp) and refuse the latter by name; inside torch.func transforms, whose wrappers hold
 no storage, the watch stands down. The DTensor activations of a tensor-parallel model are tested on two
 real ranks in test_distributed.py."""
 

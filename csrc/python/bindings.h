@@ -60,6 +60,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_on(at::TensorList tensors, 
 // written and no GIL taken, where none is.
 bool plain_parts(at::TensorList tensors, std::vector<at::Tensor>& out, std::vector<int64_t>& owners);
 
+// The rows (counts, norm, max |x|) of `n` entries from those of their parts, part k of entry owners[k]
+// (csrc/python/plain_parts.cpp); also nanfast._C.merge_rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_rows(const at::Tensor& counts, const at::Tensor& norm,
+                                                          const at::Tensor& absmax, const at::Tensor& owners,
+                                                          int64_t n);
+
+// Whether `tensors` hold a tensor subclass that names the plain tensors holding its values; with the GIL.
+bool holds_wrapper_subclass(at::TensorList tensors);
+
+// nanfast.stats of such a list, for `api`: each entry through its plain parts, every one of which must
+// be readable (NOTE: [Entries read through their parts must all be readable]); with the GIL.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_through_parts(const char* api, at::TensorList tensors);
+
 // Defines nanfast._C.BufferSlots (csrc/python/buffer_slots.cpp).
 void bind_buffer_slots(py::module_& m);
 
