@@ -197,6 +197,44 @@ def test_a_fused_resnet_step_leaves_its_rewritten_rows_uncounted_without_an_op(b
         "output of layer1.0.bn2 (BatchNorm2d)"
 
 
+@pytest.mark.parametrize("where", ["between steps", "inside the accumulation window"])
+def test_validating_at_every_step_makes_no_mask_again(where, recorder_counts):
+    """A loop that validates (or makes a rollout) at every step alternates two sets of cells a record does
+    not count: the training step's and the evaluation's (each ResNet block's rewritten bn2 output). The
+    recorder kept only the last mask, so it made both anew at each step (on a GPU two copies a step); it
+    keeps a few now. The evaluation inside the accumulation window is taken out of the step
+    (take(first_slot): NOTE: [An evaluation inside a training step])."""
+    torch.manual_seed(0)
+    model = models.resnet18(num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y, x_val = torch.randn(2, 3, 64, 64), torch.tensor([1, 2]), torch.randn(2, 3, 64, 64)
+
+    def validate():
+        model.eval()
+        with torch.no_grad():
+            model(x_val)
+        model.train()
+
+    masks = []
+    with nanfast.watch(model, optimizer, fuse=True) as w:
+        for _ in range(4):
+            with OpRecorder() as ops:
+                optimizer.zero_grad()
+                if where == "between steps":
+                    validate()
+                    F.cross_entropy(model(x), y).backward()
+                else:
+                    F.cross_entropy(model(x[:1]), y[:1]).backward()
+                    validate()
+                    F.cross_entropy(model(x[1:]), y[1:]).backward()
+                optimizer.step()
+            masks.append(ops.counts["aten.ones.default"])
+        assert w.events == [] and w.step_count == 4
+    # Counts as tensors (as on a GPU): both masks made in the first step, none after it; on the host the
+    # counts are numbers, zeroed there, and no mask is made.
+    assert masks == ([2, 0, 0, 0] if recorder_counts else [0, 0, 0, 0])
+
+
 def _detection_batch(nan_box: bool):
     images = [torch.rand(3, 120, 140), torch.rand(3, 100, 130)]
     second = [30.0, float("nan") if nan_box else 40.0, 90.0, 95.0]

@@ -174,22 +174,31 @@ void WatchRecorder::forget() {
 // issue's "three and one read". A record notes its cells instead (Entry::uncounted); take() hands the
 // step's mask of counted cells to nanfast.step_summary, which weighs the records' counts by it as it
 // sums them, and a bad step's rows are multiplied by it when read. The mask is made on the host and
-// copied to the device only when the step's cells differ from the step before's (a model's steps
-// leave out the same cells): a healthy step adds no op for it.
+// copied to the device only when no recent take had the same cells: a model's steps leave out the
+// same cells, so a healthy step adds no op for it. The last few masks are kept, not only the last: a
+// loop that validates or makes a rollout between its steps, or inside the step's accumulation window
+// (take(first_slot)), alternates two sets of cells, and made both anew at each step.
 at::Tensor WatchRecorder::counted_cells(const std::vector<int64_t>& uncounted, int64_t rows) {
   if (uncounted.empty()) {
     return at::Tensor();
   }
-  if (uncounted != uncounted_ || !counted_.defined() || counted_.size(0) != rows) {
+  auto kept = std::find_if(masks_.begin(), masks_.end(), [&](const CountedCells& mask) {
+    return mask.counted.size(0) == rows && mask.uncounted == uncounted;
+  });
+  if (kept == masks_.end()) {
     at::Tensor made = at::ones({rows, 3}, at::TensorOptions().dtype(at::kLong));
     int64_t* values = made.mutable_data_ptr<int64_t>();
     for (const int64_t cell : uncounted) {
       std::fill(values + cell, values + (cell / 3 + 1) * 3, 0);
     }
-    counted_ = made.to(records_->device, /*non_blocking=*/true);
-    uncounted_ = uncounted;
+    if (masks_.size() == kMasksKept) {
+      masks_.pop_back();
+    }
+    masks_.push_back(CountedCells{uncounted, made.to(records_->device, /*non_blocking=*/true)});
+    kept = masks_.end() - 1;
   }
-  return counted_;
+  std::rotate(masks_.begin(), kept, kept + 1);  // the latest first
+  return masks_.front().counted;
 }
 
 // NOTE: [One call's max |x| in one view]

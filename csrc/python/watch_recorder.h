@@ -103,14 +103,20 @@ class NANFAST_HIDDEN WatchRecorder {
     std::shared_ptr<GradSlot> slot;
   };
 
-  // The last step's cells not counted (packed row * 3 + first column) and its mask of counted cells on the
-  // device (see NOTE: [Cells a record does not count]).
+  // A take's mask of counted cells on the device, for its cells not counted (packed row * 3 + first
+  // column), made anew only where no recent take's had the same (see NOTE: [Cells a record does not
+  // count]).
   at::Tensor counted_cells(const std::vector<int64_t>& uncounted, int64_t rows);
+
+  struct CountedCells {
+    std::vector<int64_t> uncounted;
+    at::Tensor counted;
+  };
+  static constexpr size_t kMasksKept = 4;
 
   const std::shared_ptr<Records> records_;
   std::unordered_map<Key, Hooked, KeyHash> hooked_;
-  std::vector<int64_t> uncounted_;
-  at::Tensor counted_;
+  std::vector<CountedCells> masks_;  // the recent takes' masks, the latest first: at most kMasksKept
 };
 
 }  // namespace nanfast::python
