@@ -105,8 +105,8 @@ def random_inputs(seed: int):
     losses = [torch.randn((), generator=gen, dtype=torch.float64) for _ in range(sum(loss_calls))]
     scale_dtype = rng.choice([torch.float32, torch.float64, torch.bfloat16])
     some = rng.random() < 0.5
-    return (args["recorded"], recorded_counted, args["counts"], args["norm"], args["absmax"], args["n_params"], args["counted"],
-            rng.random() < 0.3, torch.tensor([float(rng.random() < 0.5)]) if some else None,
+    return (args["recorded"], recorded_counted, args["counts"], args["norm"], args["absmax"], args["n_params"],
+            args["counted"], rng.random() < 0.3, torch.tensor([float(rng.random() < 0.5)]) if some else None,
             torch.tensor(2.0 ** rng.randint(-4, 16), dtype=scale_dtype) if some and rng.random() < 0.5 else None,
             losses, loss_calls, torch.tensor(65536.0, dtype=scale_dtype) if rng.random() < 0.5 else None,
             args["groups"], args["n_groups"])

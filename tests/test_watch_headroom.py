@@ -39,8 +39,8 @@ def capture_fractions(w) -> list:
     observe = w._headroom.observe
 
     def spy(step, pending, input_names, scale):
-        events = observe(step, pending, input_names, scale)  # gives the pending its scale
-        seen.append(None if pending is None else {key: found[:3] for key, found in pending.fractions().items()})
+        events = observe(step, pending, input_names, scale)
+        seen.append(None if pending is None else {key: found[:3] for key, found in pending.fractions(scale).items()})
         return events
 
     w._headroom.observe = spy

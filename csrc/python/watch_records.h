@@ -351,7 +351,7 @@ struct Records {
   const at::Device device;
   // The records' counts kept as numbers on the host (a CPU recorder: NOTE: [CPU counts kept as numbers]),
   // else as the tensors the fused calls gave, as on a GPU: a CPU recorder made with counts_as_tensors
-  // runs the device's bookkeeping (views, zeroed rows, the unknown verdict), which the tests run on a CPU.
+  // runs the device's bookkeeping (views, uncounted cells, the unknown verdict), which the tests run on a CPU.
   const bool counts_on_host;
   const int64_t fuse_bytes;  // 0: each record at once; else see NOTE: [Fused records]
   // NOTE: [Profiling the watch]

@@ -109,23 +109,24 @@ class Pending:
     """One step's max |x| of its low-precision places, on its way to the host: `values` (a HostCopy)
     and, per value, (place key, largest finite value, scaled by the GradScaler, and for a row of the
     input's record (slot, microbatch, row) to name its entry, else None) or None; the loss scale is the
-    value at `scale_index`, else the step's summary's (NOTE: [The loss scale read with the summary]),
-    given to Headroom.observe."""
+    value at `scale_index`, else the step's summary's (NOTE: [The loss scale read with the summary])."""
 
-    __slots__ = ("values", "keys", "scale_index", "input_rows", "scale")
+    __slots__ = ("values", "keys", "scale_index", "input_rows")
 
     def __init__(self, values: torch.Tensor, keys: list, scale_index: Optional[int], input_rows: dict[int, int]):
         self.values = HostCopy(values)
         self.keys = keys
         self.scale_index = scale_index
         self.input_rows = input_rows  # slot of an input record -> its rows
-        self.scale: Optional[float] = None  # the summary's, once observed
 
-    def fractions(self) -> dict[tuple, tuple[float, float, bool, Optional[tuple[int, int, int]]]]:
+    def fractions(self, summary_scale: Optional[float]
+                  ) -> dict[tuple, tuple[float, float, bool, Optional[tuple[int, int, int]]]]:
         """Per place key: (largest fraction this step, the dtype's largest finite value, measured at scale 1,
-        and for the input (slot, microbatch, row) of the row with that fraction, else None)."""
+        and for the input (slot, microbatch, row) of the row with that fraction, else None).
+        `summary_scale`: the GradScaler's scale as the step's summary read it (None: it holds none), used
+        where no scale was copied with the values."""
         values = self.values.tolist()  # enqueued before the step's read, which waited for it: no wait here
-        scale = values[self.scale_index] if self.scale_index is not None else self.scale
+        scale = values[self.scale_index] if self.scale_index is not None else summary_scale
         found: dict[tuple, tuple] = {}
         for entry, value in zip(self.keys, values):
             if entry is None:
@@ -229,9 +230,8 @@ class Headroom:
         if pending is None:
             self.last = None
             return []
-        pending.scale = scale
         events = []
-        found = pending.fractions()
+        found = pending.fractions(scale)
         for key, (fraction, limit, unscaled, row) in found.items():
             samples = self._samples.get(key)
             if samples is None:

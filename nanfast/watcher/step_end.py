@@ -172,9 +172,10 @@ class StepEnd:
                 self._written.record(self._record)  # a compiled forward's (NOTE: [Buffers a forward writes])
             recorded, counted, recorded_slots, absmax, limited = self._recorder.take()
             read = self._step.pack(recorded, counted, recorded_slots, fused, params=self._check_params,
-                                   grads=self._check_grads, ignore=self.ignore, nan_only=self.nan_only, found_inf=found_inf,
-                                   grad_scale=grad_scale, device=self._device, step=self.step_count - late_loss,
-                                   scaler_skipped=scaler_skipped, scale=scale, groups=groups)
+                                   grads=self._check_grads, ignore=self.ignore, nan_only=self.nan_only,
+                                   found_inf=found_inf, grad_scale=grad_scale, device=self._device,
+                                   step=self.step_count - late_loss, scaler_skipped=scaler_skipped, scale=scale,
+                                   groups=groups)
             read.params_unread = self._step.params_unread
             read.evaluation, read.abandoned, read.late_loss, read.unended = evaluation, abandoned, late_loss, unended
             read.after_inference = late_loss and self._inference_ended

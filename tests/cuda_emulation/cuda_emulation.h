@@ -102,8 +102,8 @@ class Launch {
 using StatsKernel = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(at::TensorList);
 using FlagKernel = at::Tensor (*)(at::TensorList);
 using OptionalTensor = const std::optional<at::Tensor>&;
-using SummaryKernel = at::Tensor (*)(at::TensorList, OptionalTensor, OptionalTensor, OptionalTensor, OptionalTensor, int64_t,
-                                     OptionalTensor, bool, OptionalTensor, OptionalTensor, at::TensorList,
+using SummaryKernel = at::Tensor (*)(at::TensorList, OptionalTensor, OptionalTensor, OptionalTensor, OptionalTensor,
+                                     int64_t, OptionalTensor, bool, OptionalTensor, OptionalTensor, at::TensorList,
                                      at::IntArrayRef, OptionalTensor, OptionalTensor, int64_t);
 
 struct KernelTable {

@@ -542,9 +542,9 @@ at::Tensor any_nonfinite(at::TensorList tensors) {
 }
 
 at::Tensor step_summary(at::TensorList recorded, OptionalTensor recorded_counted, OptionalTensor counts,
-                        OptionalTensor norm, OptionalTensor absmax, int64_t n_params, OptionalTensor counted, bool nan_only, OptionalTensor found_inf,
-                        OptionalTensor grad_scale, at::TensorList losses, at::IntArrayRef loss_calls,
-                        OptionalTensor scale, OptionalTensor groups, int64_t n_groups) {
+                        OptionalTensor norm, OptionalTensor absmax, int64_t n_params, OptionalTensor counted,
+                        bool nan_only, OptionalTensor found_inf, OptionalTensor grad_scale, at::TensorList losses,
+                        at::IntArrayRef loss_calls, OptionalTensor scale, OptionalTensor groups, int64_t n_groups) {
   return run_op("nanfast_emu.step_summary", kernels().step_summary, recorded, recorded_counted, counts, norm, absmax,
                 n_params, counted, nan_only, found_inf, grad_scale, losses, loss_calls, scale, groups, n_groups);
 }
